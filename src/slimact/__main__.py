@@ -1,0 +1,5 @@
+import sys
+
+from slimact.cli import main
+
+sys.exit(main())

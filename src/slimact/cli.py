@@ -1,0 +1,151 @@
+"""``slimact`` command line: one subcommand per job.
+
+    slimact models                      list model names with parameter counts
+    slimact strategies                  list strategy names
+    slimact memory --model M --strategy S [--batch B --seq S --json]
+    slimact train --model M --strategy S --steps N ...
+
+Subcommands live in a small table (name -> module, help); each module defines
+``add_arguments(parser)`` and ``run(args) -> int`` and keeps its heavy imports inside ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+
+# name -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "models": ("slimact.cli", "list the model registry with parameter counts"),
+    "strategies": ("slimact.cli", "list the registered strategies"),
+    "memory": ("slimact.cli", "measure a strategy's saved bytes, speed and gradients vs baseline"),
+    # "train": ("slimact.train.cli", "train a model on the embedded corpus (or --data)"),
+}
+
+
+def _add_models(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _run_models(args: argparse.Namespace) -> int:
+    from slimact.models import count_params, get_spec, model_names
+
+    rows = [(n, count_params(n), get_spec(n).description) for n in model_names()]
+    if args.json:
+        print(json.dumps([{"model": n, "params": c, "note": d} for n, c, d in rows], indent=2))
+        return 0
+    print(f"{'model':<14} {'params':>14}  note")
+    for n, c, d in rows:
+        print(f"{n:<14} {c:>14,}  {d}")
+    return 0
+
+
+def _add_strategies(p: argparse.ArgumentParser) -> None:
+    pass
+
+
+def _run_strategies(args: argparse.Namespace) -> int:
+    from slimact.strategies import describe_strategies
+
+    for name, desc in describe_strategies().items():
+        print(f"{name:<14} {desc}")
+    return 0
+
+
+def _add_memory(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-tiny")
+    p.add_argument("--strategy", default="recompute", help="name, or names joined by '+'")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=3, help="timed steps (median) after warm-up")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--vocab", type=int, default=None, help="override the model's vocabulary size")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _run_memory(args: argparse.Namespace) -> int:
+    import torch
+
+    from slimact.compare import CompareConfig, compare
+    from slimact.utils import default_device, fmt_bytes
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = CompareConfig(
+        model=args.model,
+        strategy=args.strategy,
+        batch=args.batch,
+        seq=args.seq,
+        seed=args.seed,
+        steps=args.steps,
+        warmup=args.warmup,
+        device=args.device or default_device(),
+        dtype=args.dtype,
+        vocab_size=args.vocab,
+    )
+    res = compare(cfg)
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    print(
+        f"model {res['model']} ({res['params']:,} params), batch {res['batch']} x seq {res['seq']}"
+    )
+    print(f"{'':<22} {'baseline':>14} {res['strategy']:>14}")
+    print(
+        f"{'saved activations':<22} {fmt_bytes(res['baseline_saved_bytes']):>14} {fmt_bytes(res['saved_bytes']):>14}"
+    )
+    print(f"{'step time (s)':<22} {res['baseline_step_time_s']:>14.4f} {res['step_time_s']:>14.4f}")
+    print(f"{'loss':<22} {res['baseline_loss']:>14.5f} {res['loss']:>14.5f}")
+    print(
+        f"ratio {res['ratio']:.4f}   step-time ratio {res['step_time_ratio']:.3f}   grad_cosine {res['grad_cosine']:.6f}"
+    )
+    return 0
+
+
+_LOCAL = {
+    "models": (_add_models, _run_models),
+    "strategies": (_add_strategies, _run_strategies),
+    "memory": (_add_memory, _run_memory),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slimact", description=__doc__.split("\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what apply changes")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        if module == "slimact.cli":
+            _LOCAL[name][0](p)
+        else:
+            mod = importlib.import_module(module)
+            (getattr(mod, "add_arguments", None) or mod.add_train_arguments)(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
+    )
+    module = COMMANDS[args.command][0]
+    try:
+        if module == "slimact.cli":
+            return _LOCAL[args.command][1](args)
+        mod = importlib.import_module(module)
+        run = getattr(mod, "run", None) or mod.run_train
+        return int(run(args) or 0)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"slimact {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

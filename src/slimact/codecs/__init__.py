@@ -1,0 +1,27 @@
+"""Codecs for saved tensors and the mechanism that stores sites through them."""
+
+from slimact.codecs.base import (
+    Codec,
+    CodecConfig,
+    Packed,
+    codec_name,
+    codec_names,
+    get_codec,
+    register_codec,
+    storage_nbytes,
+)
+from slimact.codecs.saving import CodecPolicy, CodecStored, install_policy
+
+__all__ = [
+    "Codec",
+    "CodecConfig",
+    "CodecPolicy",
+    "CodecStored",
+    "Packed",
+    "codec_name",
+    "codec_names",
+    "get_codec",
+    "install_policy",
+    "register_codec",
+    "storage_nbytes",
+]

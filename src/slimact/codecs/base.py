@@ -1,0 +1,116 @@
+"""The codec interface: the *store through a codec* action of the site/plan model.
+
+A codec turns a saved tensor into a smaller ``Packed`` payload in forward (``encode``) and back
+into a tensor of the original shape, dtype and device in backward (``decode``). ``nbytes`` is the
+exact storage cost of a payload (unique storages of its tensors). Codecs are built from typed,
+frozen config dataclasses kept in a registry (``register_codec`` / ``get_codec``), so a plan can
+name them (``"int4-outlier"``) and carry their parameters.
+
+Stateful codecs (PRAC's subspaces) keep their state on the codec instance, one instance per site
+or per shared group; ``state_dict``/``load_state_dict`` let checkpoints carry it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Packed:
+    """A codec's payload: named tensors plus what ``decode`` needs to rebuild the original."""
+
+    tensors: dict[str, torch.Tensor]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def storage_nbytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the unique storages behind ``tensors`` (views of one storage count once)."""
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[(str(t.device), s.data_ptr())] = s.nbytes()
+    return sum(seen.values())
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """Base of codec configs; subclasses are frozen dataclasses validated in ``__post_init__``."""
+
+    def build(self) -> Codec:
+        return _codec_class_for(type(self))(self)
+
+    def describe(self) -> dict[str, Any]:
+        return {"codec": codec_name(self), **asdict(self)}
+
+
+class Codec(ABC):
+    """encode(tensor) -> Packed; decode(Packed) -> tensor; nbytes(Packed) -> exact bytes."""
+
+    def __init__(self, config: CodecConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor) -> Packed: ...
+
+    @abstractmethod
+    def decode(self, packed: Packed) -> torch.Tensor: ...
+
+    def nbytes(self, packed: Packed) -> int:
+        return storage_nbytes(list(packed.tensors.values()))
+
+    def metadata(self) -> dict[str, Any]:
+        return self.config.describe()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+
+_CODECS: dict[str, CodecConfig] = {}
+_CLASSES: dict[type, type] = {}
+
+
+def register_codec(name: str, default: CodecConfig, codec_cls: type[Codec]) -> None:
+    """Register a codec under ``name`` with its default config and implementation class."""
+    if name in _CODECS:
+        raise ValueError(f"codec {name!r} is already registered")
+    _CODECS[name] = default
+    _CLASSES.setdefault(type(default), codec_cls)
+
+
+def _codec_class_for(cfg_type: type) -> type[Codec]:
+    if cfg_type not in _CLASSES:
+        raise ValueError(f"no codec is registered for config type {cfg_type.__name__}")
+    return _CLASSES[cfg_type]
+
+
+def codec_names() -> list[str]:
+    return list(_CODECS)
+
+
+def codec_name(config: CodecConfig) -> str:
+    for name, default in _CODECS.items():
+        if default == config:
+            return name
+    for name, default in _CODECS.items():
+        if type(default) is type(config):
+            return name
+    return type(config).__name__
+
+
+def get_codec(spec: str | CodecConfig) -> Codec:
+    """Build a codec from a registered name or a config."""
+    if isinstance(spec, CodecConfig):
+        return spec.build()
+    if spec not in _CODECS:
+        raise ValueError(f"unknown codec {spec!r}; valid codecs: {', '.join(_CODECS)}")
+    return _CODECS[spec].build()

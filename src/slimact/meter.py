@@ -1,0 +1,182 @@
+"""The activation-memory meter: exact bytes of what autograd keeps for backward, per site.
+
+``measure(model)`` enters the site router (``slimact.sites``) and listens to every save. It counts
+the bytes of *unique storages* actually stored: a tensor saved by several ops (the input Q, K and V
+all save) or viewed several ways counts once; parameters and buffers count zero; a tensor stored
+through a codec counts its packed payload; tensors a strategy holds for recomputation count too.
+Each storage is attributed to the first site that saved it; later savers are listed as sharers.
+
+    with slimact.measure(model) as m:
+        model(x, targets=y).loss.backward()
+    print(m.report.table())
+    m.report.to_json()
+
+``measure_step`` runs one full training step and adds step time and, on CUDA, peak allocated memory.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+
+from slimact import sites
+
+
+@dataclass
+class SiteRecord:
+    site: str
+    module: str
+    op: str
+    block: str
+    action: str
+    bytes: int = 0
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    shared_with: list[str] = field(default_factory=list)
+
+
+@dataclass
+class MemoryReport:
+    """Per-site bytes, per-block totals and the grand total of stored activations."""
+
+    sites: list[SiteRecord] = field(default_factory=list)
+    total_bytes: int = 0
+    n_tokens: int | None = None
+    n_blocks: int = 0
+    step_time_s: float | None = None
+    peak_allocated_bytes: int | None = None
+
+    @property
+    def per_block(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.sites:
+            key = s.block or "(outside blocks)"
+            out[key] = out.get(key, 0) + s.bytes
+        return out
+
+    @property
+    def per_op(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.sites:
+            out[s.op] = out.get(s.op, 0) + s.bytes
+        return out
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(s.bytes for s in self.sites if s.block)
+
+    def bytes_per_token_per_block(self) -> float | None:
+        if not self.n_tokens or not self.n_blocks:
+            return None
+        return self.block_bytes / self.n_tokens / self.n_blocks
+
+    def to_dict(self) -> dict:
+        return {
+            "total_bytes": self.total_bytes,
+            "block_bytes": self.block_bytes,
+            "n_tokens": self.n_tokens,
+            "n_blocks": self.n_blocks,
+            "bytes_per_token_per_block": self.bytes_per_token_per_block(),
+            "step_time_s": self.step_time_s,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "per_block": self.per_block,
+            "sites": [asdict(s) for s in self.sites],
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def table(self, block: str | None = None) -> str:
+        """Plain-text table of sites (of one block if given), then per-block totals."""
+        rows = [s for s in self.sites if block is None or s.block == block]
+        lines = [f"{'site':<58} {'action':<10} {'shape':<20} {'bytes':>12}"]
+        for s in rows:
+            lines.append(f"{s.site:<58} {s.action:<10} {str(list(s.shape)):<20} {s.bytes:>12,}")
+        lines.append("")
+        for b, n in self.per_block.items():
+            lines.append(f"{b:<58} {'':<10} {'':<20} {n:>12,}")
+        lines.append(f"{'TOTAL':<58} {'':<10} {'':<20} {self.total_bytes:>12,}")
+        return "\n".join(lines)
+
+
+class Meter:
+    """Listener that turns saved-tensor events into a :class:`MemoryReport`."""
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self._blocks = sites.block_paths(model) if model is not None else []
+        self._by_storage: dict[tuple[str, int], SiteRecord] = {}
+        self._records: dict[str, SiteRecord] = {}
+        self._alive: list[torch.Tensor] = []  # keeps storages alive so pointers stay unique
+        self.report = MemoryReport(n_blocks=len(self._blocks))
+
+    def __call__(self, ev: sites.SavedEvent) -> None:
+        rec = self._records.get(ev.site)
+        if rec is None:
+            rec = SiteRecord(
+                site=ev.site,
+                module=ev.module,
+                op=ev.op,
+                block=sites.block_of(ev.module, self._blocks),
+                action=ev.action,
+                shape=tuple(ev.tensor.shape),
+                dtype=str(ev.tensor.dtype).replace("torch.", ""),
+            )
+            self._records[ev.site] = rec
+            self.report.sites.append(rec)
+        for t in ev.stored:
+            storage = t.untyped_storage()
+            key = (str(t.device), storage.data_ptr())
+            if storage.nbytes() == 0:
+                continue
+            owner = self._by_storage.get(key)
+            if owner is None:
+                self._by_storage[key] = rec
+                self._alive.append(t)
+                rec.bytes += storage.nbytes()
+                self.report.total_bytes += storage.nbytes()
+            elif owner is not rec and ev.site not in owner.shared_with:
+                owner.shared_with.append(ev.site)
+
+    def release(self) -> None:
+        self._alive.clear()
+
+
+@contextmanager
+def measure(model: nn.Module | None = None, n_tokens: int | None = None) -> Iterator[Meter]:
+    """Count bytes saved for backward by the forward passes run inside the block.
+
+    ``model`` gives module paths (sites) and the parameters to exclude; ``n_tokens`` (B*S) enables
+    per-token figures.
+    """
+    meter = Meter(model)
+    meter.report.n_tokens = n_tokens
+    try:
+        with sites.tracking(model), sites.listening(meter):
+            yield meter
+    finally:
+        meter.release()
+
+
+def measure_step(
+    model: nn.Module, input_ids: torch.Tensor, targets: torch.Tensor | None = None
+) -> MemoryReport:
+    """One forward+backward of ``model(input_ids, targets=...)``: saved bytes, step time, CUDA peak."""
+    cuda = input_ids.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    with measure(model, n_tokens=input_ids.numel()) as m:
+        out = model(input_ids, targets=targets if targets is not None else input_ids)
+    out.loss.backward()
+    if cuda:
+        torch.cuda.synchronize()
+        m.report.peak_allocated_bytes = torch.cuda.max_memory_allocated()
+    m.report.step_time_s = time.perf_counter() - start
+    return m.report

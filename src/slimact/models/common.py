@@ -1,0 +1,93 @@
+"""Building blocks shared by the reference models.
+
+The blocks are written in plain PyTorch, one small module per op, so that every tensor autograd
+saves for backward lands in a module whose path names it (a *site*, see ``slimact.sites``).
+``RMSNorm`` follows the Hugging Face LLaMA formulation (fp32 statistics, ``x * rsqrt(mean(x²)+eps)
+* w``); it saves its input, the per-row ``rstd`` and the normalized ``x̂`` (2nd + n elements).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class CausalLMOutput:
+    """What every slimact model returns: logits (B, S, V) and the mean next-token loss."""
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+
+
+def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor | None:
+    """Mean cross-entropy of (B, S, V) logits against (B, S) targets; -100 is ignored."""
+    if targets is None:
+        return None
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+
+
+def check_input_ids(input_ids: torch.Tensor, max_seq_len: int, vocab_size: int) -> None:
+    """Reject what would otherwise fail deep inside an embedding or a RoPE table."""
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must have shape (batch, seq), got {tuple(input_ids.shape)}")
+    if input_ids.shape[1] > max_seq_len:
+        raise ValueError(
+            f"sequence length {input_ids.shape[1]} exceeds the model's max_seq_len {max_seq_len}"
+        )
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm: y = x * rsqrt(mean(x²) + eps) * w (statistics in fp32)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * (x * rstd).to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE tables (cos, sin) for positions [0, max_seq_len), kept as non-persistent buffers."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, base: float = 10000.0) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        t = torch.arange(max_seq_len, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[:seq_len].to(dtype), self.sin[:seq_len].to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, H, S, Dh); cos/sin: (S, Dh)."""
+    return x * cos + rotate_half(x) * sin
+
+
+def init_weights(module: nn.Module, std: float = 0.02) -> None:
+    """GPT-2 / LLaMA style init: N(0, std) for linear and embedding weights, zero biases."""
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=std)

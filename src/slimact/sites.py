@@ -1,0 +1,259 @@
+"""Sites: every tensor autograd saves for backward is a *site*.
+
+A site is named ``"<module path>:<op>#<k>"``: the path of the innermost module running when the
+tensor was saved, the Python-level torch function that saved it (``linear``, ``silu``,
+``scaled_dot_product_attention`` ... or a role an op declares with :func:`role`), and ``k``, the
+ordinal of that op within one call of that module. Names are deterministic for a given model and
+input shape, so a plan made while profiling applies unchanged while training.
+
+One :class:`SiteRouter` per thread owns the single ``torch.autograd.graph.saved_tensors_hooks``
+pair slimact installs. Its pack hook
+
+1. skips parameters and buffers (they are not activations),
+2. names the site,
+3. asks the active *policy* what to do with the tensor (keep it, or store it through a codec),
+4. tells every *listener* (the meter) what is actually stored, in bytes of unique storages.
+
+Nesting: ``saved_tensors_hooks`` only applies the innermost pair. Inside a region checkpointed by
+``torch.utils.checkpoint`` the checkpoint's hooks win, which is right: nothing there is stored.
+The router is entered once, around the root module's forward (by the meter or by ``apply``).
+Tensors a strategy keeps alive outside autograd (the inputs a checkpointed block holds for its
+recomputation) are reported with :func:`hold`, so the meter sees every stored byte.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+
+class Stored(Protocol):
+    """What a policy returns in place of a kept tensor (e.g. a codec's packed payload)."""
+
+    def unpack(self) -> torch.Tensor: ...
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors it keeps alive, so the meter can count their unique storages."""
+        ...
+
+
+@dataclass(frozen=True)
+class SavedEvent:
+    """One tensor saved for backward, as the listeners see it."""
+
+    site: str
+    module: str
+    op: str
+    tensor: torch.Tensor  # the tensor autograd asked to save
+    stored: list[torch.Tensor]  # what is actually kept (the tensor itself, or a codec's payload)
+    action: str = "keep"
+
+
+Listener = Callable[[SavedEvent], None]
+Policy = Callable[[str, torch.Tensor], "Stored | None"]
+
+
+@dataclass
+class _State(threading.local):
+    depth: int = 0
+    stack: list[str] = field(default_factory=list)
+    counters: dict[str, Counter] = field(default_factory=dict)
+    op: str | None = None
+    roles: list[str] = field(default_factory=list)
+    excluded: set[int] = field(default_factory=set)
+    listeners: list[Listener] = field(default_factory=list)
+    policies: list[Policy] = field(default_factory=list)
+
+
+_state = _State()
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def current_module() -> str:
+    return _state.stack[-1] if _state.stack else ""
+
+
+def _next_site(op: str) -> tuple[str, str]:
+    module = current_module()
+    counter = _state.counters.setdefault(module, Counter())
+    k = counter[op]
+    counter[op] += 1
+    return f"{module}:{op}#{k}", module
+
+
+def is_active() -> bool:
+    return _state.depth > 0
+
+
+def _is_excluded(t: torch.Tensor) -> bool:
+    if isinstance(t, nn.Parameter):
+        return True
+    try:
+        return _storage_key(t) in _state.excluded and t.untyped_storage().nbytes() > 0
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
+        return False
+
+
+class _Unpacker:
+    __slots__ = ("stored",)
+
+    def __init__(self, stored: Stored) -> None:
+        self.stored = stored
+
+
+def _pack(t: torch.Tensor) -> Any:
+    if _is_excluded(t):
+        return t
+    op = _state.roles[-1] if _state.roles else (_state.op or "saved")
+    site, module = _next_site(op)
+    stored: Stored | None = None
+    for policy in reversed(_state.policies):
+        stored = policy(site, t)
+        if stored is not None:
+            break
+    if _state.listeners:
+        kept = [t] if stored is None else stored.tensors()
+        action = "keep" if stored is None else getattr(stored, "action", type(stored).__name__)
+        event = SavedEvent(site, module, op, t, kept, action)
+        for listener in list(_state.listeners):
+            listener(event)
+    return t if stored is None else _Unpacker(stored)
+
+
+def _unpack(obj: Any) -> torch.Tensor:
+    return obj.stored.unpack() if isinstance(obj, _Unpacker) else obj
+
+
+def hold(t: torch.Tensor, role: str) -> None:
+    """Report a tensor a strategy keeps alive for backward outside autograd's saved tensors."""
+    if not is_active() or not isinstance(t, torch.Tensor) or _is_excluded(t):
+        return
+    site, module = _next_site(role)
+    event = SavedEvent(site, module, role, t, [t], "hold")
+    for listener in list(_state.listeners):
+        listener(event)
+
+
+@contextmanager
+def role(name: str) -> Iterator[None]:
+    """Name the op for tensors saved inside (custom autograd Functions use this)."""
+    _state.roles.append(name)
+    try:
+        yield
+    finally:
+        _state.roles.pop()
+
+
+class _OpTracker(TorchFunctionMode):
+    """Records which Python-level torch function is running, so saves can name their op."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        outer = _state.op
+        if outer is None:
+            _state.op = getattr(func, "__name__", None) or str(func)
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            _state.op = outer
+
+
+def _is_block_container(m: nn.Module) -> bool:
+    return isinstance(m, (nn.ModuleList, nn.Sequential))
+
+
+def block_paths(model: nn.Module) -> list[str]:
+    """Paths of repeated blocks: children of a ModuleList/Sequential (e.g. ``layers.3``)."""
+    out = []
+    for path, m in model.named_modules():
+        if _is_block_container(m):
+            out.extend(f"{path}.{name}" if path else name for name, _ in m.named_children())
+    return out
+
+
+def block_of(path: str, blocks: list[str]) -> str:
+    best = ""
+    for b in blocks:
+        if (path == b or path.startswith(b + ".")) and len(b) > len(best):
+            best = b
+    return best
+
+
+@contextmanager
+def tracking(model: nn.Module | None = None) -> Iterator[None]:
+    """Enter the router: name sites inside ``model`` and route saves through policies/listeners.
+
+    Re-entrant: an inner ``tracking`` (e.g. an applied strategy inside a meter) is a no-op.
+    """
+    if _state.depth > 0:
+        _state.depth += 1
+        try:
+            yield
+        finally:
+            _state.depth -= 1
+        return
+    handles = []
+    if model is not None:
+        _state.excluded = {
+            _storage_key(t)
+            for t in (*model.parameters(), *model.buffers())
+            if t.device.type != "meta"
+        }
+        for path, m in model.named_modules():
+            handles.append(m.register_forward_pre_hook(_make_pre_hook(path)))
+            handles.append(m.register_forward_hook(_post_hook, always_call=True))
+    _state.depth = 1
+    _state.stack.clear()
+    _state.counters.clear()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack), _OpTracker():
+            yield
+    finally:
+        _state.depth = 0
+        _state.stack.clear()
+        _state.counters.clear()
+        _state.excluded = set()
+        for h in handles:
+            h.remove()
+
+
+def _make_pre_hook(path: str):
+    def pre_hook(module, args):
+        _state.stack.append(path)
+        _state.counters.pop(path, None)
+
+    return pre_hook
+
+
+def _post_hook(module, args, output):
+    if _state.stack:
+        _state.stack.pop()
+
+
+@contextmanager
+def listening(listener: Listener) -> Iterator[None]:
+    _state.listeners.append(listener)
+    try:
+        yield
+    finally:
+        _state.listeners.remove(listener)
+
+
+@contextmanager
+def policy(p: Policy) -> Iterator[None]:
+    """Route saves through ``p(site, tensor) -> Stored | None`` (None keeps the tensor)."""
+    _state.policies.append(p)
+    try:
+        yield
+    finally:
+        _state.policies.remove(p)

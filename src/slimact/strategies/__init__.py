@@ -1,0 +1,61 @@
+"""Strategies: named, typed transforms that give sites an action (keep, recompute, codec, reformulate).
+
+``none`` and ``recompute`` are registered here; every other module in this package registers its
+own strategies when imported, and all of them are imported below, so adding a strategy is adding
+a file.
+"""
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from slimact.strategies.recompute import RecomputeConfig, apply_recompute, checkpoint_module
+from slimact.strategies.registry import (
+    AppliedChange,
+    FilterFn,
+    StrategyConfig,
+    applied,
+    apply,
+    describe_strategies,
+    register_strategy,
+    resolve,
+    revert,
+    strategy_names,
+)
+
+
+@dataclass(frozen=True)
+class NoneConfig(StrategyConfig):
+    """The baseline: every site keeps its tensor."""
+
+
+def _apply_none(model: nn.Module, config: NoneConfig, filter_fn=None) -> list[AppliedChange]:
+    return []
+
+
+register_strategy("none", NoneConfig(), _apply_none, "baseline: keep every saved tensor")
+register_strategy(
+    "recompute", RecomputeConfig(), apply_recompute, "non-reentrant checkpointing of every block"
+)
+
+for _mod in pkgutil.iter_modules(__path__):
+    if _mod.name not in ("registry", "recompute"):
+        importlib.import_module(f"{__name__}.{_mod.name}")
+
+__all__ = [
+    "AppliedChange",
+    "FilterFn",
+    "NoneConfig",
+    "RecomputeConfig",
+    "StrategyConfig",
+    "applied",
+    "apply",
+    "checkpoint_module",
+    "describe_strategies",
+    "register_strategy",
+    "resolve",
+    "revert",
+    "strategy_names",
+]

@@ -1,0 +1,69 @@
+"""``recompute``: non-reentrant activation checkpointing of every block.
+
+Each repeated block (a child of a ``ModuleList``/``Sequential``) runs under
+``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: autograd stores nothing inside it and
+the block is re-run in backward. What stays stored per block is the block input, which the
+checkpoint keeps alive in its recomputation closure; it is reported to the meter with
+``sites.hold`` as ``<block>:checkpoint_input#0`` so that measured bytes include it.
+The forward is patched on the instance, so module paths and the state_dict are unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from slimact import sites
+from slimact.strategies.registry import AppliedChange, FilterFn, StrategyConfig
+
+
+@dataclass(frozen=True)
+class RecomputeConfig(StrategyConfig):
+    """Checkpoint every block whose path passes ``filter_fn`` (all blocks by default)."""
+
+    preserve_rng_state: bool = True
+
+
+def _checkpointed_forward(orig, preserve_rng: bool, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return orig(*args, **kwargs)
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            sites.hold(a, "checkpoint_input")
+    return checkpoint(orig, *args, use_reentrant=False, preserve_rng_state=preserve_rng, **kwargs)
+
+
+def checkpoint_module(module: nn.Module, preserve_rng_state: bool = True) -> AppliedChange:
+    """Patch one module's forward to run under non-reentrant checkpointing."""
+    orig = module.forward
+    module.forward = functools.partial(_checkpointed_forward, orig, preserve_rng_state)
+
+    def undo() -> None:
+        module.__dict__.pop("forward", None)
+
+    return AppliedChange(path="", action="recompute", undo=undo)
+
+
+def apply_recompute(
+    model: nn.Module, config: RecomputeConfig, filter_fn: FilterFn | None = None
+) -> list[AppliedChange]:
+    changes = []
+    modules = dict(model.named_modules())
+    for path in sites.block_paths(model):
+        block = modules[path]
+        if filter_fn is not None and not filter_fn(block, path):
+            changes.append(AppliedChange(path, "recompute", "filtered out", skipped=True))
+            continue
+        if isinstance(getattr(block, "forward", None), functools.partial):
+            changes.append(AppliedChange(path, "recompute", "already checkpointed", skipped=True))
+            continue
+        change = checkpoint_module(block, config.preserve_rng_state)
+        change.path = path
+        changes.append(change)
+    if not changes:
+        changes.append(AppliedChange("", "recompute", "model has no repeated blocks", skipped=True))
+    return changes

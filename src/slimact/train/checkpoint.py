@@ -1,0 +1,205 @@
+"""Checkpoints: ``<run dir>/ckpt-<step>/`` with everything needed to resume bit-for-bit.
+
+Each checkpoint directory holds
+
+- ``model.safetensors``: the weights (``safetensors.torch.save_model``, which handles tied ones);
+- ``state.pt``: optimizer state, schedule, step, loader position and the RNG states of Python,
+  NumPy, torch CPU and (if present) CUDA. It holds only tensors and primitive containers, so it
+  loads with ``torch.load(..., weights_only=True)``;
+- ``config.json``: the ``TrainConfig`` that produced it.
+
+A checkpoint is written into a hidden temporary directory which is then renamed with
+``os.replace``, so ``ckpt-<step>`` either exists complete or not at all; ``latest_checkpoint``
+also requires all three files. ``prune_checkpoints`` keeps the newest ``keep_last``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+from safetensors.torch import load_model, save_model
+
+MODEL_FILE = "model.safetensors"
+STATE_FILE = "state.pt"
+CONFIG_FILE = "config.json"
+_CKPT_RE = re.compile(r"^ckpt-(\d+)$")
+_TMP_PREFIX = ".tmp-ckpt-"
+
+
+def rng_state() -> dict[str, Any]:
+    """RNG states as tensors and primitives (safe for ``weights_only`` loading)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(gauss),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of :func:`rng_state`. CUDA states are restored only when CUDA is present."""
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    np_state = state["numpy"]
+    np.random.set_state(
+        (
+            np_state["kind"],
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def checkpoint_step(path: Path) -> int | None:
+    m = _CKPT_RE.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def is_complete(path: Path) -> bool:
+    return path.is_dir() and all(
+        (path / f).is_file() for f in (MODEL_FILE, STATE_FILE, CONFIG_FILE)
+    )
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints in ``run_dir``, oldest first."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = [p for p in run_dir.iterdir() if checkpoint_step(p) is not None and is_complete(p)]
+    return sorted(found, key=lambda p: checkpoint_step(p) or 0)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    config: dict[str, Any],
+) -> Path:
+    """Atomically write ``run_dir/ckpt-<step>``; ``state`` is extra resumable state (schedule,
+    loader, metrics) stored next to the optimizer, step and RNG states."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    final = run_dir / f"ckpt-{step}"
+    tmp = run_dir / f"{_TMP_PREFIX}{step}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        save_model(model, str(tmp / MODEL_FILE))
+        payload = {
+            "step": int(step),
+            "optimizer": optimizer.state_dict(),
+            "rng": rng_state(),
+            **state,
+        }
+        with (tmp / STATE_FILE).open("wb") as fh:
+            torch.save(payload, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        with (tmp / CONFIG_FILE).open("w") as fh:
+            json.dump(config, fh, indent=2, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if final.exists():  # re-saving a step: move the old copy aside, then swap
+            old = run_dir / f"{_TMP_PREFIX}old-{step}-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(run_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def load_checkpoint(
+    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, Any]:
+    """Load weights (and optimizer state) in place; return the rest of the state dict.
+
+    RNG states are returned under ``"rng"``, not applied: call :func:`set_rng_state` when the run
+    is otherwise ready, so that nothing consumes random numbers after the restore.
+    """
+    path = Path(path)
+    if not is_complete(path):
+        raise FileNotFoundError(
+            f"checkpoint {path} is incomplete: needs {MODEL_FILE}, {STATE_FILE} and {CONFIG_FILE}"
+        )
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    missing, unexpected = load_model(
+        model, str(path / MODEL_FILE), strict=False, device=str(device)
+    )
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not fit this model: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}; resume with the same --model and --strategy"
+        )
+    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    return state
+
+
+def load_config_dict(path: str | Path) -> dict[str, Any]:
+    with (Path(path) / CONFIG_FILE).open() as fh:
+        return json.load(fh)
+
+
+def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` checkpoints and stale temp dirs; return deleted."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    run_dir = Path(run_dir)
+    doomed = list_checkpoints(run_dir)[:-keep_last]
+    if run_dir.is_dir():
+        doomed += [p for p in run_dir.iterdir() if p.is_dir() and p.name.startswith(_TMP_PREFIX)]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed

@@ -1,0 +1,319 @@
+"""The training loop behind ``slimact train`` and ``slimact.train.train(config)``.
+
+One step = ``grad_accum`` micro-batches (forward, ``loss / grad_accum`` backward), gradient
+clipping, one AdamW step (betas 0.9/0.95; weight decay on matrices only, not on norms/biases) at
+the rate ``WarmupCosine`` gives that step. bf16 autocast on CUDA, plain fp32 on CPU. The first
+forward of each invocation runs inside ``slimact.measure`` to record the activation bytes saved
+for backward (the meter only observes, so numerics are unchanged). Validation loss/perplexity is
+computed every ``eval_every`` steps and at the end on a fixed set of val windows.
+
+Everything that decides the trajectory (weights, optimizer, schedule step, loader position, RNG
+states) goes into checkpoints, so on CPU a resumed run repeats the uninterrupted run's losses
+bit-for-bit. Ctrl-C finishes the current step, writes a checkpoint and stops (a second Ctrl-C
+aborts at once).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from tqdm.auto import tqdm
+
+from slimact.data import BatchLoader, ByteTokenizer, fixed_batches, load_data
+from slimact.train.checkpoint import (
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    load_config_dict,
+    prune_checkpoints,
+    save_checkpoint,
+    set_rng_state,
+)
+from slimact.train.config import TrainConfig
+from slimact.train.logger import MetricsLog
+from slimact.train.schedule import WarmupCosine
+from slimact.utils import fmt_bytes
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a run achieved; ``history`` holds the metrics.jsonl records (all steps of the run)."""
+
+    config: TrainConfig
+    run_dir: Path
+    device: str
+    params: int
+    steps: int
+    final_train_loss: float | None
+    final_val_loss: float | None
+    final_val_ppl: float | None
+    tokens_per_s: float
+    saved_bytes: int | None
+    history: list[dict[str, Any]]
+    resumed_from: int | None = None
+    interrupted: bool = False
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+def autocast_for(device: str) -> Callable[[], AbstractContextManager[Any]]:
+    if device.startswith("cuda"):
+        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[Batch], device: str) -> float:
+    """Mean next-token loss over ``batches`` (weighted by rows); restores the train/eval mode."""
+    was_training = model.training
+    model.eval()
+    total, rows = 0.0, 0
+    try:
+        for x, y in batches:
+            with autocast_for(device)():
+                loss = model(x.to(device), targets=y.to(device)).loss
+            total += float(loss.float().item()) * x.shape[0]
+            rows += x.shape[0]
+    finally:
+        model.train(was_training)
+    return total / rows
+
+
+def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW, betas (0.9, 0.95); weight decay on >= 2-D parameters only (tied ones once)."""
+    params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95))
+
+
+@contextmanager
+def graceful_interrupt() -> Iterator[threading.Event]:
+    """First Ctrl-C sets the event (stop after this step); the second one raises as usual."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum: int, frame: Any) -> None:
+        if stop.is_set():
+            signal.signal(signal.SIGINT, previous)
+            raise KeyboardInterrupt
+        stop.set()
+        tqdm.write("interrupt: stopping after this step and writing a checkpoint (Ctrl-C aborts)")
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _build_model(config: TrainConfig, device: str) -> nn.Module:
+    import slimact
+    from slimact.models import build_model
+
+    model = build_model(config.model, vocab_size=ByteTokenizer().vocab_size)
+    slimact.apply(model, config.strategy)
+    return model.to(device)
+
+
+def _find_resume(config: TrainConfig) -> Path | None:
+    run_dir = config.run_dir
+    if not config.resume:
+        existing = list_checkpoints(run_dir)
+        if existing:
+            raise ValueError(
+                f"run dir {run_dir} already holds checkpoints (latest {existing[-1].name}); "
+                f"pass --resume to continue that run or choose another --out"
+            )
+        return None
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is not None:
+        saved = TrainConfig.from_dict(load_config_dict(ckpt))
+        diffs = config.mismatches(saved)
+        if diffs:
+            raise ValueError(f"cannot resume from {ckpt}: " + "; ".join(diffs))
+    return ckpt
+
+
+class _Trainer:
+    """State of one invocation; ``run`` does the steps."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        from slimact.models import count_params
+        from slimact.utils import seed_everything
+
+        self.config = config
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        self.device = config.resolved_device()
+        self.run_dir = config.run_dir
+        self.ckpt = _find_resume(config)
+        seed_everything(config.seed)
+        self.model = _build_model(config, self.device)
+        self.params = count_params(self.model)
+        splits = load_data(config.data)
+        self.loader = BatchLoader(splits.train, config.batch, config.seq, config.seed)
+        self.val = fixed_batches(splits.val, config.batch, config.seq, config.eval_batches)
+        self.optimizer = make_optimizer(self.model, config.lr, config.weight_decay)
+        self.schedule = WarmupCosine(
+            config.lr, config.steps, config.warmup_steps, config.min_lr_ratio
+        )
+        self.step = 0
+        self.tokens_seen = 0
+        self.saved_bytes: int | None = None
+        if self.ckpt is not None:
+            state = load_checkpoint(self.ckpt, self.model, self.optimizer)
+            if WarmupCosine.from_state_dict(state["schedule"]) != self.schedule:
+                raise ValueError(f"checkpoint {self.ckpt} has a different lr schedule")
+            self.loader.load_state_dict(state["loader"])
+            self.step = int(state["step"])
+            self.tokens_seen = int(state["tokens_seen"])
+            set_rng_state(state["rng"])  # last: nothing may draw random numbers after this
+        self.log = MetricsLog(self.run_dir, resume_step=self.step if self.ckpt else None)
+
+    def train_step(self) -> tuple[float, float]:
+        """One optimizer step; returns (mean loss, grad norm before clipping)."""
+        cfg, model = self.config, self.model
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for micro in range(cfg.grad_accum):
+            x, y = self.loader.next_batch()
+            x, y = x.to(self.device), y.to(self.device)
+            with autocast_for(self.device)():
+                if self.saved_bytes is None and micro == 0:
+                    import slimact
+
+                    with slimact.measure(model, n_tokens=x.numel()) as meter:
+                        loss = model(x, targets=y).loss
+                    self.saved_bytes = int(meter.report.total_bytes)
+                else:
+                    loss = model(x, targets=y).loss
+            (loss / cfg.grad_accum).backward()
+            loss_sum += float(loss.detach().float().item())
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf)
+        self.optimizer.step()
+        return loss_sum / cfg.grad_accum, float(norm.item())
+
+    def checkpoint(self) -> None:
+        state = {
+            "schedule": self.schedule.state_dict(),
+            "loader": self.loader.state_dict(),
+            "tokens_seen": self.tokens_seen,
+        }
+        save_checkpoint(
+            self.run_dir,
+            self.step,
+            model=self.model,
+            optimizer=self.optimizer,
+            state=state,
+            config=self.config.to_dict(),
+        )
+        prune_checkpoints(self.run_dir, self.config.keep_last)
+
+    def run(self) -> TrainResult:
+        cfg = self.config
+        start = self.step
+        stop_step = cfg.stop_at or cfg.steps
+        self.model.train()
+        bar = tqdm(
+            total=cfg.steps,
+            initial=start,
+            disable=not cfg.progress,
+            unit="step",
+            dynamic_ncols=True,
+            desc=f"{cfg.model}/{cfg.strategy}",
+        )
+        val_loss: float | None = None
+        train_time, interrupted = 0.0, False
+        try:
+            with graceful_interrupt() as stop_flag:
+                while self.step < stop_step and not interrupted:
+                    lr = self.schedule.set_lr(self.optimizer, self.step)
+                    t0 = time.perf_counter()
+                    loss, grad_norm = self.train_step()
+                    dt = time.perf_counter() - t0
+                    self.step += 1
+                    if not math.isfinite(loss):
+                        raise FloatingPointError(
+                            f"loss became {loss} at step {self.step}; lower --lr "
+                            f"(now {cfg.lr}) or use a longer --warmup"
+                        )
+                    train_time += dt
+                    self.tokens_seen += cfg.tokens_per_step
+                    interrupted = stop_flag.is_set()
+                    record: dict[str, Any] = {
+                        "step": self.step,
+                        "loss": loss,
+                        "lr": lr,
+                        "grad_norm": grad_norm,
+                        "tokens": self.tokens_seen,
+                        "tokens_per_s": cfg.tokens_per_step / dt,
+                        "saved_bytes": self.saved_bytes,
+                    }
+                    last = self.step == stop_step or interrupted
+                    if last or (cfg.eval_every and self.step % cfg.eval_every == 0):
+                        val_loss = evaluate(self.model, self.val, self.device)
+                        record["eval_loss"] = val_loss
+                        record["eval_ppl"] = perplexity(val_loss)
+                        if cfg.progress:
+                            bar.write(
+                                f"step {self.step}: val loss {val_loss:.4f} "
+                                f"ppl {perplexity(val_loss):.2f}"
+                            )
+                    self.log.log(record)
+                    if last or (cfg.ckpt_every and self.step % cfg.ckpt_every == 0):
+                        self.checkpoint()
+                    bar.update(1)
+                    bar.set_postfix(
+                        loss=f"{loss:.4f}",
+                        tok_s=f"{record['tokens_per_s']:.0f}",
+                        act=fmt_bytes(self.saved_bytes or 0),
+                        refresh=False,
+                    )
+        finally:
+            bar.close()
+            self.log.close()
+        if val_loss is None:  # nothing left to do (resumed a finished run): still report val
+            val_loss = evaluate(self.model, self.val, self.device)
+        history = self.log.history
+        done = self.step - start
+        return TrainResult(
+            config=cfg,
+            run_dir=self.run_dir,
+            device=self.device,
+            params=self.params,
+            steps=self.step,
+            final_train_loss=history[-1]["loss"] if history else None,
+            final_val_loss=val_loss,
+            final_val_ppl=perplexity(val_loss),
+            tokens_per_s=done * cfg.tokens_per_step / train_time if train_time > 0 else 0.0,
+            saved_bytes=self.saved_bytes,
+            history=list(history),
+            resumed_from=start if self.ckpt is not None else None,
+            interrupted=interrupted,
+        )
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Run (or resume) the training described by ``config``; see the module docstring."""
+    return _Trainer(config).run()
