@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("slimact.cli", "list the model registry with parameter counts"),
     "strategies": ("slimact.cli", "list the registered strategies"),
     "memory": ("slimact.cli", "measure a strategy's saved bytes, speed and gradients vs baseline"),
-    # "train": ("slimact.train.cli", "train a model on the embedded corpus (or --data)"),
+    "train": ("slimact.train.cli", "train a model on the embedded corpus (or --data)"),
 }
 
 

@@ -3,8 +3,8 @@
 Each repeated block (a child of a ``ModuleList``/``Sequential``) runs under
 ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: autograd stores nothing inside it and
 the block is re-run in backward. What stays stored per block is the block input, which the
-checkpoint keeps alive in its recomputation closure; it is reported to the meter with
-``sites.hold`` as ``<block>:checkpoint_input#0`` so that measured bytes include it.
+checkpoint saves through autograd (so the meter sees it); ``sites.hold`` names that site
+``<block>:checkpoint_input#0`` so reports read plainly.
 The forward is patched on the instance, so module paths and the state_dict are unchanged.
 """
 

@@ -1,0 +1,68 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from slimact.cli import main
+
+
+def test_memory_json_contract(capsys):
+    rc = main(
+        [
+            "memory",
+            "--model",
+            "llama-tiny",
+            "--strategy",
+            "recompute",
+            "--json",
+            "--batch",
+            "2",
+            "--seq",
+            "64",
+            "--steps",
+            "1",
+        ]
+    )
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["model"] == "llama-tiny" and res["strategy"] == "recompute"
+    assert res["ratio"] < 0.25 and res["grad_cosine"] > 0.9999
+
+
+def test_memory_table(capsys):
+    assert (
+        main(
+            ["memory", "--model", "llama-tiny", "--strategy", "none", "--seq", "32", "--steps", "1"]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "saved activations" in out and "grad_cosine" in out
+
+
+def test_models_lists_counts(capsys):
+    assert main(["models", "--json"]) == 0
+    rows = {r["model"]: r["params"] for r in json.loads(capsys.readouterr().out)}
+    assert rows["llama-60m"] == 58_073_600
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["memory", "--model", "nope"], "valid models"),
+        (["memory", "--model", "llama-tiny", "--strategy", "nope"], "valid strategies"),
+        (["memory", "--model", "llama-tiny", "--batch", "0"], "batch must be >= 1, got 0"),
+        (["memory", "--model", "llama-tiny", "--seq", "100000"], "max_seq_len"),
+    ],
+)
+def test_bad_input_is_a_clear_error(argv, needle, capsys):
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_python_dash_m_entry_point():
+    out = subprocess.run(
+        [sys.executable, "-m", "slimact", "strategies"], capture_output=True, text=True, check=True
+    )
+    assert "recompute" in out.stdout

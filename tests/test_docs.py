@@ -1,0 +1,30 @@
+"""The README's Quick start is exactly two commands, and CI runs the second one verbatim."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _quick_start_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```bash\n(.+?)\n```", section, flags=re.S)
+
+
+def test_quick_start_has_two_commands():
+    cmds = _quick_start_commands()
+    assert len(cmds) == 2 and all("\n" not in c for c in cmds)
+    assert "torch==2.13.0" in cmds[0] and "slimact train" in cmds[0]
+    assert "pytest" in cmds[1]
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text()
+    m = re.search(r"TEST_COMMAND='(.+)'", ci)
+    assert m and m.group(1) == _quick_start_commands()[1]
+
+
+def test_architecture_and_benchmarks_exist():
+    for name in ("ARCHITECTURE.md", "BENCHMARKS.md"):
+        assert (ROOT / name).is_file(), name
