@@ -166,4 +166,5 @@ def load_token_splits(
             f"could not write token cache {path} ({exc}); keeping tokens in memory", stacklevel=2
         )
         return TokenSplits(train=train, val=val, path=None, key=key)
+    train, val = _open(path, train.size, val.size)
     return TokenSplits(train=train, val=val, path=path, key=key)

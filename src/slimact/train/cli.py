@@ -20,7 +20,12 @@ _DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     d = _DEFAULTS
-    a = parser.add_argument
+
+    def a(flag: str, **kw: Any) -> None:
+        if kw.get("default") not in (None, False) and "help" in kw:
+            kw["help"] += f" (default: {kw['default']})"
+        parser.add_argument(flag, **kw)
+
     a("--model", default=d["model"], help="registered model name (see `slimact models`)")
     a("--strategy", default=d["strategy"], help="strategy name, or names joined by '+'")
     a("--steps", type=int, default=d["steps"], help="optimizer steps")
@@ -67,7 +72,10 @@ def summary_rows(result: Any) -> list[tuple[str, str]]:
         ("strategy", cfg.strategy),
         ("params", f"{result.params:,}"),
         ("device", result.device),
-        ("steps", f"{result.steps} / {cfg.steps}" + (" (interrupted)" if result.interrupted else "")),
+        (
+            "steps",
+            f"{result.steps} / {cfg.steps}" + (" (interrupted)" if result.interrupted else ""),
+        ),
         ("tokens/step", f"{cfg.tokens_per_step:,} ({cfg.batch}x{cfg.seq}x{cfg.grad_accum})"),
         ("tokens/s", num(result.tokens_per_s, ",.0f")),
         ("final train loss", num(result.final_train_loss, ".4f")),

@@ -283,13 +283,13 @@ class _Trainer:
                     self.log.log(record)
                     if last or (cfg.ckpt_every and self.step % cfg.ckpt_every == 0):
                         self.checkpoint()
-                    bar.update(1)
                     bar.set_postfix(
                         loss=f"{loss:.4f}",
                         tok_s=f"{record['tokens_per_s']:.0f}",
                         act=fmt_bytes(self.saved_bytes or 0),
                         refresh=False,
                     )
+                    bar.update(1)
         finally:
             bar.close()
             self.log.close()
