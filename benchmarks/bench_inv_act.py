@@ -1,0 +1,330 @@
+"""Inverted activations (invact.txt): accuracy, op timing, memory, training — one script.
+
+    PYTHONPATH=src python benchmarks/bench_inv_act.py accuracy   # Fig. 2 / Fig. 5 tables + plots
+    PYTHONPATH=src python benchmarks/bench_inv_act.py timing     # Table 1 blocks, CPU, 1 thread
+    PYTHONPATH=src python benchmarks/bench_inv_act.py memory     # llama-20m, gpt2-124m, HF BERT
+    PYTHONPATH=src python benchmarks/bench_inv_act.py training --runs DIR...  # metrics.jsonl diff
+
+Each part writes ``benchmarks/results/inv_act_<part>.json`` (machine, versions, command line);
+``accuracy`` also writes ``inv_act_error.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from slimact.ops import inv_act_approx as ap
+from slimact.ops.inv_act import act_ref, inv_act
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _meta() -> dict:
+    return {
+        "machine": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "command": "PYTHONPATH=src python " + " ".join(sys.argv),
+    }
+
+
+def _write(part: str, data: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"inv_act_{part}.json"
+    path.write_text(json.dumps({"meta": _meta(), **data}, indent=2))
+    print(f"wrote {path}")
+    return path
+
+
+# ----------------------------------------------------------------------------- accuracy
+def _floor(y: torch.Tensor, s: torch.Tensor, kind: str) -> torch.Tensor:
+    """f'(f⁻¹(y)) of the *rounded* y, solved in float64 to convergence: the conditioning floor."""
+    return ap.dinv_newton_ref(y.double(), s, kind, iters=12)
+
+
+def accuracy(args) -> dict:
+    x64 = torch.linspace(-10, 10, 200001, dtype=torch.float64)
+    rows, curves = [], {}
+    for kind in ap.KINDS:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = x64.to(dtype)
+            true = ap.exact_df(x.double(), kind)  # f'(x) at the dtype's x, exactly
+            y, s = act_ref(x, kind), x.double() < ap.BRANCH[kind].T
+            floor = (_floor(y, s, kind) - true).abs()
+            for mode, iters in [("paper", None), ("newton", 1), ("newton", 2), ("newton", 3)]:
+                if mode == "paper":
+                    g = ap.dinv_ref(y, s, kind, "paper").double()
+                else:
+                    g = ap.dinv_newton_ref(y, s, kind, iters=iters).double()
+                e = (g - true).abs()
+                name = mode if mode == "paper" else f"newton{iters}"
+                rows.append(
+                    {
+                        "kind": kind,
+                        "dtype": str(dtype).replace("torch.", ""),
+                        "mode": name,
+                        "linf": float(e.max()),
+                        "linf_at_x": float(x64[e.argmax()]),
+                        "l2_rms": float(e.pow(2).mean().sqrt()),
+                        "floor_linf": float(floor.max()),
+                        "floor_l2_rms": float(floor.pow(2).mean().sqrt()),
+                    }
+                )
+                if dtype == torch.float32 and name in ("paper", "newton3"):
+                    curves[(kind, name)] = e
+    # §2.1 precision-bit variant: forward error
+    lsb = []
+    for kind in ap.KINDS:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = (torch.randn(1 << 18, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+            ref = act_ref(x, kind).double()
+            got = inv_act(x.requires_grad_(True), kind, variant="lsb").detach().double()
+            nz = ref.abs() > 0
+            rel = ((got - ref).abs()[nz] / ref.abs()[nz]).max()
+            lsb.append(
+                {
+                    "kind": kind,
+                    "dtype": str(dtype).replace("torch.", ""),
+                    "max_rel_fwd_err": float(rel),
+                    "changed_frac": float((got != ref).double().mean()),
+                }
+            )
+    _plot(x64, curves)
+    for r in rows:
+        print(
+            f"{r['kind']:<10} {r['dtype']:<9} {r['mode']:<8} Linf {r['linf']:.3g} "
+            f"(x={r['linf_at_x']:.3f})  L2 {r['l2_rms']:.3g}  floor Linf {r['floor_linf']:.3g}"
+        )
+    return _write("accuracy", {"grid": "x in [-10, 10], 200001 points", "rows": rows, "lsb": lsb})
+
+
+def _plot(x, curves) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=True)
+    for ax, kind in zip(axes, ap.KINDS):
+        for name, style in (("paper", "r-"), ("newton3", "b-")):
+            ax.semilogy(
+                x.numpy(), curves[(kind, name)].clamp_min(1e-12).numpy(), style, lw=0.6, label=name
+            )
+        ax.set_title(f"|f'(f⁻¹(y)) − f'(x)|, {kind}, fp32 y")
+        ax.set_xlabel("x")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "inv_act_error.png", dpi=110)
+
+
+# ----------------------------------------------------------------------------- timing
+def _median_time(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+class _MLP(nn.Module):
+    def __init__(self, d, h, act, glu=False):
+        super().__init__()
+        self.fc1, self.fc2, self.act = nn.Linear(d, h), nn.Linear(h, d), act
+        self.gate = nn.Linear(d, h) if glu else None
+
+    def forward(self, x):
+        a = self.act(self.fc1(x))
+        return self.fc2(a * self.gate(x) if self.gate is not None else a)
+
+
+def timing(args) -> dict:
+    torch.set_num_threads(args.threads)
+    d, n = 256, 2048  # paper A.3: n = 2^15, d = 2^10 on an A100; scaled down for 1 CPU thread
+    acts = {
+        "torch": nn.GELU(),
+        "invact-newton": lambda t: inv_act(t, "gelu", mode="newton"),
+        "invact-paper": lambda t: inv_act(t, "gelu", mode="paper"),
+        "invact-lsb": lambda t: inv_act(t, "gelu", variant="lsb"),
+    }
+    blocks = {
+        "plain GELU (2^20)": lambda a: lambda t: a(t),
+        "Linear + GELU": lambda a: nn.Sequential(nn.Linear(d, 4 * d), _Lam(a)),
+        "MLP block": lambda a: _MLP(d, 4 * d, _Lam(a)),
+        "GeGLU": lambda a: _MLP(d, 4 * d, _Lam(a), glu=True),
+    }
+    out = []
+    for bname, make in blocks.items():
+        x = torch.randn(1 << 20 if bname.startswith("plain") else (n, d), requires_grad=True)
+        times = {}
+        for aname, a in acts.items():
+            torch.manual_seed(0)
+            mod = make(a)
+
+            def step(mod=mod, x=x):
+                mod(x).sum().backward()
+
+            times[aname] = _median_time(step, args.reps)
+        row = {"block": bname, **{k: v * 1e3 for k, v in times.items()}}
+        row.update({f"{k}_ratio": v / times["torch"] for k, v in times.items() if k != "torch"})
+        out.append(row)
+        print(row)
+    return _write("timing", {"unit": "ms per forward+backward", "d": d, "n": n, "rows": out})
+
+
+class _Lam(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+# ----------------------------------------------------------------------------- memory
+def _bert_compare(strategy: str, batch: int, seq: int) -> dict:
+    import transformers
+
+    import slimact
+    from slimact.compare import grad_cosine
+
+    cfg = transformers.BertConfig()  # bert-base: 12 x 768, 3072 GELU, random init
+
+    def run(model, ids):
+        model.train()
+        torch.manual_seed(1)  # identical dropout masks
+        model.zero_grad(set_to_none=True)
+        with slimact.measure(model, n_tokens=ids.numel()) as m:
+            out = model(input_ids=ids)
+        out.last_hidden_state.float().pow(2).mean().backward()
+        t0 = time.perf_counter()
+        torch.manual_seed(1)
+        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        model(input_ids=ids).last_hidden_state.float().pow(2).mean().backward()
+        dt = time.perf_counter() - t0
+        for k, p in model.named_parameters():
+            p.grad = grads.get(k)
+        return m.report.total_bytes, dt
+
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    base = transformers.BertModel(cfg)
+    b_bytes, b_t = run(base, ids)
+    torch.manual_seed(0)
+    model = slimact.apply(transformers.BertModel(cfg), strategy)
+    s_bytes, s_t = run(model, ids)
+    skipped = [(c.path, c.detail) for c in slimact.applied(model) if c.skipped]
+    return {
+        "model": "hf-bert-base (random init)",
+        "strategy": strategy,
+        "batch": batch,
+        "seq": seq,
+        "saved_bytes": s_bytes,
+        "baseline_saved_bytes": b_bytes,
+        "ratio": s_bytes / b_bytes,
+        "grad_cosine": grad_cosine(base, model),
+        "step_time_ratio": s_t / b_t,
+        "skipped": skipped,
+    }
+
+
+def memory(args) -> dict:
+    from slimact.compare import CompareConfig, compare
+
+    torch.set_num_threads(args.threads)
+    rows = []
+    for model in args.models:
+        for strategy in ("invact", "invact-act"):
+            if model == "bert-base":
+                r = _bert_compare(strategy, args.batch, args.seq)
+            else:
+                r = compare(
+                    CompareConfig(
+                        model=model,
+                        strategy=strategy,
+                        batch=args.batch,
+                        seq=args.seq,
+                        steps=args.steps,
+                    )
+                )
+            print(
+                json.dumps(
+                    {
+                        k: r[k]
+                        for k in ("model", "strategy", "ratio", "grad_cosine", "step_time_ratio")
+                    }
+                )
+            )
+            rows.append(r)
+    return _write("memory", {"rows": rows})
+
+
+# ----------------------------------------------------------------------------- training
+def training(args) -> dict:
+    def load(d):
+        rows = [json.loads(line) for line in Path(d, "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r for r in rows if "loss" in r}
+
+    runs = {Path(d).name: load(d) for d in args.runs}
+    names = list(runs)
+    ref = runs[names[0]]
+    out = {"runs": names, "pairs": []}
+    for other in names[1:]:
+        common = sorted(set(ref) & set(runs[other]))
+        diffs = [abs(ref[s]["loss"] - runs[other][s]["loss"]) for s in common]
+        ev = [
+            abs(ref[s]["eval_loss"] - runs[other][s]["eval_loss"])
+            for s in common
+            if ref[s].get("eval_loss") is not None and runs[other][s].get("eval_loss") is not None
+        ]
+        out["pairs"].append(
+            {
+                "a": names[0],
+                "b": other,
+                "steps": len(common),
+                "max_abs_dloss": max(diffs),
+                "final_dloss": diffs[-1],
+                "max_abs_deval": max(ev) if ev else None,
+            }
+        )
+        print(out["pairs"][-1])
+    out["final_loss"] = {n: r[max(r)]["loss"] for n, r in runs.items()}
+    return _write("training", out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="part", required=True)
+    sub.add_parser("accuracy")
+    t = sub.add_parser("timing")
+    t.add_argument("--threads", type=int, default=1)
+    t.add_argument("--reps", type=int, default=7)
+    m = sub.add_parser("memory")
+    m.add_argument("--models", nargs="+", default=["llama-20m", "gpt2-124m", "bert-base"])
+    m.add_argument("--batch", type=int, default=4)
+    m.add_argument("--seq", type=int, default=128)
+    m.add_argument("--steps", type=int, default=2)
+    m.add_argument("--threads", type=int, default=1)
+    tr = sub.add_parser("training")
+    tr.add_argument("--runs", nargs="+", required=True, help="run dirs; the first is the reference")
+    args = p.parse_args()
+    {"accuracy": accuracy, "timing": timing, "memory": memory, "training": training}[args.part](
+        args
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Modules for inverted activations and norms (drop-ins; see ``slimact.ops.inv_act`` / ``inv_norm``).
+
+``InvGELU(approximate=...)`` / ``InvSiLU()`` replace ``nn.GELU`` / ``nn.SiLU``; ``InvRMSNorm`` /
+``InvLayerNorm`` replace slimact's (or Hugging Face LLaMA's) RMSNorm and ``nn.LayerNorm`` with the
+same parameters and state_dict keys. The norms re-check that ``y / w`` is safe whenever the weight
+changes (cached on the weight's version counter) and count the calls that fell back to saving x
+in ``fallbacks`` (the reason is in ``fallback_reason``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from slimact.ops.inv_act import inv_act, inv_gelu, inv_silu
+from slimact.ops.inv_norm import (
+    DEFAULT_MAX_BIAS_RATIO,
+    inv_layer_norm,
+    inv_rms_norm,
+    invertible,
+)
+
+__all__ = [
+    "InvGELU",
+    "InvLayerNorm",
+    "InvRMSNorm",
+    "InvSiLU",
+    "NormInvertibility",
+    "inv_act",
+    "inv_gelu",
+    "inv_layer_norm",
+    "inv_rms_norm",
+    "inv_silu",
+]
+
+
+class InvGELU(nn.Module):
+    """``nn.GELU`` that saves its output + 1 bit per element for backward."""
+
+    def __init__(
+        self,
+        approximate: str = "none",
+        mode: str = "newton",
+        variant: str = "bitmask",
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate, self.mode, self.variant, self.backend = (
+            approximate,
+            mode,
+            variant,
+            backend,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return inv_gelu(
+            x, self.approximate, mode=self.mode, variant=self.variant, backend=self.backend
+        )
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}, mode={self.mode!r}, variant={self.variant!r}"
+
+
+class InvSiLU(nn.Module):
+    """``nn.SiLU`` that saves its output + 1 bit per element for backward."""
+
+    def __init__(self, mode: str = "newton", variant: str = "bitmask", backend: str = "auto"):
+        super().__init__()
+        self.mode, self.variant, self.backend = mode, variant, backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return inv_silu(x, mode=self.mode, variant=self.variant, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode!r}, variant={self.variant!r}"
+
+
+class NormInvertibility:
+    """Caches :func:`invertible` per (weight, bias) version; counts fallbacks."""
+
+    def __init__(self, max_bias_ratio: float = DEFAULT_MAX_BIAS_RATIO) -> None:
+        self.max_bias_ratio = max_bias_ratio
+        self._key = None
+        self.reason: str | None = None
+        self.fallbacks = 0
+
+    def check(self, weight, bias, dtype) -> bool:
+        key = tuple(
+            (t.data_ptr(), t._version) if t is not None else None for t in (weight, bias)
+        ) + (dtype,)
+        if key != self._key:
+            self.reason = invertible(weight, bias, dtype, self.max_bias_ratio)
+            self._key = key
+        if self.reason is not None and torch.is_grad_enabled():
+            self.fallbacks += 1
+        return self.reason is None
+
+
+class InvRMSNorm(nn.Module):
+    """RMSNorm ``w ⊙ x·rsqrt(mean(x²)+eps)`` (fp32 statistics) that saves y + rstd."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.inv = NormInvertibility()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ok = self.inv.check(self.weight, None, x.dtype)
+        # ok: skip the per-call check; not ok: check=True takes the saving-x fallback path
+        return inv_rms_norm(x, self.weight, self.eps, check=not ok)
+
+    @property
+    def fallbacks(self) -> int:
+        return self.inv.fallbacks
+
+
+class InvLayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` that saves y + rstd (falls back to saving x when y/w is unsafe)."""
+
+    def __init__(self, *args, max_bias_ratio: float = DEFAULT_MAX_BIAS_RATIO, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.inv = NormInvertibility(max_bias_ratio)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ok = self.inv.check(self.weight, self.bias, x.dtype)
+        return inv_layer_norm(
+            x,
+            self.normalized_shape,
+            self.weight,
+            self.bias,
+            self.eps,
+            max_bias_ratio=self.inv.max_bias_ratio,
+            check=not ok,
+        )
+
+    @property
+    def fallbacks(self) -> int:
+        return self.inv.fallbacks

@@ -1,0 +1,1 @@
+"""Reformulated ops: autograd Functions, Triton kernels and their ``*_ref`` references."""

@@ -1,0 +1,327 @@
+"""``invact`` / ``invact-act``: reformulate activations (and norms) to save their output.
+
+``invact-act`` is invact.txt as published: every GELU (erf or tanh form) and SiLU — ``nn.GELU``,
+``nn.SiLU`` and transformers' ``GELUActivation``, ``NewGELUActivation``, ``FastGELUActivation``,
+``GELUTanh``/``PytorchGELUTanh``, ``SiLUActivation`` … — saves ``y`` + 1 bit instead of ``x``.
+``invact`` adds the inverted RMSNorm / LayerNorm (``slimact.ops.inv_norm``), which save ``y`` +
+rstd instead of ``x`` (and ``x̂``).
+
+Candidates are recognised by behaviour, not by class: an activation candidate is a parameterless
+leaf module whose class name mentions gelu/silu/swish/act, and its kind is whichever of
+{gelu, gelu_tanh, silu} its output matches on a probe grid (QuickGELU, Mish, ReLU² … match none
+and are reported as skipped). A norm candidate is an ``nn.LayerNorm`` or a ``*RMSNorm`` with one
+1-D weight whose output equals ``w ⊙ x·rsqrt(mean(x²)+eps)`` (Gemma's ``1+w`` does not).
+
+The saving exists only if the next op saves the same output tensor (paper §5). ``probe=True``
+checks that on the real graph: one forward on a tiny dummy batch (slimact models: token ids;
+Hugging Face models: ``model.dummy_inputs``), in training mode, RNG state preserved, under the
+site router, recording which sites save each candidate's output storage. A candidate whose output
+no other op saves — e.g. a norm or activation followed by dropout in training mode (dropout saves
+a mask and hands the Linear a new tensor) — is skipped with that reason: swapping it would keep
+y instead of x, no saving. Where no dummy input can be made the swap is applied and the change
+says "unverified".
+
+The swap patches the instance ``forward`` (module class, paths, state_dict unchanged);
+``slimact.revert`` restores it. Norm weights are re-checked at run time (see ``inv_norm``).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from slimact import sites
+from slimact.modules.inv_act import NormInvertibility
+from slimact.ops.inv_act import VARIANTS, act_ref, inv_act
+from slimact.ops.inv_act_approx import KINDS, MODES
+from slimact.ops.inv_norm import inv_layer_norm, inv_rms_norm, invertible, rms_norm_ref
+from slimact.strategies.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
+
+_ACT_NAME = re.compile(r"gelu|silu|swish|act", re.IGNORECASE)
+_MATCH_TOL = 1e-5  # max |diff| on the probe grid to accept an activation as kind k
+
+
+@dataclass(frozen=True)
+class InvActConfig(StrategyConfig):
+    """``mode``: f'(f⁻¹) evaluation ('newton' | 'paper'); ``variant``: 'bitmask' | 'lsb';
+    ``ops``: activation kinds to swap; ``norms``: also invert RMSNorm/LayerNorm;
+    ``probe``: verify on a dummy forward that the next op saves the output."""
+
+    mode: str = "newton"
+    variant: str = "bitmask"
+    ops: tuple[str, ...] = KINDS
+    norms: bool = True
+    max_bias_ratio: float = 4.0
+    probe: bool = True
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        bad = [k for k in self.ops if k not in KINDS]
+        if bad or not isinstance(self.ops, tuple):
+            raise ValueError(f"ops must be a tuple drawn from {KINDS}, got {self.ops!r}")
+        if not self.max_bias_ratio > 0:
+            raise ValueError(f"max_bias_ratio must be > 0, got {self.max_bias_ratio}")
+        if self.backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {self.backend!r}")
+
+
+def _device(model: nn.Module) -> torch.device:
+    for t in (*model.parameters(), *model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def classify_activation(module: nn.Module, device: torch.device) -> tuple[str | None, float]:
+    """(kind, max |diff|) of the best-matching kind on a probe grid, kind None if none match."""
+    z = torch.linspace(-8.0, 8.0, 641, device=device)
+    try:
+        with torch.no_grad():
+            out = module(z.clone())
+    except Exception:  # not an elementwise activation we can call on a vector
+        return None, float("inf")
+    if not isinstance(out, torch.Tensor) or out.shape != z.shape:
+        return None, float("inf")
+    best, err = None, float("inf")
+    for kind in KINDS:
+        e = float((out.float() - act_ref(z, kind)).abs().max())
+        if e < err:
+            best, err = kind, e
+    return (best if err <= _MATCH_TOL else None), err
+
+
+def _rms_eps(module: nn.Module) -> float | None:
+    for name in ("eps", "variance_epsilon"):
+        v = getattr(module, name, None)
+        if isinstance(v, float):
+            return v
+    return None
+
+
+def classify_norm(module: nn.Module, device: torch.device) -> tuple[str | None, str]:
+    """('layer' | 'rms' | None, why-not)."""
+    if isinstance(module, nn.LayerNorm):
+        return "layer", ""
+    if "rmsnorm" not in type(module).__name__.lower():
+        return None, ""
+    params = dict(module.named_parameters(recurse=False))
+    w = params.get("weight")
+    eps = _rms_eps(module)
+    if set(params) != {"weight"} or w is None or w.dim() != 1 or eps is None:
+        return None, "RMSNorm without a single 1-D weight and a float eps"
+    x = torch.randn(4, w.shape[0], generator=torch.Generator().manual_seed(0)).to(device, w.dtype)
+    with torch.no_grad():
+        got, want = module(x), rms_norm_ref(x, w, eps)
+    if not torch.allclose(got.float(), want.float(), rtol=1e-5, atol=1e-6):
+        return None, "forward differs from w * x * rsqrt(mean(x^2) + eps) (e.g. a 1+w scale)"
+    return "rms", ""
+
+
+def _dummy_call(model: nn.Module):
+    """A zero-argument callable running a tiny forward, or None."""
+    dev = _device(model)
+    dummy = getattr(model, "dummy_inputs", None)
+    if isinstance(dummy, dict) and dummy:
+        inputs = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in dummy.items()}
+        return lambda: model(**inputs)
+    cfg = getattr(model, "config", None)
+    vocab, max_len = getattr(cfg, "vocab_size", None), getattr(cfg, "max_seq_len", None)
+    if isinstance(vocab, int) and isinstance(max_len, int):
+        ids = torch.arange(min(16, max_len), device=dev).remainder(vocab).view(1, -1)
+        return lambda: model(ids)
+    return None
+
+
+def probe_consumers(model: nn.Module, paths: list[str]) -> dict[str, list[str]] | None:
+    """For each path: the sites outside that module that save its output (None: can't probe).
+
+    RNG state (dropout masks, random dummy inputs) and every module's training flag are restored.
+    """
+    with torch.random.fork_rng(devices=[]):
+        return _probe(model, paths)
+
+
+def _probe(model: nn.Module, paths: list[str]) -> dict[str, list[str]] | None:
+    call = _dummy_call(model)
+    if call is None:
+        return None
+    modules = dict(model.named_modules())
+    outputs: dict[int, str] = {}  # storage pointer -> candidate path
+    keep: list[torch.Tensor] = []
+    consumers: dict[str, list[str]] = {p: [] for p in paths}
+
+    def hook_for(path):
+        def hook(mod, args, out):
+            if isinstance(out, torch.Tensor):
+                keep.append(out)
+                outputs[out.untyped_storage().data_ptr()] = path
+
+        return hook
+
+    def listen(ev: sites.SavedEvent) -> None:
+        owner = outputs.get(ev.tensor.untyped_storage().data_ptr())
+        if owner is not None and not (ev.module == owner or ev.module.startswith(owner + ".")):
+            consumers[owner].append(ev.site)
+
+    flags = {m: m.training for m in model.modules()}
+    handles = [modules[p].register_forward_hook(hook_for(p)) for p in paths]
+    try:
+        model.train()
+        with torch.enable_grad(), sites.tracking(model), sites.listening(listen):
+            call()
+    finally:
+        for h in handles:
+            h.remove()
+        for m, flag in flags.items():
+            m.training = flag
+        keep.clear()
+    return consumers
+
+
+def _patch(module: nn.Module, forward, action: str, path: str, detail: str) -> AppliedChange:
+    module.forward = forward
+
+    def undo() -> None:
+        module.__dict__.pop("forward", None)
+        module.__dict__.pop("_slimact_inv", None)
+
+    return AppliedChange(path, action, detail, undo=undo)
+
+
+def _act_forward(kind, mode, variant, backend, x):
+    return inv_act(x, kind, mode=mode, variant=variant, backend=backend)
+
+
+def _rms_forward(module, eps, x):
+    ok = module._slimact_inv.check(module.weight, None, x.dtype)
+    return inv_rms_norm(x, module.weight, eps, check=not ok)
+
+
+def _ln_forward(module, x):
+    ok = module._slimact_inv.check(module.weight, module.bias, x.dtype)
+    return inv_layer_norm(
+        x,
+        module.normalized_shape,
+        module.weight,
+        module.bias,
+        module.eps,
+        max_bias_ratio=module._slimact_inv.max_bias_ratio,
+        check=not ok,
+    )
+
+
+def apply_invact(
+    model: nn.Module, config: InvActConfig, filter_fn: FilterFn | None = None
+) -> list[AppliedChange]:
+    dev = _device(model)
+    changes: list[AppliedChange] = []
+    plan: dict[str, tuple[str, str]] = {}  # path -> ("act", kind) | ("norm", "rms"/"layer")
+    for path, m in model.named_modules():
+        if not path:
+            continue
+        is_leaf_act = (
+            not list(m.children())
+            and not list(m.parameters(recurse=False))
+            and not list(m.buffers(recurse=False))
+            and bool(_ACT_NAME.search(type(m).__name__))
+        )
+        if is_leaf_act:
+            kind, err = classify_activation(m, dev)
+            if kind is None:
+                changes.append(
+                    AppliedChange(
+                        path,
+                        "invact",
+                        f"{type(m).__name__} is not GELU/tanh-GELU/"
+                        f"SiLU (closest max |diff| {err:.2g})",
+                        skipped=True,
+                    )
+                )
+            elif kind not in config.ops:
+                changes.append(AppliedChange(path, "invact", f"{kind} not in ops", skipped=True))
+            else:
+                plan[path] = ("act", kind)
+            continue
+        if config.norms:
+            norm, why = classify_norm(m, dev)
+            if norm is not None:
+                plan[path] = ("norm", norm)
+            elif why:
+                changes.append(AppliedChange(path, "invnorm", why, skipped=True))
+    modules = dict(model.named_modules())
+    for path in list(plan):
+        m = modules[path]
+        if filter_fn is not None and not filter_fn(m, path):
+            changes.append(AppliedChange(path, "invact", "filtered out", skipped=True))
+            del plan[path]
+        elif "forward" in m.__dict__:
+            changes.append(AppliedChange(path, "invact", "forward already patched", skipped=True))
+            del plan[path]
+    consumers = probe_consumers(model, list(plan)) if (config.probe and plan) else None
+    for path, (what, kind) in plan.items():
+        m = modules[path]
+        action = f"invact:{kind}" if what == "act" else f"invnorm:{kind}"
+        if consumers is not None and not consumers[path]:
+            changes.append(
+                AppliedChange(
+                    path,
+                    action,
+                    "output is not saved by the next op (e.g. dropout "
+                    "follows): inverting would keep y instead of x, no saving",
+                    skipped=True,
+                )
+            )
+            continue
+        detail = (
+            f"saved by {consumers[path][0]}"
+            if consumers is not None
+            else "unverified (no dummy input to probe the consumer)"
+        )
+        if what == "act":
+            fwd = functools.partial(_act_forward, kind, config.mode, config.variant, config.backend)
+        else:
+            m._slimact_inv = NormInvertibility(config.max_bias_ratio)
+            w, b = getattr(m, "weight", None), getattr(m, "bias", None)
+            dtype = w.dtype if w is not None else torch.float32
+            reason = invertible(w, b if kind == "layer" else None, dtype, config.max_bias_ratio)
+            if reason is not None:
+                detail += f"; falls back to saving x while {reason}"
+            if kind == "rms":
+                fwd = functools.partial(_rms_forward, m, _rms_eps(m))
+            else:
+                fwd = functools.partial(_ln_forward, m)
+        changes.append(_patch(m, fwd, action, path, detail))
+    if not changes:
+        changes.append(AppliedChange("", "invact", "no GELU/SiLU/norm modules found", True))
+    return changes
+
+
+def fallback_report(model: nn.Module) -> dict[str, dict]:
+    """Per inverted norm: calls that fell back to saving x, and the current reason (or None)."""
+    out = {}
+    for path, m in model.named_modules():
+        inv = m.__dict__.get("_slimact_inv")
+        if inv is not None:
+            out[path] = {"fallbacks": inv.fallbacks, "reason": inv.reason}
+    return out
+
+
+register_strategy(
+    "invact",
+    InvActConfig(),
+    apply_invact,
+    "inverted GELU/SiLU (y + 1 bit) and RMSNorm/LayerNorm (y + rstd) saving outputs (invact.txt)",
+)
+register_strategy(
+    "invact-act",
+    InvActConfig(norms=False),
+    apply_invact,
+    "invact.txt as published: inverted GELU/SiLU only (y + 1 bit instead of x)",
+)
