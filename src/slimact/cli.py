@@ -4,9 +4,10 @@
     slimact strategies                  list strategy names
     slimact memory --model M --strategy S [--batch B --seq S --json]
     slimact train --model M --strategy S --steps N ...
+    slimact flops | rank | plan ...     CoLA calculators, effective rank, the planner
 
-Subcommands live in a small table (name -> module, help); each module defines
-``add_arguments(parser)`` and ``run(args) -> int`` and keeps its heavy imports inside ``run``.
+Subcommands live in a small table: name -> (module, add-arguments function, run function, help).
+Modules are imported when the parser is built; they keep heavy imports inside their run function.
 """
 
 from __future__ import annotations
@@ -17,12 +18,44 @@ import json
 import logging
 import sys
 
-# name -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "models": ("slimact.cli", "list the model registry with parameter counts"),
-    "strategies": ("slimact.cli", "list the registered strategies"),
-    "memory": ("slimact.cli", "measure a strategy's saved bytes, speed and gradients vs baseline"),
-    "train": ("slimact.train.cli", "train a model on the embedded corpus (or --data)"),
+# name -> (module, add-arguments function, run function, help). Run functions return an exit code.
+COMMANDS: dict[str, tuple[str, str, str, str]] = {
+    "models": (
+        "slimact.cli",
+        "_add_models",
+        "_run_models",
+        "list the model registry with parameter counts",
+    ),
+    "strategies": (
+        "slimact.cli",
+        "_add_strategies",
+        "_run_strategies",
+        "list the registered strategies",
+    ),
+    "memory": (
+        "slimact.cli",
+        "_add_memory",
+        "_run_memory",
+        "measure a strategy's saved bytes, speed and gradients vs baseline",
+    ),
+    "train": (
+        "slimact.train.cli",
+        "add_train_arguments",
+        "run_train",
+        "train a model on the embedded corpus (or --data)",
+    ),
+    "flops": (
+        "slimact.cola.cli",
+        "add_flops_arguments",
+        "run_flops",
+        "training FLOPs and activation-memory formulas (cola.txt)",
+    ),
+    "rank": (
+        "slimact.cola.cli",
+        "add_rank_arguments",
+        "run_rank",
+        "effective rank r(alpha) of a checkpoint's activations",
+    ),
 }
 
 
@@ -109,24 +142,13 @@ def _run_memory(args: argparse.Namespace) -> int:
     return 0
 
 
-_LOCAL = {
-    "models": (_add_models, _run_models),
-    "strategies": (_add_strategies, _run_strategies),
-    "memory": (_add_memory, _run_memory),
-}
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="slimact", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="slimact", description="slimact: cut the activation memory of transformer training")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what apply changes")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (module, help_) in COMMANDS.items():
+    for name, (module, add, _run, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
-        if module == "slimact.cli":
-            _LOCAL[name][0](p)
-        else:
-            mod = importlib.import_module(module)
-            (getattr(mod, "add_arguments", None) or mod.add_train_arguments)(p)
+        getattr(importlib.import_module(module), add)(p)
     return parser
 
 
@@ -135,13 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
     )
-    module = COMMANDS[args.command][0]
+    module, _add, run, _help = COMMANDS[args.command]
     try:
-        if module == "slimact.cli":
-            return _LOCAL[args.command][1](args)
-        mod = importlib.import_module(module)
-        run = getattr(mod, "run", None) or mod.run_train
-        return int(run(args) or 0)
+        return int(getattr(importlib.import_module(module), run)(args) or 0)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"slimact {args.command}: error: {e}", file=sys.stderr)
         return 2

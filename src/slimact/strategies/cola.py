@@ -1,0 +1,105 @@
+"""``cola`` and ``cola-m``: CoLA (cola.txt) as strategies.
+
+``cola-m`` (CoLA-M, §4.2) works on a CoLA model (``cola-*`` from the registry, or
+``slimact.cola.convert(...)``): each block keeps only its input, the mid-block residual and the
+seven rank-r pre-activations A·x (2d + 7r values per token, Eq. 19) and recomputes the rest; see
+``slimact.cola.colam``. Blocks that are not CoLA blocks are reported as skipped with the reason;
+a model with no CoLA block at all is an error (nothing would change, which would be misleading).
+
+``cola`` is the architecture itself. CoLA replaces every projection W by B σ(A x), which cannot
+carry W's weights over, so it is not an in-place transform of a trained model. Semantics chosen:
+``apply(model, "cola")`` is a *marker* that is accepted only on a model that already is CoLA
+(it records one ``cola`` change per ``CoLALinear`` and modifies nothing), so that
+``slimact memory --model cola-20m --strategy cola`` / ``slimact train --model cola-20m --strategy
+cola`` state what they run. On a full-rank model it raises and says how to get a CoLA model.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from slimact import sites
+from slimact.cola.colam import colam_block, unsupported_reason
+from slimact.cola.layers import CoLALinear
+from slimact.strategies.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
+
+
+@dataclass(frozen=True)
+class CoLAConfigMarker(StrategyConfig):
+    """``cola``: assert the model is CoLA (architecture, not a transform)."""
+
+
+@dataclass(frozen=True)
+class CoLAMConfig(StrategyConfig):
+    """``cola-m``: CoLA-M checkpointing of every CoLA block that passes ``filter_fn``."""
+
+    preserve_rng_state: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.preserve_rng_state, bool):
+            raise ValueError(f"preserve_rng_state must be a bool, got {self.preserve_rng_state!r}")
+
+
+_NOT_COLA = (
+    "{what} needs a CoLA model: CoLA changes the architecture (every projection becomes "
+    "B·σ(A·x)) and cannot keep full-rank weights. Build one with "
+    "slimact.build_model('cola-20m') (see `slimact models`) or slimact.cola.convert(model)"
+)
+
+
+def _apply_cola(
+    model: nn.Module, config: CoLAConfigMarker, filter_fn: FilterFn | None = None
+) -> list[AppliedChange]:
+    layers = [(p, m) for p, m in model.named_modules() if isinstance(m, CoLALinear)]
+    if not layers:
+        raise ValueError(_NOT_COLA.format(what="strategy 'cola'"))
+    return [
+        AppliedChange(p, "cola", f"{m.in_features}->{m.rank}->{m.out_features} ({m.activation})")
+        for p, m in layers
+    ]
+
+
+def _apply_colam(
+    model: nn.Module, config: CoLAMConfig, filter_fn: FilterFn | None = None
+) -> list[AppliedChange]:
+    if not any(isinstance(m, CoLALinear) for m in model.modules()):
+        raise ValueError(_NOT_COLA.format(what="strategy 'cola-m'"))
+    modules = dict(model.named_modules())
+    changes: list[AppliedChange] = []
+    for path in sites.block_paths(model):
+        block = modules[path]
+        if filter_fn is not None and not filter_fn(block, path):
+            changes.append(AppliedChange(path, "cola-m", "filtered out", skipped=True))
+            continue
+        if isinstance(block.__dict__.get("forward"), functools.partial):
+            changes.append(AppliedChange(path, "cola-m", "forward already patched", skipped=True))
+            continue
+        why = unsupported_reason(block)
+        if why:
+            changes.append(AppliedChange(path, "cola-m", why, skipped=True))
+            continue
+        undo = colam_block(block, config.preserve_rng_state)
+        changes.append(
+            AppliedChange(path, "cola-m", "save x, h and the 7 rank-r A·x; recompute B", undo=undo)
+        )
+    if not any(not c.skipped for c in changes):
+        reasons = "; ".join(f"{c.path}: {c.detail}" for c in changes) or "no repeated blocks"
+        raise ValueError(f"strategy 'cola-m' found no block it can handle ({reasons})")
+    return changes
+
+
+register_strategy(
+    "cola",
+    CoLAConfigMarker(),
+    _apply_cola,
+    "CoLA architecture marker: only valid on cola-* models (cola.txt §3)",
+)
+register_strategy(
+    "cola-m",
+    CoLAMConfig(),
+    _apply_colam,
+    "CoLA-M: keep x, h and rank-r A·x per block, recompute up-projections + attention",
+)
