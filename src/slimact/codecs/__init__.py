@@ -12,6 +12,9 @@ from slimact.codecs.base import (
 )
 from slimact.codecs.saving import CodecPolicy, CodecStored, install_policy
 
+# Built-in codecs register themselves on import (get_codec("int4") works after importing this).
+from slimact.codecs import bits, offload, outlier, quant  # noqa: E402, F401  isort: skip
+
 __all__ = [
     "Codec",
     "CodecConfig",

@@ -13,7 +13,7 @@ or per shared group; ``state_dict``/``load_state_dict`` let checkpoints carry it
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -98,13 +98,17 @@ def codec_names() -> list[str]:
 
 
 def codec_name(config: CodecConfig) -> str:
+    """The registered name whose default equals ``config``, else the same-type name whose default
+    differs in the fewest fields (an ``int8-channel`` config with other channels still reads
+    ``int8-channel``), else the config's class name."""
+    best, best_diff = type(config).__name__, None
     for name, default in _CODECS.items():
-        if default == config:
-            return name
-    for name, default in _CODECS.items():
-        if type(default) is type(config):
-            return name
-    return type(config).__name__
+        if type(default) is not type(config):
+            continue
+        diff = sum(getattr(default, f.name) != getattr(config, f.name) for f in fields(config))
+        if best_diff is None or diff < best_diff:
+            best, best_diff = name, diff
+    return best
 
 
 def get_codec(spec: str | CodecConfig) -> Codec:

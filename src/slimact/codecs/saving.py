@@ -3,9 +3,16 @@
 Ops know nothing about codecs. The site router's pack hook asks a :class:`CodecPolicy`, for every
 saved tensor, which codec (if any) its site uses; the policy encodes it and returns a
 :class:`CodecStored` that decodes in backward. A tensor saved by several ops (the input Q, K and
-V all save, as different views) is encoded once: the policy caches payloads by (storage, offset,
-shape, stride, version) for as long as the tensor's base is alive, so a freed storage whose address
-is reused never hits a stale entry. Parameters never reach the policy (the router skips them).
+V all save, the SDPA output that ``o_proj`` saves again as a reshaped view) is encoded once and
+decoded once per backward: the policy caches payloads per forward by exact view and, for tensors
+covering their storage densely, by storage, for as long as the tensor's base is alive, so a freed
+storage whose address is reused never hits a stale entry. Parameters never reach the policy (the
+router skips them). An encode error is re-raised with the site's name.
+
+Why a hook and not module wrappers: the saved tensors are chosen by autograd inside each op
+(``linear`` saves its input, SDPA its q/k/v/out/logsumexp), so a hook sees exactly what is stored,
+for any model (HF included), without re-implementing any backward; module wrappers would have to
+know every op's saving rule.
 
 ``install_policy(model, policy)`` enters the router and the policy around the root module's
 forward, so saves inside checkpointed regions stay under the checkpoint's own hooks.
@@ -13,53 +20,133 @@ forward, so saves inside checkpointed regions stay under the checkpoint's own ho
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
-from contextlib import ExitStack
 
 import torch
 import torch.nn as nn
 
 from slimact import sites
-from slimact.codecs.base import Codec, Packed, codec_name
+from slimact.codecs.base import Codec, CodecConfig, Packed, codec_name
 from slimact.strategies.registry import AppliedChange
 
 
 class CodecStored:
-    """A payload in place of a saved tensor (implements ``sites.Stored``)."""
+    """A payload in place of a saved tensor (implements ``sites.Stored``).
 
-    __slots__ = ("codec", "packed", "__weakref__")
+    ``encoded_view`` records how the encoded tensor was derived from the saved one (a permutation
+    to memory order), so decode returns the saved tensor's exact shape and strides. When several
+    backward nodes unpack one payload (Q/K/V's shared input), the decoded tensor is kept from the
+    first unpack to the last (``refs`` counts the savers), so it is decoded once per backward.
+    """
 
-    def __init__(self, codec: Codec, packed: Packed) -> None:
+    __slots__ = ("codec", "packed", "perm", "refs", "_served", "_decoded", "__weakref__")
+
+    def __init__(self, codec: Codec, packed: Packed, perm: tuple[int, ...] | None = None) -> None:
         self.codec = codec
         self.packed = packed
+        self.perm = perm  # saved = decoded.permute(perm); None: decoded as is
+        self.refs = 1
+        self._served = 0
+        self._decoded: torch.Tensor | None = None
+
+    def _decode(self) -> torch.Tensor:
+        """The decoded tensor in the encoded (memory-order) layout, cached across sharers."""
+        y = self._decoded if self._decoded is not None else self.codec.decode(self.packed)
+        self._served = (self._served + 1) % self.refs
+        self._decoded = y if self._served else None
+        return y
 
     def unpack(self) -> torch.Tensor:
-        return self.codec.decode(self.packed)
+        y = self._decode()
+        return y.permute(self.perm) if self.perm is not None else y
 
     def tensors(self) -> list[torch.Tensor]:
-        return list(self.packed.tensors.values())
+        """Payload tensors held on the saved tensor's device (what activation memory counts)."""
+        return [t for t in self.packed.tensors.values() if t.device == self.packed.device]
 
     def nbytes(self) -> int:
         return self.codec.nbytes(self.packed)
 
     @property
     def action(self) -> str:
-        return codec_name(self.codec.config)
+        return codec_label(self.codec.config)
+
+
+class SharedStored:
+    """Another view of a storage some earlier site encoded: unpacks by re-striding its decode."""
+
+    __slots__ = ("base", "size", "stride", "offset")
+
+    def __init__(self, base: CodecStored, t: torch.Tensor) -> None:
+        self.base = base
+        self.size, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
+        base.refs += 1
+
+    @property
+    def codec(self) -> Codec:
+        return self.base.codec
+
+    @property
+    def packed(self) -> Packed:
+        return self.base.packed
+
+    def unpack(self) -> torch.Tensor:
+        flat = self.base._decode().reshape(-1)  # memory order: the encoded tensor is contiguous
+        return flat.as_strided(self.size, self.stride, self.offset)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.base.tensors()
+
+    def nbytes(self) -> int:
+        return self.base.nbytes()
+
+    @property
+    def action(self) -> str:
+        return self.base.action
 
 
 Assign = Callable[[str, torch.Tensor], "Codec | None"]
 
 
+def codec_label(config: CodecConfig) -> str:
+    """The report label of a codec config (see ``codec_name``)."""
+    return codec_name(config)
+
+
+def dense_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """Dims of ``t`` sorted outermost-first in memory if ``t`` covers its whole storage densely.
+
+    ``t.permute(order)`` is then contiguous and views every byte of the storage exactly once.
+    """
+    if t.storage_offset() != 0 or t.numel() * t.element_size() != t.untyped_storage().nbytes():
+        return None
+    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d])))
+    return order if t.permute(order).is_contiguous() else None
+
+
 class CodecPolicy:
-    """``assign(site, tensor) -> Codec | None`` decides; this class encodes once per tensor."""
+    """``assign(site, tensor) -> Codec | None`` decides; this class encodes once per storage.
+
+    Per forward (``reset`` clears it), a payload is found again by the exact view (storage,
+    offset, shape, stride, version, dtype) or, for a tensor that covers its whole storage densely,
+    by the storage alone: the SDPA output and ``o_proj``'s reshaped input are two views of one
+    storage and share one payload. A storage an earlier site kept as is is not encoded again for a
+    later view of it (that would only add bytes). Tensors covering their storage are encoded in
+    memory order (a permutation, no copy), which is also the layout the codecs' groups and
+    channels are defined on. Entries hold weak references only, so nothing outlives the autograd
+    graph. Encode errors name the site.
+    """
 
     def __init__(self, assign: Assign) -> None:
         self.assign = assign
-        self._cache: dict[tuple, tuple[weakref.ref, CodecStored]] = {}
+        self._cache: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
+        self._raw: dict[tuple, weakref.ref] = {}  # storages an earlier site kept as they are
 
     def reset(self) -> None:
         self._cache.clear()
+        self._raw.clear()
 
     @staticmethod
     def _key(t: torch.Tensor) -> tuple:
@@ -73,41 +160,83 @@ class CodecPolicy:
             t.dtype,
         )
 
-    def __call__(self, site: str, t: torch.Tensor) -> CodecStored | None:
-        key = self._key(t)
+    @staticmethod
+    def _storage_key(t: torch.Tensor) -> tuple:
+        s = t.untyped_storage()
+        return ("storage", str(t.device), s.data_ptr(), s.nbytes(), t._version, t.dtype)
+
+    def _lookup(self, key: tuple) -> CodecStored | None:
         hit = self._cache.get(key)
-        if hit is not None and hit[0]() is not None:
-            return hit[1]
-        codec = self.assign(site, t)
-        if codec is None:
+        if hit is None:
             return None
-        stored = CodecStored(codec, codec.encode(t))
+        base, stored = hit[0](), hit[1]()
+        if base is None or stored is None:
+            del self._cache[key]
+            return None
+        return stored
+
+    def __call__(self, site: str, t: torch.Tensor) -> CodecStored | SharedStored | None:
+        key = self._key(t)
+        stored = self._lookup(key)
+        if stored is not None:
+            stored.refs += 1
+            return stored
+        order = dense_order(t) if t.numel() else None
+        skey = self._storage_key(t) if order is not None else None
+        if skey is not None:
+            shared = self._lookup(skey)
+            if shared is not None:
+                return SharedStored(shared, t)
+        rkey = self._storage_key(t)
+        raw = self._raw.get(rkey)
+        if raw is not None and raw() is not None:
+            return None  # the storage stays alive anyway: encoding this view would only add bytes
+        codec = self.assign(site, t)
         base = t._base if t._base is not None else t
-        self._cache[key] = (weakref.ref(base), stored)
+        if codec is None:
+            self._raw[rkey] = weakref.ref(base)
+            return None
+        perm = None
+        x = t
+        if order is not None and order != tuple(range(t.dim())):
+            x = t.permute(order)
+            perm = tuple(sorted(range(t.dim()), key=order.__getitem__))
+        try:
+            stored = CodecStored(codec, codec.encode(x), perm)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"site {site}: {e}") from e
+        entry = (weakref.ref(base), weakref.ref(stored))
+        self._cache[key] = entry
+        if skey is not None:
+            self._cache[skey] = entry
         return stored
 
 
 def install_policy(model: nn.Module, policy: Callable) -> AppliedChange:
-    """Route ``model``'s saves through ``policy`` on every forward; returns an undoable change."""
-    stacks: list[ExitStack] = []
+    """Route ``model``'s saves through ``policy`` on every forward; returns an undoable change.
 
-    def pre_hook(module, args):
-        stack = ExitStack()
-        stack.enter_context(sites.tracking(model))
-        stack.enter_context(sites.policy(policy))
-        if hasattr(policy, "reset"):
-            policy.reset()
-        stacks.append(stack)
+    The root's forward is wrapped on the instance (module paths and state_dict unchanged), so the
+    router and the policy are entered and left by ``with`` blocks, also when the forward raises
+    (forward hooks cannot do that: an ``always_call`` hook that removes hooks while PyTorch
+    iterates them after an exception replaces the real error).
+    """
+    had_own = "forward" in model.__dict__
+    inner = model.forward
 
-    def post_hook(module, args, output):
-        if stacks:
-            stacks.pop().close()
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        with sites.tracking(model), sites.policy(policy):
+            if hasattr(policy, "reset"):
+                policy.reset()
+            return inner(*args, **kwargs)
 
-    h1 = model.register_forward_pre_hook(pre_hook)
-    h2 = model.register_forward_hook(post_hook, always_call=True)
+    model.forward = forward
 
     def undo() -> None:
-        h1.remove()
-        h2.remove()
+        if model.__dict__.get("forward") is forward:
+            if had_own:
+                model.forward = inner
+            else:
+                del model.forward
 
     return AppliedChange(path="", action="codec-policy", undo=undo)

@@ -1,0 +1,138 @@
+"""Outlier-separated INT4 (adacc.txt §3.2, Fig. 3c): exact outlier channels + INT4 for the rest.
+
+LLM activations carry a few *channels* (columns of the ``[tokens, hidden]`` view) whose values
+are far larger than the rest; quantizing them together with normal values wastes the INT4 range
+on them. Adacc scores each channel ``i`` by the absolute sum ``S_i = sum_rows |x[:, i]|`` and its
+Z-score (Eq. 1)::
+
+    Z_i = (S_i - mean(S)) / std(S)          outlier  <=>  Z_i > threshold   (3 by default)
+
+Outlier columns are stored exactly (original dtype) with their indices; they are zeroed in place
+of a copy (fused into the quantize kernel's load), and the whole tensor is quantized per group in
+its original memory layout (no transpose, Fig. 3b(iii)). Decode dequantizes, then writes the
+outlier columns back. Cost: ``rows * k`` original-precision values + ``k`` int32 indices on top of
+INT4, so the compression rate falls as outliers appear (adacc.txt Fig. 4: the count changes
+during training; :func:`count_outlier_channels` is what a planner tracks).
+
+Non-finite values: a channel holding NaN/inf has a non-finite sum and is always an outlier, so
+those values take the exact path (``nonfinite="raise"`` refuses them instead). Z-scores use the
+finite sums only; with fewer than two channels, or ``std == 0``, there are no outliers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slimact.codecs.base import Codec, CodecConfig, Packed, codec_name, register_codec
+from slimact.codecs.quant import (
+    channel_view,
+    check_common,
+    check_group_size,
+    check_input,
+    quantized_from,
+    quantized_payload,
+)
+from slimact.ops.quant import dequantize, quantize
+
+
+def channel_abs_sums(x2d: torch.Tensor) -> torch.Tensor:
+    """fp32 ``sum_rows |x[:, c]|`` of an [R, C] tensor without materializing ``|x|``."""
+    return torch.linalg.vector_norm(x2d, ord=1, dim=0, dtype=torch.float32)
+
+
+def outlier_mask(x2d: torch.Tensor, threshold: float = 3.0) -> torch.Tensor:
+    """Bool [C]: True for channels whose abs-sum Z-score exceeds ``threshold`` or is not finite."""
+    s = channel_abs_sums(x2d)
+    finite = torch.isfinite(s)
+    if s.numel() < 2:
+        return ~finite
+    sf = s[finite]
+    if sf.numel() < 2:
+        return ~finite
+    mu, sigma = sf.mean(), sf.std(unbiased=False)
+    z = (s - mu) / sigma.clamp_min(torch.finfo(torch.float32).tiny)
+    return ~finite | ((z > threshold) & (sigma > 0))
+
+
+def count_outlier_channels(x: torch.Tensor, threshold: float = 3.0, channels: int = 0) -> int:
+    """Number of outlier channels of ``x`` ([-1, channels] view; last dim when 0)."""
+    if not x.is_floating_point() or x.numel() == 0:
+        return 0
+    c = channels or x.shape[-1]
+    return int(outlier_mask(x.contiguous().view(-1, c), threshold).sum())
+
+
+@dataclass(frozen=True)
+class OutlierConfig(CodecConfig):
+    """Outlier channels exact, the rest per-group INT4/INT8 in place (``channels=0``: last dim)."""
+
+    bits: int = 4
+    group_size: int = 128
+    threshold: float = 3.0
+    symmetric: bool = True
+    paper_scale: bool = False
+    channels: int = 0
+    nonfinite: str = "exact"
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_common(self, self.bits, self.nonfinite, self.backend)
+        check_group_size(self, self.group_size)
+        if not isinstance(self.threshold, (int, float)) or not self.threshold > 0:
+            raise ValueError(
+                f"OutlierConfig.threshold must be a number > 0, got {self.threshold!r}"
+            )
+        if not isinstance(self.channels, int) or self.channels < 0:
+            raise ValueError(f"OutlierConfig.channels must be an int >= 0, got {self.channels!r}")
+
+
+class OutlierCodec(Codec):
+    config: OutlierConfig
+
+    def encode(self, x: torch.Tensor) -> Packed:
+        check_input(self, x)
+        c = self.config
+        if x.numel() == 0:
+            x2d = x.reshape(0, 1)
+        else:
+            x2d = channel_view(self, x, c.channels)
+        out_mask = outlier_mask(x2d, c.threshold) if x.numel() else x2d.new_zeros(1, dtype=bool)
+        idx = out_mask.nonzero().view(-1)
+        if c.nonfinite == "raise" and x.numel() and not bool(torch.isfinite(x2d).all()):
+            raise ValueError(
+                f"codec {codec_name(c)!r}: non-finite value(s) (NaN/inf) in a tensor of shape "
+                f"{tuple(x.shape)}; nonfinite='raise' (use 'exact' to keep them)"
+            )
+        keep = ~out_mask if idx.numel() else None
+        q = quantize(
+            x2d, bits=c.bits, group_size=c.group_size, symmetric=c.symmetric,
+            paper_scale=c.paper_scale, keep_cols=keep, backend=c.backend,
+        )  # fmt: skip
+        tensors = quantized_payload(q)
+        if idx.numel():
+            tensors["outlier_idx"] = idx.to(torch.int32)
+            tensors["outlier_val"] = x2d[:, idx]  # [rows, k], original dtype
+        meta = {
+            "numel": q.numel,
+            "bits": c.bits,
+            "group_size": c.group_size,
+            "channels": x2d.shape[1],
+            "n_outliers": int(idx.numel()),
+        }
+        return Packed(tensors, tuple(x.shape), x.dtype, x.device, meta)
+
+    def decode(self, packed: Packed) -> torch.Tensor:
+        q = quantized_from(packed)
+        q.channels = 0  # the codes are per group; ``channels`` only shapes the outlier view
+        y = dequantize(q, dtype=packed.dtype, backend=self.config.backend)
+        t = packed.tensors
+        if "outlier_idx" in t:
+            y2d = y.view(-1, packed.meta["channels"])
+            y2d.index_copy_(1, t["outlier_idx"].long(), t["outlier_val"].to(y.dtype))
+        return y.view(packed.shape)
+
+
+register_codec("int4-outlier", OutlierConfig(), OutlierCodec)
+register_codec("int8-outlier", OutlierConfig(bits=8), OutlierCodec)

@@ -1,0 +1,406 @@
+"""Quantize+pack and unpack+dequantize for saved activations (adacc.txt §3.2, Eqs. 2-3).
+
+A tensor is read as a flat array in memory order and cut into groups of ``group_size`` values
+(the last group may be short). Each group gets an fp32 scale ``S`` (and, asymmetric, an fp32
+offset ``O``) and every value becomes a ``bits``-wide integer code::
+
+    symmetric   S = max|x| / div              q = clip(floor(x / S + 1/2), -2^(b-1), 2^(b-1)-1)
+    asymmetric  O = (max x + min x) / 2,  S = (max x - min x) / div,  q = clip(floor((x-O)/S + 1/2))
+    decode      x^ = q * S (+ O)
+
+adacc.txt uses ``div = 8`` (symmetric) and ``div = 16`` (asymmetric) for INT4: the positive
+extreme then maps to +8 / +8 and is clipped to 7, an error of a full step ``S`` on that value.
+The default here is ``div = 2^(b-1)-1`` (7) and ``2^b-1`` (15), which keeps every value within
+``S/2``; ``paper_scale=True`` restores the paper's divisors. Codes are stored biased (q + 2^(b-1))
+as unsigned bytes; INT4 packs two codes per byte, the even element in the low nibble, so a tensor
+of ``n`` values takes exactly ``ceil(n/2)`` bytes plus 4 bytes per group for ``S`` (8 with ``O``).
+
+*Channel-wise* mode (Q/K/V in adacc.txt) uses one symmetric scale per column of an ``[R, C]`` view
+(the max over all rows), so it needs no transpose: the scale is broadcast along rows.
+
+Non-finite values never reach a scale: they are replaced by 0 inside the kernel and counted per
+group (``nonfinite``), so the codec can keep them exactly (see ``slimact.codecs.quant``).
+``keep_cols`` zeroes whole columns before quantization (the outlier channels of
+``slimact.codecs.outlier``), fused into the same pass.
+
+Every kernel has a ``*_ref`` plain-PyTorch twin producing bit-identical codes and scales; the ref
+is the CPU path, Triton runs on CUDA (``backend="auto"``) or anywhere with ``backend="triton"``
+(on CPU that needs ``TRITON_INTERPRET=1``, which is how the tests run it).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "ref", "triton")
+_TINY = 1e-30
+_CHANNEL_BLOCK = 1024
+
+
+@dataclass
+class Quantized:
+    """Packed codes plus what ``dequantize`` needs. ``channels > 0`` marks channel-wise mode."""
+
+    codes: torch.Tensor  # uint8: ceil(n/2) bytes (4 bits) or n bytes (8 bits)
+    scale: torch.Tensor  # fp32 [groups] or [channels]
+    offset: torch.Tensor | None  # fp32 [groups] (asymmetric) or None
+    nonfinite: torch.Tensor  # int32 count of non-finite inputs per group / per channel
+    numel: int
+    bits: int
+    group_size: int
+    channels: int = 0
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [self.codes, self.scale]
+        return out + ([self.offset] if self.offset is not None else [])
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+
+
+def _check_group(group_size: int) -> None:
+    if not isinstance(group_size, int) or group_size < 2 or group_size & (group_size - 1):
+        raise ValueError(f"group_size must be a power of two >= 2, got {group_size!r}")
+
+
+def _check_float(x: torch.Tensor) -> None:
+    if not x.is_floating_point():
+        raise TypeError(f"quantization needs a floating-point tensor, got dtype {x.dtype}")
+
+
+def divisor(bits: int, symmetric: bool, paper_scale: bool = False) -> float:
+    """The ``div`` of the module docstring: 7/15 (INT4, default), 8/16 (INT4, paper)."""
+    levels = 1 << bits
+    if symmetric:
+        return float(levels // 2 if paper_scale else levels // 2 - 1)
+    return float(levels if paper_scale else levels - 1)
+
+
+def _limits(bits: int) -> tuple[int, int, int]:
+    half = 1 << (bits - 1)
+    return -half, half - 1, half  # lo, hi, bias
+
+
+def _pack(u: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """u: uint8 biased codes (even length >= n) -> packed bytes (exactly ceil(n/2) for 4 bits)."""
+    if bits == 8:
+        return u[:n].contiguous()
+    pairs = u.view(-1, 2)
+    return (pairs[:, 0] | (pairs[:, 1] << 4))[: (n + 1) // 2].contiguous()
+
+
+def _unpack(codes: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    if bits == 8:
+        return codes[:n]
+    return torch.stack((codes & 15, codes >> 4), dim=1).view(-1)[:n]
+
+
+def _use_triton(x: torch.Tensor, backend: str) -> bool:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "ref":
+        return False
+    if backend == "auto":
+        return x.is_cuda and triton_available()
+    if not triton_available():
+        raise RuntimeError("backend='triton' needs the triton package, which is not importable")
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("backend='triton' on a CPU tensor needs TRITON_INTERPRET=1")
+    return True
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def quantize_ref(
+    x: torch.Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    symmetric: bool = True,
+    paper_scale: bool = False,
+    keep_cols: torch.Tensor | None = None,
+) -> Quantized:
+    """Per-group quantize+pack in plain PyTorch (``keep_cols``: bool [C], False -> zeroed)."""
+    n, gs = x.numel(), group_size
+    groups = -(-n // gs)
+    lo, hi, bias = _limits(bits)
+    xf = x.reshape(-1).float()
+    finite = torch.isfinite(xf)
+    xf = torch.where(finite, xf, 0.0)
+    if keep_cols is not None:
+        xf = xf.view(-1, keep_cols.numel()).masked_fill(~keep_cols, 0.0).view(-1)
+    pad = groups * gs - n
+    xp = F.pad(xf, (0, pad)).view(groups, gs)
+    nonfinite = F.pad(~finite, (0, pad)).view(groups, gs).sum(1, dtype=torch.int32)
+    div = divisor(bits, symmetric, paper_scale)
+    if symmetric:
+        scale, offset = xp.abs().amax(1) / div, None
+        v = xp * _inverse(scale)[:, None]
+    else:
+        if pad:
+            valid = F.pad(torch.ones(n, dtype=torch.bool, device=x.device), (0, pad)).view(
+                groups, gs
+            )
+            mx = xp.masked_fill(~valid, -float("inf")).amax(1)
+            mn = xp.masked_fill(~valid, float("inf")).amin(1)
+        else:
+            mx, mn = xp.amax(1), xp.amin(1)
+        offset = (mx + mn) * 0.5
+        scale = (mx - mn) / div
+        v = (xp - offset[:, None]) * _inverse(scale)[:, None]
+    u = (torch.floor(v + 0.5).clamp_(lo, hi) + bias).to(torch.uint8).view(-1)
+    return Quantized(_pack(u, n, bits), scale, offset, nonfinite, n, bits, gs)
+
+
+def _inverse(scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(scale > 0, 1.0 / scale.clamp_min(_TINY), 0.0)
+
+
+def dequantize_ref(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Unpack+dequantize (group or channel mode) -> flat tensor of ``q.numel`` values."""
+    n = q.numel
+    code = _unpack(q.codes, n, q.bits).float() - _limits(q.bits)[2]
+    if q.channels:
+        return (code.view(-1, q.channels) * q.scale).view(-1).to(dtype)
+    groups, gs = q.scale.numel(), q.group_size
+    cp = F.pad(code, (0, groups * gs - n)).view(groups, gs)
+    y = cp * q.scale[:, None]
+    if q.offset is not None:
+        y = y + q.offset[:, None]
+    return y.view(-1)[:n].to(dtype)
+
+
+def channel_scale(x2d: torch.Tensor, bits: int = 4, paper_scale: bool = False):
+    """Per-column symmetric scales of an [R, C] view and the per-column non-finite counts."""
+    amax = x2d.abs().amax(0).float() if x2d.numel() else x2d.new_zeros(x2d.shape[1]).float()
+    bad = ~torch.isfinite(amax)
+    if bool(bad.any()):
+        clean = torch.where(torch.isfinite(x2d), x2d, 0).float()
+        amax = clean.abs().amax(0)
+        counts = (~torch.isfinite(x2d)).sum(0, dtype=torch.int32)
+    else:
+        counts = torch.zeros_like(amax, dtype=torch.int32)
+    return amax / divisor(bits, True, paper_scale), counts
+
+
+def quantize_channelwise_ref(
+    x2d: torch.Tensor, bits: int = 4, paper_scale: bool = False
+) -> Quantized:
+    """Channel-wise symmetric quantize+pack of an [R, C] tensor in plain PyTorch."""
+    n, c = x2d.numel(), x2d.shape[1]
+    lo, hi, bias = _limits(bits)
+    scale, counts = channel_scale(x2d, bits, paper_scale)
+    xf = x2d.float()
+    xf = torch.where(torch.isfinite(xf), xf, 0.0)
+    v = xf * _inverse(scale)
+    u = (torch.floor(v + 0.5).clamp_(lo, hi) + bias).to(torch.uint8).view(-1)
+    u = F.pad(u, (0, n % 2))
+    return Quantized(_pack(u, n, bits), scale, None, counts, n, bits, 0, channels=c)
+
+
+# ----------------------------------------------------------------------------- Triton
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def quant_kernel(X, KEEP, INV, Q, S, OFF, NF, N, C, div,
+                     BLOCK: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
+                     HAS_KEEP: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                     LO: tl.constexpr, HI: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
+        # one program = one group (or one block of BLOCK values in channel mode), seen as
+        # [BLOCK/2, 2] pairs so INT4 packing is a row reduction
+        pid = tl.program_id(0)
+        rows = tl.arange(0, BLOCK // 2)
+        cols = tl.arange(0, 2)
+        offs = pid * BLOCK + rows[:, None] * 2 + cols[None, :]  # [BLOCK/2, 2]
+        mask = offs < N
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        finite = (x == x) & (tl.abs(x) != float("inf"))
+        x = tl.where(finite, x, 0.0)
+        if HAS_KEEP:
+            keep = tl.load(KEEP + offs % C, mask=mask, other=0)
+            x = tl.where(keep != 0, x, 0.0)
+        if PER_CHANNEL:
+            v = x * tl.load(INV + offs % C, mask=mask, other=0.0)
+        else:
+            if SYM:
+                scale = tl.div_rn(tl.max(tl.max(tl.abs(x), axis=1), axis=0), div)
+                off = 0.0
+            else:
+                mx = tl.max(tl.max(tl.where(mask, x, -float("inf")), axis=1), axis=0)
+                mn = tl.min(tl.min(tl.where(mask, x, float("inf")), axis=1), axis=0)
+                off = (mx + mn) * 0.5
+                scale = tl.div_rn(mx - mn, div)
+                tl.store(OFF + pid, off)
+            tl.store(S + pid, scale)
+            nbad = tl.sum(tl.sum((mask & (finite == 0)).to(tl.int32), axis=1), axis=0)
+            tl.store(NF + pid, nbad)
+            inv = tl.where(scale > 0, tl.div_rn(1.0, tl.maximum(scale, 1e-30)), 0.0)
+            v = (x - off) * inv
+        r = tl.minimum(tl.maximum(tl.floor(v + 0.5), LO), HI)
+        u = r.to(tl.int32) + BIAS
+        if BITS == 4:
+            byte = tl.sum(u * tl.where(cols == 0, 1, 16)[None, :], axis=1)  # lo | hi << 4
+            bmask = (pid * BLOCK + rows * 2) < N
+            tl.store(Q + pid * (BLOCK // 2) + rows, byte.to(tl.uint8), mask=bmask)
+        else:
+            tl.store(Q + offs, u.to(tl.uint8), mask=mask)
+
+    @triton.jit
+    def dequant_kernel(Q, S, OFF, Y, N, C,
+                       BLOCK: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
+                       PER_CHANNEL: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
+        pid = tl.program_id(0)
+        rows = tl.arange(0, BLOCK // 2)
+        cols = tl.arange(0, 2)
+        offs = pid * BLOCK + rows[:, None] * 2 + cols[None, :]  # [BLOCK/2, 2]
+        mask = offs < N
+        if BITS == 4:
+            bmask = (pid * BLOCK + rows * 2) < N
+            b = tl.load(Q + pid * (BLOCK // 2) + rows, mask=bmask, other=0).to(tl.int32)
+            u = tl.where(cols[None, :] == 0, (b & 15)[:, None], (b >> 4)[:, None])
+        else:
+            u = tl.load(Q + offs, mask=mask, other=0).to(tl.int32)
+        code = (u - BIAS).to(tl.float32)
+        if PER_CHANNEL:
+            y = code * tl.load(S + offs % C, mask=mask, other=0.0)
+        else:
+            y = code * tl.load(S + pid)
+            if not SYM:
+                y = y + tl.load(OFF + pid)
+        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+    return quant_kernel, dequant_kernel
+
+
+def quantize_triton(
+    x: torch.Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    symmetric: bool = True,
+    paper_scale: bool = False,
+    keep_cols: torch.Tensor | None = None,
+) -> Quantized:
+    """Triton twin of :func:`quantize_ref` (same codes, scales and counts)."""
+    quant_kernel, _ = _kernels()
+    x = x.contiguous().view(-1)
+    n, gs = x.numel(), group_size
+    groups = -(-n // gs)
+    lo, hi, bias = _limits(bits)
+    dev = x.device
+    codes = torch.empty((n + 1) // 2 if bits == 4 else n, dtype=torch.uint8, device=dev)
+    scale = torch.empty(groups, dtype=torch.float32, device=dev)
+    offset = None if symmetric else torch.empty(groups, dtype=torch.float32, device=dev)
+    nonfinite = torch.empty(groups, dtype=torch.int32, device=dev)
+    keep = keep_cols.to(torch.uint8) if keep_cols is not None else scale
+    c = keep_cols.numel() if keep_cols is not None else 1
+    if groups:
+        quant_kernel[(groups,)](
+            x, keep, scale, codes, scale, offset if offset is not None else scale, nonfinite,
+            n, c, divisor(bits, symmetric, paper_scale), BLOCK=gs, BITS=bits, SYM=symmetric,
+            HAS_KEEP=keep_cols is not None, PER_CHANNEL=False, LO=lo, HI=hi, BIAS=bias,
+        )  # fmt: skip
+    return Quantized(codes, scale, offset, nonfinite, n, bits, gs)
+
+
+def quantize_channelwise_triton(
+    x2d: torch.Tensor, bits: int = 4, paper_scale: bool = False
+) -> Quantized:
+    """Triton twin of :func:`quantize_channelwise_ref` (scales from the same torch reduction)."""
+    quant_kernel, _ = _kernels()
+    n, c = x2d.numel(), x2d.shape[1]
+    lo, hi, bias = _limits(bits)
+    scale, counts = channel_scale(x2d, bits, paper_scale)
+    inv = _inverse(scale)
+    x = x2d.contiguous().view(-1)
+    codes = torch.empty((n + 1) // 2 if bits == 4 else n, dtype=torch.uint8, device=x.device)
+    if n:
+        grid = (-(-n // _CHANNEL_BLOCK),)
+        quant_kernel[grid](
+            x, inv, inv, codes, inv, inv, counts, n, c, 1.0, BLOCK=_CHANNEL_BLOCK, BITS=bits,
+            SYM=True, HAS_KEEP=False, PER_CHANNEL=True, LO=lo, HI=hi, BIAS=bias,
+        )  # fmt: skip
+    return Quantized(codes, scale, None, counts, n, bits, 0, channels=c)
+
+
+def dequantize_triton(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Triton twin of :func:`dequantize_ref`."""
+    _, dequant_kernel = _kernels()
+    n = q.numel
+    y = torch.empty(n, dtype=dtype, device=q.codes.device)
+    if n == 0:
+        return y
+    block = q.group_size or _CHANNEL_BLOCK
+    offset = q.offset if q.offset is not None else q.scale
+    dequant_kernel[(-(-n // block),)](
+        q.codes, q.scale, offset, y, n, max(q.channels, 1), BLOCK=block, BITS=q.bits,
+        SYM=q.offset is None, PER_CHANNEL=q.channels > 0, BIAS=_limits(q.bits)[2],
+    )  # fmt: skip
+    return y
+
+
+# ----------------------------------------------------------------------------- functional API
+
+
+def quantize(
+    x: torch.Tensor,
+    *,
+    bits: int = 4,
+    group_size: int = 128,
+    symmetric: bool = True,
+    paper_scale: bool = False,
+    keep_cols: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> Quantized:
+    """Per-group quantize+pack of ``x`` in memory order (see module docstring)."""
+    _check_float(x)
+    _check_bits(bits)
+    _check_group(group_size)
+    if keep_cols is not None and (x.dim() == 0 or keep_cols.numel() != x.shape[-1]):
+        raise ValueError(
+            f"keep_cols must have one entry per last-dim channel ({x.shape[-1] if x.dim() else 0})"
+            f", got {keep_cols.numel()}"
+        )
+    fn = quantize_triton if _use_triton(x, backend) else quantize_ref
+    return fn(x.contiguous(), bits, group_size, symmetric, paper_scale, keep_cols)
+
+
+def quantize_channelwise(
+    x: torch.Tensor, *, bits: int = 4, paper_scale: bool = False, backend: str = "auto"
+) -> Quantized:
+    """Channel-wise symmetric quantize+pack: one scale per index of the last dimension."""
+    _check_float(x)
+    _check_bits(bits)
+    if x.dim() == 0:
+        x = x.reshape(1)
+    x2d = x.contiguous().view(-1, x.shape[-1]) if x.shape[-1] else x.reshape(0, 1)
+    fn = quantize_channelwise_triton if _use_triton(x, backend) else quantize_channelwise_ref
+    return fn(x2d, bits, paper_scale)
+
+
+def dequantize(
+    q: Quantized, *, dtype: torch.dtype = torch.float32, backend: str = "auto"
+) -> torch.Tensor:
+    """Unpack+dequantize -> flat tensor of ``q.numel`` values in ``dtype``."""
+    fn = dequantize_triton if _use_triton(q.codes, backend) else dequantize_ref
+    return fn(q, dtype)

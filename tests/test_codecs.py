@@ -1,0 +1,213 @@
+"""Codec interface and registry, bit-packed masks, CPU offload, and saving through a codec."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import slimact
+from slimact import sites
+from slimact.codecs import CodecPolicy, get_codec, install_policy
+from slimact.codecs.base import Codec, codec_names
+from slimact.codecs.bits import pack_bits, unpack_bits
+from slimact.meter import measure
+from slimact.models import build_model
+
+
+def test_registry_names_and_errors():
+    for name in ("int4", "int4-asym", "int8", "int4-channel", "int4-outlier", "bits", "offload"):
+        assert name in codec_names()
+        codec = get_codec(name)
+        assert isinstance(codec, Codec) and codec.metadata()["codec"] == name
+    with pytest.raises(ValueError, match="unknown codec 'int3'.*int4"):
+        get_codec("int3")
+    meta = get_codec("int4-outlier").metadata()
+    assert meta["threshold"] == 3.0 and meta["bits"] == 4 and meta["group_size"] == 128
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1001])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.float32, torch.bfloat16])
+def test_bits_roundtrip_exact_and_one_bit_per_value(n, dtype):
+    x = (torch.rand(n) > 0.3).to(dtype)
+    codec = get_codec("bits")
+    p = codec.encode(x)
+    assert codec.nbytes(p) == (n + 7) // 8 + (0 if dtype == torch.bool else x.element_size())
+    y = codec.decode(p)
+    assert y.dtype == dtype and torch.equal(y, x)
+
+
+def test_bits_layout_and_rejection():
+    x = torch.tensor([1, 0, 0, 0, 0, 0, 0, 1, 1], dtype=torch.bool)
+    assert pack_bits(x).tolist() == [0b10000001, 0b00000001]
+    assert torch.equal(unpack_bits(pack_bits(x), 9), x)
+    mask = torch.rand(5, 3) > 0.5
+    assert torch.equal(get_codec("bits").decode(get_codec("bits").encode(mask.t())), mask.t())
+    noise = torch.tensor([0.0, 1 / 0.9, 0.0, 1 / 0.9])  # CPU dropout's saved noise
+    p = get_codec("bits").encode(noise)
+    assert torch.equal(get_codec("bits").decode(p), noise) and get_codec("bits").nbytes(p) == 1 + 4
+    with pytest.raises(ValueError, match="holds other values"):
+        get_codec("bits").encode(torch.tensor([0.0, 0.5, 1.0]))
+    with pytest.raises(ValueError, match="holds other values"):
+        get_codec("bits").encode(torch.tensor([0, 3, 5], dtype=torch.uint8))
+
+
+def test_offload_cpu_is_an_exact_copy():
+    codec = get_codec("offload")
+    x = torch.randn(4, 6).t()
+    p = codec.encode(x)
+    y = codec.decode(p)
+    assert torch.equal(y, x) and y.dtype == x.dtype
+    assert p.tensors["host"].untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    assert codec.nbytes(p) == x.numel() * 4 == codec.host_nbytes(p)
+
+
+@pytest.mark.gpu
+def test_offload_cuda_pinned_side_stream():
+    codec = get_codec("offload")
+    x = torch.randn(1024, 1024, device="cuda")
+    p = codec.encode(x)
+    assert p.tensors["host"].is_pinned() and codec.nbytes(p) == 0
+    assert torch.equal(codec.decode(p), x)
+
+
+class CountingCodec(Codec):
+    """Lossless codec that counts encodes/decodes (a stand-in for a real one)."""
+
+    def __init__(self):
+        super().__init__(get_codec("offload").config)
+        self.encodes = self.decodes = 0
+
+    def encode(self, x):
+        self.encodes += 1
+        return get_codec("offload").encode(x)
+
+    def decode(self, packed):
+        self.decodes += 1
+        return packed.tensors["host"]
+
+
+class QKV(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return (self.q(x) * self.k(x)).sum(-1, keepdim=True) * self.v(x)
+
+
+def test_shared_input_encoded_once_decoded_once_and_parameters_skipped():
+    torch.manual_seed(0)
+    model = QKV()
+    codec = CountingCodec()
+    seen = []
+
+    def assign(site, t):
+        seen.append(t)
+        return codec if site.endswith(":linear#0") else None
+
+    install_policy(model, CodecPolicy(assign))
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    out = model(x)
+    assert codec.encodes == 1  # q, k and v all save x: one payload
+    assert not any(isinstance(t, nn.Parameter) for t in seen)
+    out.sum().backward()
+    assert codec.decodes == 1  # decoded once, shared by the three backward nodes
+    ref = QKV()
+    ref.load_state_dict(model.state_dict())
+    x2 = x.detach().clone().requires_grad_()
+    ref(x2).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=0, atol=0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_views_of_one_storage_share_a_payload_with_their_own_strides():
+    """Like SDPA's output and o_proj's reshaped input: two dense views of one storage."""
+
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.o = nn.Linear(32, 32), nn.Linear(32, 32)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            h = self.a(x)
+            p = h.view(b, s, 4, 8).transpose(1, 2)  # [B, H, S, Dh] view of h's storage
+            return self.o(h) + torch.sin(p).transpose(1, 2).reshape(b, s, 32)
+
+    codec = CountingCodec()
+    model = Heads()
+    install_policy(model, CodecPolicy(lambda site, t: codec))
+    x = torch.randn(2, 6, 32, requires_grad=True)
+    with measure(model) as m:
+        out = model(x)
+    assert codec.encodes == 2  # x (a's input) and h; sin's permuted view reuses h's payload
+    by_site = {r.site: r for r in m.report.sites}
+    assert ":sin#0" in by_site["o:linear#0"].shared_with and by_site[":sin#0"].bytes == 0
+    out.square().sum().backward()
+    ref = Heads()
+    ref.load_state_dict(model.state_dict())
+    x2 = x.detach().clone().requires_grad_()
+    ref(x2).square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=0, atol=0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_raw_storage_is_not_encoded_for_a_later_view():
+    model = QKV()
+    codec = CountingCodec()
+    calls = []
+
+    def assign(site, t):
+        calls.append(site)
+        if site.endswith("q:linear#0"):
+            return None
+        return codec if "linear" in site else None
+
+    install_policy(model, CodecPolicy(assign))
+    model(torch.randn(2, 16)).sum().backward()
+    assert codec.encodes == 0  # k and v save the same x that q kept: nothing to gain
+    assert "q:linear#0" in calls and "k:linear#0" not in calls
+
+
+def test_encode_errors_name_the_site():
+    model = QKV()
+    install_policy(model, CodecPolicy(lambda site, t: get_codec("bits")))
+    with pytest.raises(ValueError, match=r"site q:linear#0: codec 'bits'"):
+        model(torch.randn(2, 16))
+
+
+def test_codec_policy_composes_with_recompute():
+    torch.manual_seed(0)
+    x = torch.randint(0, 100, (2, 32))
+
+    def run(strategy):
+        torch.manual_seed(0)
+        m = build_model("llama-tiny")
+        if strategy:
+            slimact.apply(m, strategy)
+        with measure(m) as meter:
+            loss = m(x, targets=x).loss
+        loss.backward()
+        return (
+            meter.report.total_bytes,
+            loss.item(),
+            torch.cat([p.grad.flatten() for p in m.parameters()]),
+        )
+
+    b_rec, l_rec, g_rec = run("recompute")
+    b_both, l_both, g_both = run("recompute+int4")
+    b_int4, _, _ = run("int4")
+    assert l_both == pytest.approx(l_rec)
+    assert b_both < b_rec and b_int4 < run(None)[0]
+    assert float(F.cosine_similarity(g_rec, g_both, dim=0)) > 0.99
+
+
+def test_router_nesting_policy_is_innermost_for_site_names():
+    model = QKV()
+    names = []
+    install_policy(model, CodecPolicy(lambda site, t: names.append(site)))
+    with sites.tracking(model):
+        model(torch.randn(2, 16))
+    assert names[0] == "q:linear#0"

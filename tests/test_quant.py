@@ -1,0 +1,215 @@
+"""Quantize+pack / unpack+dequantize ops and the int4/int8/channel/outlier codecs.
+
+Every lossy codec is held to its theoretical bound |x - x^| <= S/2 per group (plus the rounding of
+the final cast to bf16/fp16), packing is checked bit by bit, and the Triton kernels (run under
+TRITON_INTERPRET=1 on CPU) must reproduce the ``*_ref`` codes and scales exactly.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must precede the first kernel build (triton reads it then)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from slimact.codecs import get_codec  # noqa: E402
+from slimact.codecs.outlier import OutlierConfig, count_outlier_channels, outlier_mask  # noqa: E402
+from slimact.codecs.quant import ChannelQuantConfig, QuantConfig  # noqa: E402
+from slimact.ops import quant as Q  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SHAPES = [(1,), (7,), (33, 5), (3, 17, 9), (4, 64)]
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cast_tol(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rounding of the final fp32 -> dtype cast (half an ulp of the decoded value) plus a few
+    fp32 ulps for the arithmetic of (x - O) / S * S + O."""
+    eps = torch.finfo(dtype).eps / 2 + 4 * torch.finfo(torch.float32).eps
+    return y.float().abs() * eps + torch.finfo(dtype).tiny
+
+
+def per_element_scale(q: Q.Quantized) -> torch.Tensor:
+    if q.channels:
+        return q.scale.repeat(q.numel // q.channels)
+    return q.scale.repeat_interleave(q.group_size)[: q.numel]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, True), (8, False)])
+@pytest.mark.parametrize("group_size", [2, 16, 128])
+def test_group_roundtrip_bound(dtype, shape, bits, symmetric, group_size):
+    x = (torch.randn(shape) * 3 + (2.0 if not symmetric else 0.0)).to(dtype)
+    q = Q.quantize(x, bits=bits, group_size=group_size, symmetric=symmetric, backend="ref")
+    y = Q.dequantize(q, dtype=dtype, backend="ref").view(shape)
+    assert y.dtype == dtype and y.shape == x.shape
+    err = (x.float() - y.float()).abs().view(-1)
+    bound = per_element_scale(q) / 2 * (1 + 1e-5) + cast_tol(y, dtype).view(-1)
+    assert bool((err <= bound).all()), float((err - bound).max())
+    # exact storage: ceil(n/2) (INT4) or n (INT8) code bytes + fp32 scale (+ offset) per group
+    groups = -(-x.numel() // group_size)
+    code_bytes = (x.numel() + 1) // 2 if bits == 4 else x.numel()
+    assert q.codes.numel() == code_bytes and q.scale.numel() == groups
+    assert (q.offset is None) == symmetric
+
+
+def test_paper_scale_clips_the_positive_extreme_by_one_step():
+    x = torch.tensor([-1.0, 0.3, 1.0, 0.5])  # max|x| = 1 -> S = 1/8; +1 maps to 8, clipped to 7
+    q = Q.quantize(x, bits=4, group_size=4, paper_scale=True, backend="ref")
+    y = Q.dequantize(q, backend="ref")
+    assert float(q.scale) == pytest.approx(1 / 8)
+    assert float(y[2]) == pytest.approx(7 / 8) and float(y[0]) == pytest.approx(-1.0)
+    q7 = Q.quantize(x, bits=4, group_size=4, backend="ref")  # default divisor 7: within S/2
+    assert float((Q.dequantize(q7, backend="ref") - x).abs().max()) <= float(q7.scale) / 2 + 1e-7
+
+
+def test_int4_packing_is_exact_low_nibble_first():
+    # symmetric, S = 7/7 = 1: codes are the values themselves, stored biased by +8
+    x = torch.tensor([-7.0, 7.0, 0.0, 1.0, -1.0])
+    q = Q.quantize(x, bits=4, group_size=8, backend="ref")
+    biased = [1, 15, 8, 9, 7]
+    expect = [biased[0] | biased[1] << 4, biased[2] | biased[3] << 4, biased[4] | 8 << 4]
+    assert q.codes.tolist() == expect
+    assert torch.equal(Q.dequantize(q, backend="ref"), x)
+    q8 = Q.quantize(x, bits=8, group_size=8, backend="ref")  # S = 7/127
+    assert q8.codes.tolist() == [1, 255, 128, 128 + 18, 128 - 18]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1), (9, 5), (3, 4, 6)])
+def test_channelwise_bound(dtype, shape):
+    x = (torch.randn(shape) * torch.linspace(0.1, 10, shape[-1])).to(dtype)
+    q = Q.quantize_channelwise(x, backend="ref")
+    y = Q.dequantize(q, dtype=dtype, backend="ref").view(shape)
+    assert q.scale.numel() == shape[-1]
+    err = (x.float() - y.float()).abs().view(-1)
+    bound = per_element_scale(q) / 2 * (1 + 1e-5) + cast_tol(y, dtype).view(-1)
+    assert bool((err <= bound).all())
+
+
+@pytest.mark.skipif(not Q.triton_available(), reason="triton is not importable")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 7, 100, 257])
+@pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, True)])
+def test_triton_matches_ref(dtype, n, bits, symmetric):
+    x = (torch.randn(n) * 3).to(dtype).to(DEV)
+    if n > 5:
+        x[3], x[4] = float("nan"), float("inf")
+    a = Q.quantize(x, bits=bits, group_size=16, symmetric=symmetric, backend="ref")
+    b = Q.quantize(x, bits=bits, group_size=16, symmetric=symmetric, backend="triton")
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)
+    assert torch.equal(a.nonfinite, b.nonfinite)
+    if not symmetric:
+        assert torch.equal(a.offset, b.offset)
+    ya, yb = (
+        Q.dequantize(a, dtype=dtype, backend="ref"),
+        Q.dequantize(b, dtype=dtype, backend="triton"),
+    )
+    torch.testing.assert_close(ya.float(), yb.float(), rtol=torch.finfo(dtype).eps, atol=0)
+
+
+@pytest.mark.skipif(not Q.triton_available(), reason="triton is not importable")
+def test_triton_channelwise_and_keep_cols_match_ref():
+    x = torch.randn(5, 6, device=DEV)
+    a, b = (Q.quantize_channelwise(x, backend=be) for be in ("ref", "triton"))
+    assert torch.equal(a.codes, b.codes)
+    torch.testing.assert_close(Q.dequantize(a, backend="ref"), Q.dequantize(b, backend="triton"))
+    keep = torch.tensor([True, False, True, True, True, False], device=DEV)
+    a, b = (Q.quantize(x, keep_cols=keep, group_size=4, backend=be) for be in ("ref", "triton"))
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)
+
+
+@pytest.mark.parametrize("name", ["int4", "int4-asym", "int8", "int4-channel", "int4-outlier"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_codecs_roundtrip_shape_dtype_bytes(name, dtype):
+    codec = get_codec(name)
+    x = torch.randn(6, 33).to(dtype)
+    p = codec.encode(x)
+    y = codec.decode(p)
+    assert y.shape == x.shape and y.dtype == dtype and y.device == x.device
+    assert codec.nbytes(p) == sum(t.untyped_storage().nbytes() for t in p.tensors.values())
+    assert codec.nbytes(p) < x.numel() * x.element_size()
+    cos = torch.nn.functional.cosine_similarity(x.float().flatten(), y.float().flatten(), dim=0)
+    assert float(cos) > (0.99 if "4" in name else 0.9999)
+    assert codec.metadata()["codec"] == name
+
+
+@pytest.mark.parametrize("name", ["int4", "int4-asym", "int8", "int4-channel", "int4-outlier"])
+def test_codecs_empty_and_noncontiguous(name):
+    codec = get_codec(name)
+    e = torch.empty(0, 4)
+    assert codec.decode(codec.encode(e)).shape == (0, 4)
+    base = torch.randn(8, 12)
+    x = base.t()  # non-contiguous [12, 8]
+    y = codec.decode(codec.encode(x))
+    ref = codec.decode(codec.encode(x.contiguous()))
+    assert y.shape == x.shape and torch.equal(y, ref)
+
+
+@pytest.mark.parametrize("name", ["int4", "int4-asym", "int8", "int4-channel", "int4-outlier"])
+def test_nonfinite_values_take_the_exact_path(name):
+    codec = get_codec(name)
+    x = torch.randn(16, 8)
+    x[2, 3], x[5, 0], x[9, 7] = float("nan"), float("inf"), -float("inf")
+    y = codec.decode(codec.encode(x))
+    bad = ~torch.isfinite(x)
+    assert torch.isnan(y[2, 3]) and y[5, 0] == float("inf") and y[9, 7] == -float("inf")
+    assert bool(torch.isfinite(y[~bad]).all())
+    # the other values are still quantized against finite scales
+    assert float((y[~bad] - x[~bad]).abs().max()) < 0.5 * float(x[~bad].abs().max())
+
+
+def test_nonfinite_raise_mode_and_bad_inputs():
+    x = torch.randn(4, 4)
+    x[0, 0] = float("nan")
+    for cfg in (QuantConfig(nonfinite="raise"), OutlierConfig(nonfinite="raise"),
+                ChannelQuantConfig(nonfinite="raise")):  # fmt: skip
+        with pytest.raises(ValueError, match="non-finite"):
+            cfg.build().encode(x)
+    with pytest.raises(TypeError, match="int64"):
+        get_codec("int4").encode(torch.arange(10))
+    with pytest.raises(ValueError, match="bits must be 4 or 8, got 3"):
+        QuantConfig(bits=3)
+    with pytest.raises(ValueError, match="group_size must be a power of two"):
+        QuantConfig(group_size=12)
+    with pytest.raises(ValueError, match="nonfinite must be one of"):
+        QuantConfig(nonfinite="zero")
+    with pytest.raises(ValueError, match="threshold must be a number > 0"):
+        OutlierConfig(threshold=0)
+    with pytest.raises(ValueError, match="channels=5 does not divide"):
+        ChannelQuantConfig(channels=5).build().encode(torch.randn(4, 4))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        Q.quantize(torch.randn(4), backend="cuda")
+
+
+def test_outlier_channels_detected_kept_exact_and_counted():
+    torch.manual_seed(1)
+    x = torch.randn(64, 48)
+    hot = [5, 30]
+    x[:, hot] *= 40.0
+    assert count_outlier_channels(x) == 2
+    assert outlier_mask(x).nonzero().view(-1).tolist() == hot
+    codec = get_codec("int4-outlier")
+    p = codec.encode(x)
+    assert p.meta["n_outliers"] == 2 and p.tensors["outlier_idx"].tolist() == hot
+    y = codec.decode(p)
+    assert torch.equal(y[:, hot], x[:, hot])
+    normal = [c for c in range(48) if c not in hot]
+    plain = get_codec("int4").decode(get_codec("int4").encode(x))
+    err_outlier = (y[:, normal] - x[:, normal]).abs().mean()
+    err_plain = (plain[:, normal] - x[:, normal]).abs().mean()
+    assert err_outlier < err_plain / 5  # the outliers no longer inflate the normal groups' scales
+    # exact cost: INT4 codes + scales + k*rows original values + k int32 indices
+    groups = -(-x.numel() // 128)
+    assert codec.nbytes(p) == x.numel() // 2 + 4 * groups + 64 * 2 * 4 + 2 * 4
+
+
+def test_outlier_threshold_and_degenerate_inputs():
+    x = torch.randn(32, 16)
+    x[:, 3] *= 4.0
+    assert count_outlier_channels(x, threshold=100.0) == 0
+    assert count_outlier_channels(torch.ones(8, 16)) == 0  # std 0: no outliers
+    assert count_outlier_channels(torch.randn(8, 1)) == 0  # a single channel
+    assert count_outlier_channels(torch.arange(6).view(2, 3)) == 0  # integers: none

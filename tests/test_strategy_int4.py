@@ -1,0 +1,167 @@
+"""The ``int4`` strategy (adacc.txt §3.2 layer-specific compression) and its ablations."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import slimact
+from slimact import sites
+from slimact.meter import measure
+from slimact.models import build_model
+from slimact.models.gpt2 import GPT2Config, GPT2Model
+from slimact.strategies.int4 import Int4Config, parse_site, role_of
+
+
+def run(model, x, strategy=None):
+    if strategy:
+        slimact.apply(model, strategy)
+    with measure(model, n_tokens=x.numel()) as m:
+        out = model(x, targets=x)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return m.report, out.loss.item(), grads
+
+
+def min_cosine(a, b):
+    return min(float(F.cosine_similarity(a[n].flatten(), b[n].flatten(), dim=0)) for n in a)
+
+
+def fresh(name, seed=0):
+    torch.manual_seed(seed)
+    return build_model(name)
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
+def test_int4_roles_memory_and_gradients(name):
+    x = torch.randint(0, 200, (4, 64))
+    base, base_loss, g0 = run(fresh(name), x)
+    rep, loss, g = run(fresh(name), x, "int4")
+    assert loss == base_loss  # forward is untouched: only what backward reads is compressed
+    assert rep.total_bytes / base.total_bytes < 0.4
+    assert min_cosine(g0, g) > 0.98
+    actions = {r.site: r.action for r in rep.sites}
+    first = ("layers.0.", "h.0.")
+    sdpa = [s for s in actions if "scaled_dot_product_attention" in s and s.startswith(first)]
+    assert [actions[s] for s in sdpa[:3]] == ["int8-channel"] * 3  # q, k, v
+    assert all(actions[s] == "keep" for s in sdpa[3:])  # output, logsumexp
+    assert actions[":cross_entropy#0"] == "keep"
+    linear = [s for s in actions if s.endswith(":linear#0") and "attn" not in s]
+    assert linear and all(actions[s] == "int4-outlier" for s in linear)
+
+
+def test_ablations_order_and_revert():
+    x = torch.randint(0, 200, (2, 64))
+    base, _, g0 = run(fresh("llama-tiny"), x)
+    cos, ratio = {}, {}
+    for strategy in ("int4", "int4-plain", "int8", "int4-paper"):
+        rep, _, g = run(fresh("llama-tiny"), x, strategy)
+        cos[strategy], ratio[strategy] = min_cosine(g0, g), rep.total_bytes / base.total_bytes
+    assert cos["int8"] > 0.999 and cos["int8"] > cos["int4"] > cos["int4-paper"]
+    assert ratio["int4"] < ratio["int8"] and ratio["int4-paper"] < ratio["int4"]
+    m = fresh("llama-tiny")
+    slimact.apply(m, "int4")
+    slimact.revert(m)
+    rep, _, g = run(m, x)
+    assert rep.total_bytes == base.total_bytes and min_cosine(g0, g) > 0.99999
+
+
+def test_dropout_masks_are_bit_packed():
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=128, d_model=64, n_layers=1, n_heads=4, d_ff=256,
+                     max_seq_len=64, dropout=0.1)  # fmt: skip
+    model = GPT2Model(cfg).train()
+    slimact.apply(model, "int4")
+    x = torch.randint(0, 128, (2, 32))
+    with measure(model) as m:
+        model(x, targets=x).loss.backward()
+    # CPU dropout saves its float noise {0, 1/(1-p)}; CUDA saves a bool mask: both -> 1 bit
+    masks = [r for r in m.report.sites if r.op == "dropout"]
+    assert len(masks) == 3 and all(r.action == "bits" for r in masks)
+    in_sdpa = [r for r in m.report.sites if r.op == "scaled_dot_product_attention"]
+    assert [r.action for r in in_sdpa].count("bits") == 1  # the math path's attention dropout
+    for r in masks:
+        n = torch.Size(r.shape).numel()
+        assert r.bytes <= -(-n // 8) + (4 if r.dtype != "bool" else 0)
+
+
+def test_filter_fn_and_config_validation():
+    x = torch.randint(0, 200, (2, 64))
+    m = fresh("llama-tiny")
+    slimact.apply(m, "int4", filter_fn=lambda mod, path: path.startswith("layers.0"))
+    rep, _, _ = run(m, x)
+    compressed = {r.block for r in rep.sites if r.action not in ("keep",)}
+    assert compressed == {"layers.0"}
+    with pytest.raises(ValueError, match="Int4Config.act='int3' is not a codec"):
+        Int4Config(act="int3")
+    with pytest.raises(ValueError, match="min_numel must be an int >= 0"):
+        Int4Config(min_numel=-1)
+
+
+def test_role_recognition_is_structural():
+    t = torch.randn(4, 16, 64, requires_grad=True)
+    assert parse_site("model.layers.3.mlp.down_proj:linear#0") == ("model.layers.3.mlp.down_proj",
+                                                                   "linear", 0)  # fmt: skip
+    assert role_of("a.mlp.down_proj:linear#0", t) == "act"
+    assert role_of("a.input_layernorm:layer_norm#0", t) == "act"
+    assert role_of("a.mlp.act:gelu#0", t) == "act"
+    assert role_of("a.mlp.act_fn:inv_silu#0", t) == "act"  # InvAct's float save
+    assert role_of("a.attn:softmax#0", t) == "scores"
+    assert role_of("a.attn:matmul#1", torch.randn(2, 4, 16, 16, requires_grad=True)) == "scores"
+    assert role_of("a.attn:matmul#0", torch.randn(2, 4, 16, 8, requires_grad=True)) == "qkv"
+    q = torch.randn(2, 4, 16, 8, requires_grad=True)
+    assert role_of("a.attn:scaled_dot_product_attention#2", q) == "qkv"
+    assert role_of("a.attn:scaled_dot_product_attention#4", q) is None
+    assert role_of("x:cross_entropy#0", t) is None
+    assert role_of("a:mul#0", torch.randn(4, 16, 64)) is None  # no grad: a constant (RoPE)
+    assert role_of("a.norm:rsqrt#0", torch.randn(4, 16, 1, requires_grad=True)) is None
+    assert role_of("a:dropout#0", torch.rand(8, 8) > 0.5) == "mask"
+    assert role_of("a:inv_silu#1", torch.tensor([0, 1, 1], dtype=torch.uint8)) == "mask"
+    assert role_of("a:inv_silu#1", torch.tensor([0, 7, 255], dtype=torch.uint8)) is None
+    assert role_of("a:embedding#0", torch.arange(10)) is None
+
+
+class _InvSiLU(torch.autograd.Function):
+    """Stand-in for InvAct's function: saves the output and a packed uint8 bit mask."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = F.silu(x)
+        mask = (x.reshape(-1) > -1.2785).to(torch.uint8)
+        mask = torch.nn.functional.pad(mask, (0, -mask.numel() % 8)).view(-1, 8)
+        packed = (mask << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8)
+        ctx.save_for_backward(y, packed, x)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        y, packed, x = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return g * (s * (1 + x * (1 - s)))
+
+
+def test_composes_with_an_invact_style_function():
+    x = torch.randint(0, 200, (2, 64))
+    m = fresh("llama-tiny")
+    for block in m.layers:
+
+        def act(h):
+            with sites.role("inv_silu"):
+                return _InvSiLU.apply(h)
+
+        block.mlp.act_fn.forward = act
+    rep, _, _ = run(m, x, "int4")
+    kinds = {(r.op, r.dtype): r.action for r in rep.sites if r.op == "inv_silu"}
+    assert kinds[("inv_silu", "float32")] == "int4-outlier"
+    assert kinds[("inv_silu", "uint8")] == "keep"  # packed bits are left alone
+
+
+def test_nonfinite_activations_come_back_nonfinite():
+    m = fresh("llama-tiny")
+    slimact.apply(m, "int4")
+    x = torch.randint(0, 200, (2, 64))
+    with torch.no_grad():
+        m.embed_tokens.weight[x[0, 3]] = float("nan")
+    loss = m(x, targets=x).loss
+    loss.backward()
+    assert torch.isnan(loss)
+    assert torch.isnan(m.layers[0].mlp.down_proj.weight.grad).any()
