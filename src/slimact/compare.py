@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,18 +59,32 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _default_forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return model(x, targets=y).loss
+
+
 def run_steps(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, warmup: int
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    steps: int,
+    warmup: int,
+    forward: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[MemoryReport, float, float]:
-    """First step measured by the meter; returns (report, first loss, median step time)."""
+    """First step measured by the meter; returns (report, first loss, median step time).
+
+    ``forward(model, x, y) -> loss`` replaces ``model(x, targets=y).loss`` (e.g.
+    ``slimact.hf.lm_loss`` for Hugging Face models, which take ``labels=``).
+    """
+    fwd = forward or _default_forward
     device = x.device
     model.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with measure(model, n_tokens=x.numel()) as m:
-        out = model(x, targets=y)
-    out.loss.backward()
-    report, loss = m.report, out.loss.item()
+        out_loss = fwd(model, x, y)
+    out_loss.backward()
+    report, loss = m.report, out_loss.item()
     if device.type == "cuda":
         _sync(device)
         report.peak_allocated_bytes = torch.cuda.max_memory_allocated(device)
@@ -79,7 +94,7 @@ def run_steps(
         model.zero_grad(set_to_none=True)
         _sync(device)
         t0 = time.perf_counter()
-        model(x, targets=y).loss.backward()
+        fwd(model, x, y).backward()
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -136,8 +136,11 @@ def _unpack(obj: Any) -> torch.Tensor:
 
 
 def hold(t: torch.Tensor, role: str) -> None:
-    """Report a tensor a strategy keeps alive for backward outside autograd's saved tensors."""
-    if not is_active() or not isinstance(t, torch.Tensor) or _is_excluded(t):
+    """Report a tensor a strategy keeps alive for backward outside autograd's saved tensors.
+
+    Under ``torch.compile`` nothing is reported: the compiled graph's own saves (which include
+    what a checkpoint keeps) reach the router as saved tensors of the graph."""
+    if torch.compiler.is_compiling() or not is_active() or not isinstance(t, torch.Tensor) or _is_excluded(t):
         return
     site, module = _next_site(role)
     event = SavedEvent(site, module, role, t, [t], "hold")
@@ -145,9 +148,19 @@ def hold(t: torch.Tensor, role: str) -> None:
         listener(event)
 
 
+def role(name: str) -> AbstractContextManager[None]:
+    """Name the op for tensors saved inside (custom autograd Functions use this).
+
+    Under ``torch.compile`` this is a no-op: a compiled graph's saves are chosen by AOTAutograd,
+    not by the op, so there is nothing to name (and a thread-local push would break the graph).
+    """
+    if torch.compiler.is_compiling():
+        return nullcontext()
+    return _role(name)
+
+
 @contextmanager
-def role(name: str) -> Iterator[None]:
-    """Name the op for tensors saved inside (custom autograd Functions use this)."""
+def _role(name: str) -> Iterator[None]:
     _state.roles.append(name)
     try:
         yield
@@ -204,11 +217,7 @@ def tracking(model: nn.Module | None = None) -> Iterator[None]:
         return
     handles = []
     if model is not None:
-        _state.excluded = {
-            _storage_key(t)
-            for t in (*model.parameters(), *model.buffers())
-            if t.device.type != "meta"
-        }
+        _state.excluded = _param_storages(model)
         for path, m in model.named_modules():
             handles.append(m.register_forward_pre_hook(_make_pre_hook(path)))
             handles.append(m.register_forward_hook(_post_hook, always_call=True))
@@ -227,8 +236,23 @@ def tracking(model: nn.Module | None = None) -> Iterator[None]:
             h.remove()
 
 
+def _param_storages(model: nn.Module) -> set[int]:
+    """Storage keys of parameters and buffers (an FSDP2 DTensor: its local shard)."""
+    keys = set()
+    for t in (*model.parameters(), *model.buffers()):
+        if t.device.type == "meta":
+            continue
+        try:
+            keys.add(_storage_key(getattr(t, "_local_tensor", t)))
+        except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+            pass
+    return keys
+
+
 def _make_pre_hook(path: str):
     def pre_hook(module, args):
+        if torch.compiler.is_compiling():  # inside a compiled block: its saves are the block's
+            return
         _state.stack.append(path)
         _state.counters.pop(path, None)
 
@@ -236,6 +260,8 @@ def _make_pre_hook(path: str):
 
 
 def _post_hook(module, args, output):
+    if torch.compiler.is_compiling():
+        return
     if _state.stack:
         _state.stack.pop()
 

@@ -85,8 +85,10 @@ class NormInvertibility:
         self._key = None
         self.reason: str | None = None
         self.fallbacks = 0
+        self.last_dtype: torch.dtype | None = None
 
     def check(self, weight, bias, dtype) -> bool:
+        self.last_dtype = dtype
         key = tuple(
             (t.data_ptr(), t._version) if t is not None else None for t in (weight, bias)
         ) + (dtype,)

@@ -22,6 +22,12 @@ Kernels: ``_fwd_kernel`` computes y and the packed mask in one pass (BLOCK is a 
 each program writes whole bytes); ``_bwd_kernel`` unpacks the bit and evaluates g(y, s) in fp32.
 Both are used for CUDA tensors when triton is importable (or ``backend="triton"``, which also runs
 on CPU under ``TRITON_INTERPRET=1``); ``*_ref`` are the plain-PyTorch path used on CPU and in tests.
+
+``torch.compile``: under dynamo the op goes through two ``torch.library`` custom ops,
+``slimact::inv_act_fwd`` (x -> y, packed) and ``slimact::inv_act_bwd`` (dy, y, packed -> dx), tied
+by ``register_autograd``. They are opaque to the compiler (the bit unpacking and the Newton
+inversion's masked updates are data-dependent and would break the graph), so a compiled block
+containing an inverted activation is one graph, and AOTAutograd saves exactly y + packed.
 """
 
 from __future__ import annotations
@@ -397,6 +403,78 @@ class InvActFunction(torch.autograd.Function):
         return dx, None, None, None, None
 
 
+# ----------------------------------------------------------------------------- torch.library
+@torch.library.custom_op("slimact::inv_act_fwd", mutates_args=())
+def _inv_act_fwd_op(
+    x: torch.Tensor, kind: str, mode: str, variant: str, backend: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # x: (*shape) -> y: (*shape), packed: (ceil(numel/8),) uint8 ((0,) for 'lsb'); mode is
+    # only read by the backward (setup_context keeps it)
+    xc = x.contiguous()
+    if _use_triton(xc, backend):
+        y, packed = inv_act_fwd_triton(xc, kind, variant)
+    else:
+        y, packed = inv_act_fwd_ref(xc, kind, variant)
+    return y, (xc.new_empty(0, dtype=torch.uint8) if packed is None else packed)
+
+
+@_inv_act_fwd_op.register_fake
+def _(x, kind, mode, variant, backend):
+    n = 0 if variant == "lsb" else (x.numel() + 7) // 8
+    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(
+        n, dtype=torch.uint8
+    )
+
+
+@torch.library.custom_op("slimact::inv_act_bwd", mutates_args=())
+def _inv_act_bwd_op(
+    dy: torch.Tensor,
+    y: torch.Tensor,
+    packed: torch.Tensor,
+    kind: str,
+    mode: str,
+    variant: str,
+    backend: str,
+) -> torch.Tensor:
+    # dy, y: (*shape) -> dx: (*shape)
+    packed_or_none = None if variant == "lsb" else packed
+    dy = dy.contiguous()
+    if _use_triton(y, backend):
+        return inv_act_bwd_triton(dy, y, packed_or_none, kind, mode, variant)
+    return inv_act_bwd_ref(dy, y, packed_or_none, kind, mode, variant)
+
+
+@_inv_act_bwd_op.register_fake
+def _(dy, y, packed, kind, mode, variant, backend):
+    return torch.empty_like(y, memory_format=torch.contiguous_format)
+
+
+def _op_setup_context(ctx, inputs, output):
+    _, kind, mode, variant, backend = inputs
+    ctx.cfg = (kind, mode, variant, backend)
+    ctx.save_for_backward(*output)
+
+
+def _op_backward(ctx, dy, dpacked):
+    kind, mode, variant, backend = ctx.cfg
+    y, packed = ctx.saved_tensors
+    return _inv_act_bwd_op(dy, y, packed, kind, mode, variant, backend), None, None, None, None
+
+
+_inv_act_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+
+
+def inv_act_op(
+    x: torch.Tensor,
+    kind: str,
+    mode: str = "newton",
+    variant: str = "bitmask",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The custom-op path (what ``inv_act`` runs under ``torch.compile``); eager-callable too."""
+    return _inv_act_fwd_op(x, kind, mode, variant, backend)[0]
+
+
 def inv_act(
     x: torch.Tensor,
     kind: str,
@@ -409,6 +487,8 @@ def inv_act(
     _check(x, kind, mode, variant, backend)
     if not (torch.is_grad_enabled() and x.requires_grad):
         return act_ref(x, kind)
+    if torch.compiler.is_compiling():
+        return inv_act_op(x, kind, mode, variant, backend)
     with sites.role(f"inv_{kind}"):
         return InvActFunction.apply(x, kind, mode, variant, backend)
 

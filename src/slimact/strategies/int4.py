@@ -45,7 +45,19 @@ from slimact.strategies.registry import AppliedChange, FilterFn, StrategyConfig,
 
 ROLES = ("act", "qkv", "scores", "mask")
 ACT_OPS = frozenset(
-    {"linear", "layer_norm", "rms_norm", "group_norm", "pow", "mul", "gelu", "silu", "relu"}
+    {
+        "linear",
+        "addmm",
+        "layer_norm",
+        "rms_norm",
+        "group_norm",
+        "pow",
+        "mul",
+        "tanh",
+        "gelu",
+        "silu",
+        "relu",
+    }  # addmm: HF GPT-2's Conv1D; tanh: the tanh-GELU written out (HF NewGELU)
 )
 KEEP_OPS = frozenset({"cross_entropy", "nll_loss", "log_softmax", "embedding"})
 MASK_OPS = frozenset({"dropout", "feature_dropout", "scaled_dot_product_attention"})
@@ -167,6 +179,14 @@ def apply_int4(
     change.action = config.name
     change.detail = ", ".join(f"{r}={getattr(config, r)}" for r in ROLES)
     model.__dict__["_slimact_int4_assign"] = assign
+    remove_policy = change.undo
+
+    def undo() -> None:
+        if remove_policy is not None:
+            remove_policy()
+        model.__dict__.pop("_slimact_int4_assign", None)
+
+    change.undo = undo
     return [change]
 
 

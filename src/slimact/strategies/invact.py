@@ -199,13 +199,33 @@ def _act_forward(kind, mode, variant, backend, x):
     return inv_act(x, kind, mode=mode, variant=variant, backend=backend)
 
 
+def _norm_ok(module, bias, x) -> bool:
+    """Eager: (re)check y / w invertibility (cached per weight version). Under torch.compile the
+    check (host syncs, data_ptr keys) cannot run in the graph: the root pre-hook
+    ``_refresh_norm_checks`` ran it eagerly before this forward and dynamo guards on the cached
+    verdict, so a flip recompiles instead of breaking the graph."""
+    inv = module._slimact_inv
+    if torch.compiler.is_compiling():
+        return inv.reason is None
+    return inv.check(module.weight, bias, x.dtype)
+
+
+def _refresh_norm_checks(norms, root, args):
+    for m in norms:
+        inv = m.__dict__.get("_slimact_inv")
+        if inv is not None and getattr(m, "weight", None) is not None:
+            calls = inv.fallbacks  # the norm's own forward counts its fallback, not this re-check
+            inv.check(m.weight, getattr(m, "bias", None), inv.last_dtype or m.weight.dtype)
+            inv.fallbacks = calls
+
+
 def _rms_forward(module, eps, x):
-    ok = module._slimact_inv.check(module.weight, None, x.dtype)
+    ok = _norm_ok(module, None, x)
     return inv_rms_norm(x, module.weight, eps, check=not ok)
 
 
 def _ln_forward(module, x):
-    ok = module._slimact_inv.check(module.weight, module.bias, x.dtype)
+    ok = _norm_ok(module, module.bias, x)
     return inv_layer_norm(
         x,
         module.normalized_shape,
@@ -298,6 +318,16 @@ def apply_invact(
             else:
                 fwd = functools.partial(_ln_forward, m)
         changes.append(_patch(m, fwd, action, path, detail))
+    norms = [
+        modules[p]
+        for p, (what, _) in plan.items()
+        if what == "norm" and "forward" in modules[p].__dict__
+    ]
+    if norms:  # eager re-check of y / w before each forward, for compiled blocks (see _norm_ok)
+        handle = model.register_forward_pre_hook(functools.partial(_refresh_norm_checks, norms))
+        changes.append(
+            AppliedChange("", "invnorm-check", f"{len(norms)} norm(s)", undo=handle.remove)
+        )
     if not changes:
         changes.append(AppliedChange("", "invact", "no GELU/SiLU/norm modules found", True))
     return changes

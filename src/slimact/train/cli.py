@@ -13,7 +13,7 @@ import sys
 from dataclasses import fields
 from typing import Any
 
-from slimact.train.config import DEVICES, TrainConfig
+from slimact.train.config import DEVICES, DIST_MODES, TrainConfig
 
 _DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
 
@@ -49,6 +49,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     a("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     a("--device", default=d["device"], help=f"{', '.join(DEVICES)} or cuda:N (auto: cuda if any)")
     a("--no-progress", action="store_true", help="no progress bar")
+    a(
+        "--dist",
+        default=d["dist"],
+        choices=DIST_MODES,
+        help="data parallelism under torchrun: ddp or fsdp (FSDP2 fully_shard); --batch is the "
+        "global batch, split over ranks",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -116,7 +123,10 @@ def run_train(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print_summary(result)
+    import os
+
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, only rank 0 reports
+        print_summary(result)
     return 130 if result.interrupted else 0
 
 

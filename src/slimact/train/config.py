@@ -32,6 +32,7 @@ TRAJECTORY_FIELDS = (
     "data",
 )
 DEVICES = ("auto", "cpu", "cuda")
+DIST_MODES = ("none", "ddp", "fsdp")  # "none": one process; ddp/fsdp: under torchrun
 
 
 def _model_max_seq_len(model: str) -> int:
@@ -71,6 +72,7 @@ class TrainConfig:
     device: str = "auto"
     progress: bool = True
     stop_at: int | None = None
+    dist: str = "none"
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -137,6 +139,10 @@ class TrainConfig:
         need(
             self.stop_at is None or (is_int(self.stop_at) and 1 <= self.stop_at <= self.steps),
             f"stop_at must be in [1, steps={self.steps}] (or unset), got {self.stop_at}",
+        )
+        need(
+            self.dist in DIST_MODES,
+            f"dist must be one of {', '.join(DIST_MODES)}, got {self.dist!r}",
         )
         if self.data is not None:
             object.__setattr__(self, "data", str(self.data))

@@ -7,6 +7,12 @@ forward of each invocation runs inside ``slimact.measure`` to record the activat
 for backward (the meter only observes, so numerics are unchanged). Validation loss/perplexity is
 computed every ``eval_every`` steps and at the end on a fixed set of val windows.
 
+Distributed (``--dist ddp|fsdp`` under ``torchrun``, see ``slimact.dist``): ``batch`` is the
+global batch; every rank draws it and keeps its rows; the strategy is applied to the bare model
+before DDP / FSDP2 wraps it; losses are averaged over ranks for the log; only rank 0 writes
+metrics and checkpoints (full, unsharded ``model.safetensors``: a checkpoint loads into a plain
+single-process model and resumes under any world size that divides the batch).
+
 Everything that decides the trajectory (weights, optimizer, schedule step, loader position, RNG
 states) goes into checkpoints, so on CPU a resumed run repeats the uninterrupted run's losses
 bit-for-bit. Ctrl-C finishes the current step, writes a checkpoint and stops (a second Ctrl-C
@@ -154,6 +160,37 @@ def _find_resume(config: TrainConfig) -> Path | None:
     return ckpt
 
 
+class _NullLog:
+    """Metrics sink of ranks other than 0."""
+
+    history: list[dict[str, Any]] = []
+
+    def log(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _OptimState:
+    """Stands in for an optimizer in ``save_checkpoint`` (FSDP2: the gathered full state)."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+
+def _plain_copy(config: TrainConfig, weights: dict[str, torch.Tensor]) -> nn.Module:
+    """An unwrapped CPU model holding ``weights`` (what FSDP2 checkpoints are written from)."""
+    from slimact.models import build_model
+
+    model = build_model(config.model, vocab_size=ByteTokenizer().vocab_size)
+    model.load_state_dict(weights)
+    return model
+
+
 class _Trainer:
     """State of one invocation; ``run`` does the steps."""
 
@@ -164,16 +201,36 @@ class _Trainer:
         self.config = config
         if config.threads is not None:
             torch.set_num_threads(config.threads)
+        from slimact import dist as sdist
+
+        self.dist = sdist.DistInfo()
+        if config.dist != "none":
+            self.dist = sdist.init()
+        elif sdist.env_world_size() > 1:
+            raise ValueError(
+                f"launched as {sdist.env_world_size()} processes but --dist none; "
+                "pass --dist ddp or --dist fsdp"
+            )
+        if config.batch % self.dist.world_size:
+            raise ValueError(
+                f"--batch {config.batch} is the global batch and must divide by the world size "
+                f"{self.dist.world_size}"
+            )
         self.device = config.resolved_device()
+        if self.device == "cuda" and self.dist.world_size > 1:
+            self.device = f"cuda:{self.dist.local_rank}"
         self.run_dir = config.run_dir
         self.ckpt = _find_resume(config)
         seed_everything(config.seed)
         self.model = _build_model(config, self.device)
         self.params = count_params(self.model)
+        if self.dist.world_size > 1:
+            sdist.sync_prac(self.model)
+        self.wrapped = sdist.wrap(self.model, config.dist, self.device)
         splits = load_data(config.data)
         self.loader = BatchLoader(splits.train, config.batch, config.seq, config.seed)
         self.val = fixed_batches(splits.val, config.batch, config.seq, config.eval_batches)
-        self.optimizer = make_optimizer(self.model, config.lr, config.weight_decay)
+        self.optimizer = make_optimizer(self.wrapped, config.lr, config.weight_decay)
         self.schedule = WarmupCosine(
             config.lr, config.steps, config.warmup_steps, config.min_lr_ratio
         )
@@ -181,14 +238,38 @@ class _Trainer:
         self.tokens_seen = 0
         self.saved_bytes: int | None = None
         if self.ckpt is not None:
-            state = load_checkpoint(self.ckpt, self.model, self.optimizer)
+            state = self._load(self.ckpt)
             if WarmupCosine.from_state_dict(state["schedule"]) != self.schedule:
                 raise ValueError(f"checkpoint {self.ckpt} has a different lr schedule")
             self.loader.load_state_dict(state["loader"])
             self.step = int(state["step"])
             self.tokens_seen = int(state["tokens_seen"])
             set_rng_state(state["rng"])  # last: nothing may draw random numbers after this
-        self.log = MetricsLog(self.run_dir, resume_step=self.step if self.ckpt else None)
+        self.log: MetricsLog | _NullLog = _NullLog()
+        if self.dist.is_main:
+            self.log = MetricsLog(self.run_dir, resume_step=self.step if self.ckpt else None)
+
+    @property
+    def sharded(self) -> bool:
+        return self.config.dist == "fsdp"
+
+    def _load(self, path: Path) -> dict[str, Any]:
+        if not self.sharded:  # DDP shares the bare model's parameters: load in place
+            return load_checkpoint(path, self.model, self.optimizer)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        from slimact.models import build_model
+
+        plain = build_model(self.config.model, vocab_size=ByteTokenizer().vocab_size)
+        state = load_checkpoint(path, plain)
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, plain.state_dict(), options=opts)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=opts)
+        return state
 
     def train_step(self) -> tuple[float, float]:
         """One optimizer step; returns (mean loss, grad norm before clipping)."""
@@ -197,38 +278,64 @@ class _Trainer:
         loss_sum = 0.0
         for micro in range(cfg.grad_accum):
             x, y = self.loader.next_batch()
+            if self.dist.world_size > 1:
+                from slimact.dist import shard
+
+                x, y = shard(x), shard(y)
             x, y = x.to(self.device), y.to(self.device)
             with autocast_for(self.device)():
                 if self.saved_bytes is None and micro == 0:
                     import slimact
 
                     with slimact.measure(model, n_tokens=x.numel()) as meter:
-                        loss = model(x, targets=y).loss
-                    self.saved_bytes = int(meter.report.total_bytes)
+                        loss = self.wrapped(x, targets=y).loss
+                    self.saved_bytes = int(meter.report.total_bytes)  # this rank's, B/W rows
                 else:
-                    loss = model(x, targets=y).loss
+                    loss = self.wrapped(x, targets=y).loss
             (loss / cfg.grad_accum).backward()
             loss_sum += float(loss.detach().float().item())
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf)
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+            norm = norm.full_tensor()
         self.optimizer.step()
-        return loss_sum / cfg.grad_accum, float(norm.item())
+        from slimact.dist import mean_across
+
+        return mean_across(loss_sum / cfg.grad_accum, self.device), float(norm.item())
 
     def checkpoint(self) -> None:
+        from slimact.dist import barrier
+
         state = {
             "schedule": self.schedule.state_dict(),
             "loader": self.loader.state_dict(),
             "tokens_seen": self.tokens_seen,
         }
-        save_checkpoint(
-            self.run_dir,
-            self.step,
-            model=self.model,
-            optimizer=self.optimizer,
-            state=state,
-            config=self.config.to_dict(),
-        )
-        prune_checkpoints(self.run_dir, self.config.keep_last)
+        model, optimizer = self.model, self.optimizer
+        if self.sharded:  # gather full weights and optimizer state (collectives: every rank)
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+                get_optimizer_state_dict,
+            )
+
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            weights = get_model_state_dict(self.model, options=opts)
+            optimizer = _OptimState(
+                get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+            )
+            model = _plain_copy(self.config, weights) if self.dist.is_main else None
+        if self.dist.is_main:
+            save_checkpoint(
+                self.run_dir,
+                self.step,
+                model=model,
+                optimizer=optimizer,
+                state=state,
+                config=self.config.to_dict(),
+            )
+            prune_checkpoints(self.run_dir, self.config.keep_last)
+        barrier()
 
     def run(self) -> TrainResult:
         cfg = self.config
@@ -238,7 +345,7 @@ class _Trainer:
         bar = tqdm(
             total=cfg.steps,
             initial=start,
-            disable=not cfg.progress,
+            disable=not (cfg.progress and self.dist.is_main),
             unit="step",
             dynamic_ncols=True,
             desc=f"{cfg.model}/{cfg.strategy}",
@@ -272,10 +379,10 @@ class _Trainer:
                     }
                     last = self.step == stop_step or interrupted
                     if last or (cfg.eval_every and self.step % cfg.eval_every == 0):
-                        val_loss = evaluate(self.model, self.val, self.device)
+                        val_loss = evaluate(self.wrapped, self.val, self.device)
                         record["eval_loss"] = val_loss
                         record["eval_ppl"] = perplexity(val_loss)
-                        if cfg.progress:
+                        if cfg.progress and self.dist.is_main:
                             bar.write(
                                 f"step {self.step}: val loss {val_loss:.4f} "
                                 f"ppl {perplexity(val_loss):.2f}"
@@ -294,7 +401,7 @@ class _Trainer:
             bar.close()
             self.log.close()
         if val_loss is None:  # nothing left to do (resumed a finished run): still report val
-            val_loss = evaluate(self.model, self.val, self.device)
+            val_loss = evaluate(self.wrapped, self.val, self.device)
         history = self.log.history
         done = self.step - start
         return TrainResult(
@@ -316,4 +423,11 @@ class _Trainer:
 
 def train(config: TrainConfig) -> TrainResult:
     """Run (or resume) the training described by ``config``; see the module docstring."""
-    return _Trainer(config).run()
+    if config.dist == "none":
+        return _Trainer(config).run()
+    from slimact.dist import teardown
+
+    try:
+        return _Trainer(config).run()
+    finally:
+        teardown()

@@ -1,0 +1,309 @@
+"""Hugging Face transformers and torch.compile integration.
+
+``slimact.apply(hf_model, "invact")`` already works on any ``transformers`` model: every strategy
+finds its targets by structure, not by class name, because it works on *sites* (what autograd
+saves) and on module shapes:
+
+* ``recompute``: the children of a ``ModuleList`` (``model.layers.i``, ``transformer.h.i``,
+  ``bert.encoder.layer.i``) are the blocks;
+* ``invact``: parameterless leaf activations whose output matches GELU / tanh-GELU / SiLU on a
+  probe grid, norms whose forward matches LayerNorm / RMSNorm, and only where a dummy forward
+  shows the next op saves their output;
+* ``int4`` / ``prac`` / ``auto``: a ``saved_tensors_hooks`` policy sees the tensors ``linear``,
+  ``scaled_dot_product_attention``, the activations and norms save, whatever module runs them;
+* ``cola``: ``slimact.cola.convert(hf_llama_config)`` builds the CoLA model of a Llama config.
+
+This module adds what a user of that stack needs around it: :func:`lm_loss` (one loss call for
+causal and masked LMs, ours and HF's), :func:`structure` (what slimact recognizes in a model),
+:func:`unhandled` (saved bytes a strategy left untouched, per op: the sites it could not handle),
+:func:`patched_modules` (empty after ``slimact.revert``), :class:`SlimactCallback` for
+``transformers.Trainer``, and :func:`compile_blocks`.
+
+torch.compile decision (measured, see benchmarks/results/compile.md): compile the *blocks*, not
+the root. The site router enters ``saved_tensors_hooks`` + a ``TorchFunctionMode`` around the
+root forward and names saves by module path and op. Dynamo cannot inline those Python hooks (they
+are not graph modules), so they stay active *around* a compiled block and see the saves
+AOTAutograd chose for the whole graph, unnamed (``layers.0:saved#k``). That is exact for the
+meter and harmless for ``none`` / ``recompute`` / ``invact`` (which act inside the op, and whose
+custom ops are opaque to the compiler), but a codec policy (``int4``, ``prac``, ``auto``) chooses
+codecs by site name and would silently store everything raw. So :func:`compile_blocks` leaves
+the blocks of a model with a codec policy eager and reports why; the root (embedding, loss) stays
+eager in every case, which keeps the router's entry and the norm checks outside the graphs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from slimact import sites
+from slimact.meter import MemoryReport, measure
+from slimact.strategies.registry import AppliedChange, StrategyConfig, applied, apply, revert
+
+_ACT_NAME = re.compile(r"gelu|silu|swish|act|relu|tanh|mish", re.IGNORECASE)
+_NORM_NAME = re.compile(r"norm", re.IGNORECASE)
+_ATTN_NAME = re.compile(r"attn|attention", re.IGNORECASE)
+_CODEC_KEYS = ("_slimact_stateful", "_slimact_plan_runtime")
+
+
+# ----------------------------------------------------------------------------- losses
+def is_hf_model(model: nn.Module) -> bool:
+    """A ``transformers.PreTrainedModel`` (checked without importing transformers)."""
+    return any(c.__name__ == "PreTrainedModel" for c in type(model).__mro__)
+
+
+def lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The training loss of one batch, for slimact models and HF causal / masked LMs.
+
+    slimact models: ``model(input_ids, targets=labels)`` (labels already shifted). HF models:
+    ``model(input_ids=..., labels=...)``; causal LMs shift ``labels`` themselves (pass
+    ``input_ids``), masked LMs score the positions whose label is not -100.
+    """
+    if is_hf_model(model):
+        out = model(input_ids=input_ids, labels=labels)
+    else:
+        out = model(input_ids, targets=labels)
+    if getattr(out, "loss", None) is None:
+        raise ValueError(
+            f"{type(model).__name__} returned no loss; is it a *ForCausalLM/*ForMaskedLM?"
+        )
+    return out.loss
+
+
+def mlm_batch(
+    input_ids: torch.Tensor, mask_token_id: int, prob: float = 0.15, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT-style masking: ``prob`` of positions replaced by ``mask_token_id``; labels -100 else."""
+    if not 0 < prob < 1:
+        raise ValueError(f"prob must be in (0, 1), got {prob}")
+    gen = torch.Generator().manual_seed(seed)
+    chosen = torch.rand(input_ids.shape, generator=gen) < prob
+    chosen[..., 0] |= ~chosen.any(-1)  # at least one scored position per row
+    chosen = chosen.to(input_ids.device)
+    labels = torch.where(chosen, input_ids, torch.full_like(input_ids, -100))
+    return torch.where(chosen, torch.full_like(input_ids, mask_token_id), input_ids), labels
+
+
+# ----------------------------------------------------------------------------- structure
+def _is_linear(m: nn.Module) -> bool:
+    # nn.Linear, and HF's GPT-2 ``Conv1D`` (a Linear with a transposed weight): weight + matmul
+    if isinstance(m, nn.Linear):
+        return True
+    w = getattr(m, "weight", None)
+    return type(m).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and w.dim() == 2
+
+
+def _is_leaf_act(m: nn.Module) -> bool:
+    return (
+        not list(m.children())
+        and not list(m.parameters(recurse=False))
+        and bool(_ACT_NAME.search(type(m).__name__))
+    )
+
+
+def _is_norm(m: nn.Module) -> bool:
+    w = getattr(m, "weight", None)
+    named = isinstance(m, (nn.LayerNorm, nn.GroupNorm)) or _NORM_NAME.search(type(m).__name__)
+    return bool(named) and isinstance(w, torch.Tensor) and w.dim() == 1
+
+
+@dataclass
+class Structure:
+    """What slimact recognizes in a model, by structure (module paths per kind)."""
+
+    blocks: list[str] = field(default_factory=list)
+    linears: list[str] = field(default_factory=list)
+    attention_projections: list[str] = field(default_factory=list)
+    activations: list[str] = field(default_factory=list)
+    norms: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, int]:
+        return {k: len(v) for k, v in self.__dict__.items()}
+
+
+def structure(model: nn.Module) -> Structure:
+    """Blocks (ModuleList children), Linear-like layers (attention projections among them:
+    Linear-likes inside a module named ``*attn*``/``*Attention*``), leaf activations, norms."""
+    out = Structure(blocks=sites.block_paths(model))
+    attn_scopes = [
+        p for p, m in model.named_modules() if p and _ATTN_NAME.search(type(m).__name__ + p)
+    ]
+    for path, m in model.named_modules():
+        if not path:
+            continue
+        if _is_linear(m):
+            out.linears.append(path)
+            if any(path.startswith(s + ".") for s in attn_scopes):
+                out.attention_projections.append(path)
+        elif _is_leaf_act(m):
+            out.activations.append(path)
+        elif _is_norm(m):
+            out.norms.append(path)
+    return out
+
+
+def unhandled(report: MemoryReport, min_bytes: int = 1) -> dict[str, int]:
+    """Bytes kept as they are (action 'keep'), per ``op`` and per kind of module: what a strategy
+    left untouched on this model. Parameters never appear (the router skips them)."""
+    out: dict[str, int] = {}
+    for s in report.sites:
+        if s.action == "keep" and s.bytes >= min_bytes:
+            out[s.op] = out.get(s.op, 0) + s.bytes
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def skipped(model: nn.Module) -> list[tuple[str, str, str]]:
+    """(path, action, why) of every target a strategy could not handle on ``model``."""
+    return [(c.path, c.action, c.detail) for c in applied(model) if c.skipped]
+
+
+def patched_modules(model: nn.Module) -> list[str]:
+    """Modules still carrying slimact's instance patches or state (empty after ``revert``)."""
+    out = []
+    for path, m in model.named_modules():
+        keys = [k for k, v in m.__dict__.items() if k.startswith("_slimact") and v]
+        if "forward" in m.__dict__ or keys or m.__dict__.get("_compiled_call_impl") is not None:
+            out.append(path or "(root)")
+    return out
+
+
+# ----------------------------------------------------------------------------- Trainer
+def _callback_base() -> type:
+    try:
+        from transformers import TrainerCallback
+    except ImportError:  # transformers is optional: the callback is then a plain object
+        return object
+    return TrainerCallback
+
+
+class SlimactCallback(_callback_base()):
+    """``Trainer(..., callbacks=[SlimactCallback("invact")])``: apply at train begin, revert at
+    train end (``revert_at_end``), and record the first step's saved activation bytes.
+
+    Plain ``slimact.apply(model, ...)`` before building the Trainer does the same; the callback
+    only adds the measurement (``saved_bytes``, ``report``) and the revert.
+    """
+
+    def __init__(
+        self, strategy: str | StrategyConfig, filter_fn=None, revert_at_end: bool = True
+    ) -> None:
+        self.strategy = strategy
+        self.filter_fn = filter_fn
+        self.revert_at_end = revert_at_end
+        self.report: MemoryReport | None = None
+        self.saved_bytes: int | None = None
+        self._stack: ExitStack | None = None
+        self._meter = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is None:
+            raise ValueError("SlimactCallback needs the Trainer to pass `model`")
+        if not applied(model):
+            apply(model, self.strategy, self.filter_fn)
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if self.report is None and model is not None and self._stack is None:
+            self._stack = ExitStack()
+            self._meter = self._stack.enter_context(measure(model))
+
+    def _close(self) -> None:
+        if self._stack is not None:
+            self.report = self._meter.report
+            self.saved_bytes = int(self.report.total_bytes)
+            self._stack.close()
+            self._stack = None
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self._close()  # grad accumulation: the first micro-batch only
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._close()
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self._close()
+        if self.revert_at_end and model is not None:
+            revert(model)
+
+
+# ----------------------------------------------------------------------------- torch.compile
+def codec_policy_installed(model: nn.Module) -> bool:
+    """True when saves are routed through a codec policy (int4, prac, auto/plan)."""
+    d = model.__dict__
+    fwd = d.get("forward")
+    return any(d.get(k) for k in _CODEC_KEYS) or (fwd is not None and hasattr(fwd, "__wrapped__"))
+
+
+def compile_blocks(
+    model: nn.Module,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    **compile_kwargs: Any,
+) -> list[AppliedChange]:
+    """``torch.compile`` every block (ModuleList child) in place; the root stays eager.
+
+    Apply strategies first. Returns (and records, so ``slimact.revert`` undoes it) one change per
+    block; blocks are left eager, with the reason, where a codec policy is installed (see the
+    module docstring). ``compile_kwargs`` go to ``torch.compile`` (backend, mode, ...).
+    """
+    modules = dict(model.named_modules())
+    changes: list[AppliedChange] = []
+    policy = codec_policy_installed(model)
+    for path in sites.block_paths(model):
+        block = modules[path]
+        if filter_fn is not None and not filter_fn(block, path):
+            changes.append(AppliedChange(path, "compile", "filtered out", skipped=True))
+        elif policy:
+            changes.append(
+                AppliedChange(
+                    path,
+                    "compile",
+                    "left eager: a codec policy names sites by module and op, which a compiled "
+                    "graph hides (its saves would all be kept raw)",
+                    skipped=True,
+                )
+            )
+        else:
+            # the forward, not ``_call_impl``: the block's own hooks (the router's module stack)
+            # run eagerly, so the compiled graph's saves are attributed to the block
+            prev = block.__dict__.get("forward")
+            block.forward = torch.compile(block.forward, **compile_kwargs)
+
+            def undo(b: nn.Module = block, prev=prev) -> None:
+                if prev is None:
+                    b.__dict__.pop("forward", None)
+                else:
+                    b.forward = prev
+
+            changes.append(AppliedChange(path, "compile", str(compile_kwargs or ""), undo=undo))
+    if not changes:
+        changes.append(AppliedChange("", "compile", "model has no repeated blocks", skipped=True))
+    model.__dict__.setdefault("_slimact_applied", []).extend(changes)
+    return changes
+
+
+def graph_breaks() -> dict[str, int]:
+    """dynamo's graph-break counter (reason -> count) since the last ``torch._dynamo.reset()``."""
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
+
+
+__all__ = [
+    "SlimactCallback",
+    "Structure",
+    "codec_policy_installed",
+    "compile_blocks",
+    "graph_breaks",
+    "is_hf_model",
+    "lm_loss",
+    "mlm_batch",
+    "patched_modules",
+    "skipped",
+    "structure",
+    "unhandled",
+]
