@@ -67,8 +67,8 @@ def losses(run_dir) -> list[float]:
 
 @pytest.mark.parametrize(
     "extra",
-    [{}, {"grad_accum": 2, "strategy": "recompute", "warmup": 2}],
-    ids=["plain", "accum-recompute"],
+    [{}, {"grad_accum": 2, "strategy": "recompute", "warmup": 2}, {"strategy": "prac"}],
+    ids=["plain", "accum-recompute", "prac-state"],
 )
 def test_resume_is_bitwise_exact(tmp_path, data, extra):
     straight = train(cfg(data, tmp_path / "straight", **extra))

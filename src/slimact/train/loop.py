@@ -244,6 +244,9 @@ class _Trainer:
             self.loader.load_state_dict(state["loader"])
             self.step = int(state["step"])
             self.tokens_seen = int(state["tokens_seen"])
+            stateful = self.model.__dict__.get("_slimact_stateful", {})
+            for name, sd in state.get("strategy_state", {}).items():  # e.g. PRAC's subspaces
+                stateful[name].load_state_dict(sd)
             set_rng_state(state["rng"])  # last: nothing may draw random numbers after this
         self.log: MetricsLog | _NullLog = _NullLog()
         if self.dist.is_main:
@@ -310,6 +313,10 @@ class _Trainer:
             "schedule": self.schedule.state_dict(),
             "loader": self.loader.state_dict(),
             "tokens_seen": self.tokens_seen,
+            "strategy_state": {  # stateful strategies (PRAC's subspaces, generators, counters)
+                name: obj.state_dict()
+                for name, obj in self.model.__dict__.get("_slimact_stateful", {}).items()
+            },
         }
         model, optimizer = self.model, self.optimizer
         if self.sharded:  # gather full weights and optimizer state (collectives: every rank)

@@ -1,0 +1,481 @@
+"""PRAC / PAC / RAC benchmarks (prac.txt §6): memory, gradients, speed, training, SVD cost.
+
+    PYTHONPATH=src python benchmarks/bench_prac.py memory --model llama-20m --batch 16 --seq 256
+    PYTHONPATH=src python benchmarks/bench_prac.py train --strategy prac      # one 300-step run
+    PYTHONPATH=src python benchmarks/bench_prac.py svd                        # exact vs randomized
+    PYTHONPATH=src python benchmarks/bench_prac.py report                     # JSON -> md + png
+
+Every subcommand merges its results into ``benchmarks/results/prac.json`` (with machine, torch
+version, thread count and the command line) and ``report`` writes ``prac.md`` and
+``prac_loss.png``. Training runs use ``slimact.train.train`` on the embedded corpus; their lazy
+update interval is scaled to the run (T1 = T2 = ``--interval``, default 20 of 300 steps, where the
+paper uses 500 of 10K+): this script registers ``<strategy>-t<interval>`` for that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results"
+JSON_PATH = RESULTS / "prac.json"
+RUNS = RESULTS / "prac_runs"
+
+
+def machine() -> dict:
+    return {
+        "processor": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "command": "PYTHONPATH=src python " + " ".join(sys.argv),
+    }
+
+
+def merge(section: str, key: str, value: dict) -> None:
+    """Merge one result into prac.json (under a file lock: runs may finish concurrently)."""
+    import fcntl
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    with open(Path(tempfile.gettempdir()) / "slimact-bench-prac.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = json.loads(JSON_PATH.read_text()) if JSON_PATH.exists() else {}
+        data.setdefault(section, {})[key] = {**value, "machine": machine()}
+        tmp = JSON_PATH.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.replace(JSON_PATH)
+
+
+def _register_interval(strategy: str, interval: int) -> str:
+    import dataclasses
+
+    from slimact.strategies import register_strategy, resolve, strategy_names
+    from slimact.strategies.prac import apply_prac
+
+    if strategy == "none":
+        return strategy
+    name = f"{strategy}-t{interval}"
+    if name not in strategy_names():
+        cfg = dataclasses.replace(resolve(strategy)[0], t1=interval, t2=interval)
+        register_strategy(name, cfg, apply_prac, f"{strategy} with T1 = T2 = {interval}")
+    return name
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from slimact.train import TrainConfig, train
+
+    torch.set_num_threads(args.threads)
+    name = _register_interval(args.strategy, args.interval)
+    out = RUNS / f"{args.model}-{name}-b{args.batch}s{args.seq}-seed{args.seed}"
+    cfg = TrainConfig(
+        model=args.model,
+        strategy=name,
+        steps=args.steps,
+        batch=args.batch,
+        seq=args.seq,
+        seed=args.seed,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+        out=str(out),
+        threads=args.threads,
+        ckpt_every=0,
+        keep_last=1,
+        progress=False,
+    )
+    t0 = time.perf_counter()
+    res = train(cfg)
+    wall = time.perf_counter() - t0
+    for ckpt in out.glob("ckpt-*"):  # the trainer's final checkpoint: 200+ MiB, not kept
+        shutil.rmtree(ckpt)
+    curve = [(r["step"], r["eval_loss"]) for r in res.history if "eval_loss" in r]
+    train_curve = [(r["step"], r["loss"]) for r in res.history]
+    merge(
+        "train",
+        f"{args.model}/{args.strategy}",
+        {
+            "strategy": name,
+            "steps": res.steps,
+            "batch": args.batch,
+            "seq": args.seq,
+            "seed": args.seed,
+            "interval": args.interval,
+            "final_val_loss": res.final_val_loss,
+            "final_train_loss": res.final_train_loss,
+            "saved_bytes_first_step": res.saved_bytes,
+            "tokens_per_s": res.tokens_per_s,
+            "wall_s": wall,
+            "val_curve": curve,
+            "train_curve": train_curve,
+            "run_dir": str(out.relative_to(ROOT.parent)),
+        },
+    )
+    print(json.dumps({"strategy": name, "final_val_loss": res.final_val_loss, "wall_s": wall}))
+
+
+def cmd_memory(args: argparse.Namespace) -> None:
+    from slimact.compare import CompareConfig, compare
+
+    torch.set_num_threads(args.threads)
+    for strategy in args.strategies:
+        res = compare(
+            CompareConfig(
+                model=args.model,
+                strategy=strategy,
+                batch=args.batch,
+                seq=args.seq,
+                seed=args.seed,
+                steps=args.steps,
+                warmup=args.warmup,
+                vocab_size=args.vocab,
+            )
+        )
+        keep = (
+            "saved_bytes baseline_saved_bytes ratio step_time_s baseline_step_time_s "
+            "step_time_ratio grad_cosine loss baseline_loss params"
+        ).split()
+        row = {k: res[k] for k in keep}
+        row.update(batch=args.batch, seq=args.seq, tokens=args.batch * args.seq)
+        merge("memory", f"{args.model}/{strategy}/b{args.batch}s{args.seq}", row)
+        print(json.dumps({"model": args.model, "strategy": strategy, **row}))
+
+
+def cmd_ratio(args: argparse.Namespace) -> None:
+    """Saved-bytes ratio vs tokens per step (forward only: the meter needs no backward)."""
+    import slimact
+    from slimact.models import build_model
+    from slimact.strategies.prac import prac_report
+
+    torch.set_num_threads(args.threads)
+    for b, s in [tuple(int(v) for v in bs.split("x")) for bs in args.shapes]:
+        row = {}
+        for strategy in ("none", args.strategy):
+            torch.manual_seed(args.seed)
+            model = build_model(args.model, vocab_size=args.vocab)
+            slimact.apply(model, strategy)
+            x = torch.randint(0, model.config.vocab_size, (b, s))
+            with slimact.measure(model, n_tokens=x.numel()) as m:
+                model(x, targets=x)
+            row["none" if strategy == "none" else "prac"] = m.report.total_bytes
+            if strategy != "none":
+                rep = prac_report(model)
+                proj = sum(4 * c["n"] * sum(c["ranks"]) for c in rep["compressed"].values())
+                row["projection_bytes"] = proj
+            del model, m
+        row.update(tokens=b * s, ratio=row["prac"] / row["none"], strategy=args.strategy)
+        row["ratio_without_projections"] = (row["prac"] - row["projection_bytes"]) / row["none"]
+        suffix = "" if args.strategy == "prac" else f"/{args.strategy}"
+        merge("ratio", f"{args.model}/b{b}s{s}{suffix}", row)
+        print(json.dumps({"model": args.model, "batch": b, "seq": s, **row}))
+
+
+def _time(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def cmd_svd(args: argparse.Namespace) -> None:
+    """Exact SVD vs randomized range finder for Q1 on real llama-20m activations."""
+    import slimact
+    from slimact import sites
+    from slimact.codecs.prac import principal_basis_ref, randomized_basis_ref
+    from slimact.models import build_model
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model = build_model(args.model, vocab_size=args.vocab)
+    x = torch.randint(0, model.config.vocab_size, (args.batch, args.seq))
+    want = {"layers.2.self_attn.q_proj:linear#0", "layers.2.mlp.down_proj:linear#0"}
+    acts: dict[str, torch.Tensor] = {}
+
+    def grab(site: str, t: torch.Tensor):
+        if site in want and site not in acts:
+            acts[site] = t.detach().reshape(-1, t.shape[-1]).clone()
+
+    with sites.tracking(model), sites.policy(grab), torch.no_grad():
+        with torch.enable_grad():
+            model(x)
+    del slimact
+    for site, a in acts.items():
+        n = a.shape[1]
+        r1 = int(0.3 * n)
+        exact = principal_basis_ref(a, r1)
+        best = float((a @ exact).square().sum())
+        tail = float(a.square().sum()) - best
+        row = {
+            "shape": list(a.shape),
+            "r1": r1,
+            "exact_s": _time(functools.partial(principal_basis_ref, a, r1), 3),
+        }
+        for niter in (0, 1, 2, 4):
+            gen = torch.Generator().manual_seed(0)
+            q = randomized_basis_ref(a, r1, gen, niter=niter)
+            got = float((a @ q).square().sum())
+            row[f"randomized_niter{niter}"] = {
+                "s": _time(functools.partial(randomized_basis_ref, a, r1, gen, niter=niter), 3),
+                "captured_energy_vs_exact": got / best,
+                "tail_energy_vs_exact": (float(a.square().sum()) - got) / tail,
+            }
+        merge("svd", f"{args.model}/{site}/b{args.batch}s{args.seq}", row)
+        print(json.dumps({"site": site, **row}))
+
+
+def _plot(train: dict, model: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for strategy in ("none", "prac", "pac", "rac"):
+        run = train.get(f"{model}/{strategy}")
+        if run is None:
+            continue
+        steps, losses = zip(*run["train_curve"])
+        k = 10  # moving average of the training loss
+        smooth = [
+            sum(losses[max(0, i - k + 1) : i + 1]) / len(losses[max(0, i - k + 1) : i + 1])
+            for i in range(len(losses))
+        ]
+        axes[0].plot(steps, smooth, label=strategy)
+        vs, vl = zip(*run["val_curve"])
+        axes[1].plot(vs, vl, marker="o", ms=3, label=strategy)
+    axes[0].set(title=f"{model}: training loss (10-step mean)", xlabel="step", ylabel="loss")
+    axes[1].set(title=f"{model}: validation loss", xlabel="step", ylabel="loss")
+    for ax in axes:
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report() -> None:
+    """prac.json -> prac.md (tables) and prac_loss.png (the ablation curves)."""
+    data = json.loads(JSON_PATH.read_text())
+    lines = ["# PRAC / PAC / RAC (prac.txt) on CPU", ""]
+    notes = RESULTS / "prac_notes.md"  # the hand-written reading of the numbers below
+    if notes.exists():
+        lines += [notes.read_text().strip(), ""]
+    mem = data.get("memory", {})
+    if mem:
+        lines += [
+            "## Saved activations, gradients, step time (`compare`, fp32, 1 thread)",
+            "",
+            "| model | strategy | B×S | saved | baseline | ratio | grad_cosine | step-time ratio |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for key, r in sorted(mem.items()):
+            model, strategy, _ = key.split("/")
+            lines.append(
+                f"| {model} | {strategy} | {r['batch']}×{r['seq']} | {r['saved_bytes'] / 2**20:.1f} MiB"
+                f" | {r['baseline_saved_bytes'] / 2**20:.1f} MiB | {r['ratio']:.3f} "
+                f"| {r['grad_cosine']:.3f} | {r['step_time_ratio']:.2f} |"
+            )
+        lines.append("")
+    ratio = data.get("ratio", {})
+    if ratio:
+        lines += [
+            "## Saved-bytes ratio vs tokens per step (meter, forward only; vs `none`)",
+            "",
+            "| model | strategy | B×S | tokens | ratio | projections P | ratio without P |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: |",
+        ]
+        for key, r in sorted(ratio.items(), key=lambda kv: kv[1]["tokens"]):
+            model, bs = key.split("/")[:2]
+            lines.append(
+                f"| {model} | {r.get('strategy', 'prac')} | {bs} | {r['tokens']} | {r['ratio']:.3f} "
+                f"| {r['projection_bytes'] / 2**20:.1f} MiB | {r['ratio_without_projections']:.3f} |"
+            )
+        lines.append("")
+    train = data.get("train", {})
+    if train:
+        base = {
+            k.split("/")[0]: v["final_val_loss"] for k, v in train.items() if k.endswith("/none")
+        }
+        lines += [
+            "## 300-step training from the same seed (`slimact.train`, 1 thread)",
+            "",
+            "| model | strategy | B×S | T1=T2 | final val loss | vs none | tokens/s | saved (1st step) |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for key, r in sorted(train.items()):
+            model = key.split("/")[0]
+            rel = (r["final_val_loss"] / base[model] - 1) * 100 if model in base else float("nan")
+            lines.append(
+                f"| {model} | {r['strategy']} | {r['batch']}×{r['seq']} "
+                f"| {r['interval'] if r['strategy'] != 'none' else '–'} "
+                f"| {r['final_val_loss']:.4f} | {rel:+.2f}% | {r['tokens_per_s']:.0f} "
+                f"| {r['saved_bytes_first_step'] / 2**20:.1f} MiB |"
+            )
+        for model in sorted({k.split("/")[0] for k in train}):
+            _plot(train, model, RESULTS / "prac_loss.png")
+        lines += ["", "![loss curves](prac_loss.png)", ""]
+    svd = data.get("svd", {})
+    if svd:
+        lines += [
+            "## Q1: exact SVD vs randomized range finder (real activations, 1 thread)",
+            "",
+            "| site | X shape | r1 | exact (s) | niter | randomized (s) | energy vs exact "
+            "| tail vs exact |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for key, r in svd.items():
+            for niter in (0, 1, 2, 4):
+                q = r[f"randomized_niter{niter}"]
+                lines.append(
+                    f"| {key.split('/')[1]} | {r['shape']} | {r['r1']} | {r['exact_s']:.3f} "
+                    f"| {niter} | {q['s']:.3f} | {q['captured_energy_vs_exact']:.4f} "
+                    f"| {q['tail_energy_vs_exact']:.4f} |"
+                )
+        lines.append("")
+    sub = data.get("subspace", {})
+    if sub:
+        lines += [
+            "## Is Q1 stable across batches? (layer 2 at init, real text, Q1 from batch 1)",
+            "",
+            "Relative error ‖X̃ − X‖/‖X‖ on batch 1 (fresh Q1) and batches 2, 3 (stale Q1, "
+            "as between lazy updates).",
+            "",
+            "| tokens | site | (r1, r2) | fresh | stale (batch 2, 3) |",
+            "| ---: | --- | --- | ---: | ---: |",
+        ]
+        for _key, r in sorted(sub.items(), key=lambda kv: kv[1]["tokens"]):
+            for site, v in r.items():
+                if site in ("tokens", "machine"):
+                    continue
+                lines.append(
+                    f"| {r['tokens']} | {site} | {tuple(v['ranks'])} | {v['fresh']:.3f} "
+                    f"| {', '.join(f'{e:.3f}' for e in v['stale'])} |"
+                )
+        lines.append("")
+    cmds = sorted({v["machine"]["command"] for sec in data.values() for v in sec.values()})
+    m = next(iter(next(iter(data.values())).values()))["machine"]
+    lines += [
+        "## Reproduce",
+        "",
+        f"Machine: {m['processor']}, {m['cores']} cores (shared), torch {m['torch']}, "
+        f"Python {m['python']}.",
+        "",
+        "```",
+        *cmds,
+        "PYTHONPATH=src python benchmarks/bench_prac.py report",
+        "```",
+        "",
+    ]
+    (RESULTS / "prac.md").write_text("\n".join(lines))
+
+
+def cmd_subspace(args: argparse.Namespace) -> None:
+    """Relative reconstruction error with Q1 from this batch (fresh) vs the previous one (stale).
+
+    Lazy updates assume the principal subspace is stable across batches; this measures it on
+    real text (the embedded corpus) for several tokens-per-step, at initialization.
+    """
+    from slimact import sites
+    from slimact.codecs.prac import PracCodec, PracCodecConfig
+    from slimact.data import BatchLoader, load_data
+    from slimact.models import build_model
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model = build_model(args.model, vocab_size=args.vocab)
+    train_split = load_data(None).train
+    want = [f"layers.{args.layer}.{s}" for s in args.sites]
+    for b, s in [tuple(int(v) for v in bs.split("x")) for bs in args.shapes]:
+        loader = BatchLoader(train_split, b, s, args.seed)
+        acts = []
+        for _ in range(3):
+            got: dict[str, torch.Tensor] = {}
+
+            def grab(site: str, t: torch.Tensor, got=got):
+                if site in want and site not in got:
+                    got[site] = t.detach().reshape(-1, t.shape[-1]).clone()
+
+            with sites.tracking(model), sites.policy(grab), torch.enable_grad():
+                model(loader.next_batch()[0])
+            acts.append(got)
+        row = {}
+        for site in want:
+            f = 0.3 if site.endswith(":linear#0") else 0.2
+            codec = PracCodec(PracCodecConfig(r1=f, r2=f, t1=10**9, t2=10**9), name=site)
+            errs = []
+            for got in acts:
+                x = got[site]
+                errs.append(float((codec.decode(codec.encode(x)) - x).norm() / x.norm()))
+            row[site] = {"fresh": errs[0], "stale": errs[1:], "ranks": [codec.r1, codec.r2]}
+        merge("subspace", f"{args.model}/b{b}s{s}", {"tokens": b * s, **row})
+        print(json.dumps({"tokens": b * s, **row}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--model", default="llama-20m")
+    common.add_argument("--seed", type=int, default=0)
+    common.add_argument("--threads", type=int, default=1)
+    common.add_argument("--vocab", type=int, default=257)
+    t = sub.add_parser("train", parents=[common])
+    t.add_argument("--strategy", required=True, choices=["none", "prac", "pac", "rac"])
+    t.add_argument("--steps", type=int, default=300)
+    t.add_argument("--batch", type=int, default=4)
+    t.add_argument("--seq", type=int, default=128)
+    t.add_argument("--interval", type=int, default=20)
+    t.add_argument("--eval-every", type=int, default=25)
+    t.add_argument("--eval-batches", type=int, default=8)
+    m = sub.add_parser("memory", parents=[common])
+    m.add_argument("--strategies", nargs="+", default=["prac", "pac", "rac"])
+    m.add_argument("--batch", type=int, default=16)
+    m.add_argument("--seq", type=int, default=256)
+    m.add_argument("--steps", type=int, default=1)
+    m.add_argument("--warmup", type=int, default=1)
+    r = sub.add_parser("ratio", parents=[common])
+    r.add_argument("--shapes", nargs="+", default=["4x128", "4x256", "16x256", "32x256"])
+    r.add_argument("--strategy", default="prac", help="a PRAC-family strategy, e.g. invact+prac")
+    s = sub.add_parser("svd", parents=[common])
+    s.add_argument("--batch", type=int, default=16)
+    s.add_argument("--seq", type=int, default=256)
+    q = sub.add_parser("subspace", parents=[common])
+    q.add_argument("--shapes", nargs="+", default=["4x96", "16x256"])
+    q.add_argument("--layer", type=int, default=2)
+    q.add_argument(
+        "--sites",
+        nargs="+",
+        default=[
+            "input_layernorm:pow#0",
+            "self_attn.q_proj:linear#0",
+            "mlp.act_fn:silu#0",
+            "mlp:mul#1",
+            "mlp.down_proj:linear#0",
+        ],
+    )
+    sub.add_parser("report")
+    args = p.parse_args()
+    if args.cmd == "report":
+        write_report()
+        return
+    cmds = {"train": cmd_train, "memory": cmd_memory, "ratio": cmd_ratio, "svd": cmd_svd}
+    cmds["subspace"] = cmd_subspace
+    cmds[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

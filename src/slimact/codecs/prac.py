@@ -1,0 +1,375 @@
+"""PRAC: store a saved activation through a principal + random subspace (prac.txt §4–5).
+
+Reshape the saved tensor to X (tokens × n, features last). With orthonormal Q1 (n × r1, the top-r1
+right singular vectors of X) and Q2 (n × r2, an orthonormal basis of (I − Q1Q1ᵀ)S, S ~ N(0, 1)),
+
+    store    Z = [XQ1, k·XQ2]            (tokens × (r1 + r2), the activation's dtype)
+    rebuild  X̃ = XQ1Q1ᵀ + k·XQ2Q2ᵀ = Z Pᵀ,   P = [Q1, Q2] (n × (r1 + r2), fp32),   k = (n − r1)/r2.
+
+E[Q2Q2ᵀ] = r2/(n − r1)·(I − Q1Q1ᵀ) (Lemma 12), so E[X̃] = X (Thm 6) and
+E‖X̃ − X‖² = (k − 1)·‖X − XQ1Q1ᵀ‖² (Thm 15): the principal part removes the large singular values
+from the variance, the random part keeps the estimate unbiased. A linear layer's weight gradient
+G̃ = gYᵀX̃ is then unbiased too (Lemma 3). Variants: ``pac`` (r2 = 0: X̃ = XQ1Q1ᵀ, biased, no
+noise) and ``rac`` (r1 = 0, k = n/r2: unbiased, variance (n/r2 − 1)‖X‖²).
+
+Memory per site: tokens·(r1 + r2)·itemsize for Z plus n·(r1 + r2)·4 bytes for P, which does not
+depend on the batch; PRAC pays off when tokens ≫ n (the paper's B·S = 32768 tokens).
+
+Lazy updates (Alg. 1): Q1 is recomputed when t % T1 == 0 and Q2 redrawn when t % T2 == 0, where t
+is the step clock (the strategy's count of training forwards, or this codec's count of encodes).
+Q2 must lie in Q1's complement for k to be right, so Q2 is also redrawn whenever Q1 changes (with
+T1 a multiple of T2, e.g. the paper's T1 = T2, that is exactly Alg. 1). Q1 comes from an exact SVD
+(``svd="exact"``) or a randomized range finder with ``niter`` power iterations (``"randomized"``,
+Halko et al.; like ``torch.svd_lowrank`` but drawing from this codec's own generator, so global
+RNG streams are untouched). The generator is seeded, and its state is in ``state_dict``.
+
+Non-finite X at an update: the SVD is skipped, the previous Q1 kept (a random one if there is none
+yet), a warning names the site, and the update is retried on the next encode. The payload of a
+non-finite X is non-finite, so NaN in gives NaN out.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from slimact.codecs.base import Codec, CodecConfig, Packed, register_codec
+
+SVD_METHODS = ("exact", "randomized")
+
+
+def _is_rank(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def resolve_rank(r: int | float, n: int) -> int:
+    """A rank given as a fraction of n (float) or absolute (int) -> absolute: ⌊r·n⌋ or r."""
+    return int(math.floor(r * n)) if isinstance(r, float) else int(r)
+
+
+def check_ranks(r1: int, r2: int, n: int, where: str = "") -> None:
+    """Absolute ranks must satisfy r1, r2 >= 0, 1 <= r1 + r2 <= n - 1."""
+    if r1 < 0 or r2 < 0 or r1 + r2 < 1 or r1 + r2 >= n:
+        at = f" at {where}" if where else ""
+        raise ValueError(
+            f"PRAC ranks r1={r1}, r2={r2}{at} are invalid for feature size n={n}: "
+            f"need r1 >= 0, r2 >= 0 and 1 <= r1 + r2 <= {n - 1} (r1 + r2 < n)"
+        )
+
+
+def validate_rank_pair(r1: Any, r2: Any, what: str) -> None:
+    """Config-time check of a (r1, r2) pair: floats are fractions of n, ints are absolute."""
+    for name, v in (("r1", r1), ("r2", r2)):
+        if not _is_rank(v):
+            raise ValueError(f"{what} {name} must be an int or a float, got {v!r}")
+        if v < 0:
+            raise ValueError(f"{what} {name} must be >= 0, got {v}")
+        if isinstance(v, float) and not v < 1:
+            raise ValueError(f"{what} {name}={v} is a fraction of n and must be in [0, 1)")
+    if r1 == 0 and r2 == 0:
+        raise ValueError(f"{what}: r1 and r2 are both 0; at least one must be > 0")
+    if isinstance(r1, float) and isinstance(r2, float) and r1 + r2 >= 1:
+        raise ValueError(f"{what}: r1 + r2 = {r1 + r2} must be < 1 (fractions of n, r1 + r2 < n)")
+
+
+@dataclass(frozen=True)
+class PracCodecConfig(CodecConfig):
+    """r1/r2: fraction of n (float in [0, 1)) or absolute rank (int). T1/T2: update intervals."""
+
+    r1: int | float = 0.3
+    r2: int | float = 0.3
+    t1: int = 500
+    t2: int = 500
+    svd: str = "exact"
+    niter: int = 2
+    oversample: int = 8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        validate_rank_pair(self.r1, self.r2, type(self).__name__)
+        for name in ("t1", "t2"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(
+                    f"{name} (update interval in steps) must be an int >= 1, got {v!r}"
+                )
+        if self.svd not in SVD_METHODS:
+            raise ValueError(f"svd must be one of {SVD_METHODS}, got {self.svd!r}")
+        if not isinstance(self.niter, int) or self.niter < 0:
+            raise ValueError(f"niter must be an int >= 0, got {self.niter!r}")
+        if not isinstance(self.oversample, int) or self.oversample < 0:
+            raise ValueError(f"oversample must be an int >= 0, got {self.oversample!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+
+
+@dataclass(frozen=True)
+class PacCodecConfig(PracCodecConfig):
+    """Principal subspace only (r2 = 0): X̃ = XQ1Q1ᵀ, biased (prac.txt §4.2)."""
+
+    r1: int | float = 0.6
+    r2: int | float = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.r2 != 0:
+            raise ValueError(f"pac has no random subspace: r2 must be 0, got {self.r2}")
+
+
+@dataclass(frozen=True)
+class RacCodecConfig(PracCodecConfig):
+    """Random subspace only (r1 = 0, k = n/r2): unbiased, high variance (prac.txt §4.2)."""
+
+    r1: int | float = 0
+    r2: int | float = 0.6
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.r1 != 0:
+            raise ValueError(f"rac has no principal subspace: r1 must be 0, got {self.r1}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Plain-PyTorch references (the only implementation: two small GEMMs, an SVD and a QR).
+
+
+def principal_basis_ref(x: torch.Tensor, r1: int) -> torch.Tensor:
+    """Top-r1 right singular vectors of x (T × n) as an n × r1 fp32 matrix (exact SVD)."""
+    x = x.float()
+    full = x.shape[0] < r1  # fewer rows than r1: complete the basis with null-space directions
+    _, _, vh = torch.linalg.svd(x, full_matrices=full)
+    return vh[:r1].T.contiguous()
+
+
+def randomized_basis_ref(
+    x: torch.Tensor, r1: int, gen: torch.Generator, niter: int = 2, oversample: int = 8
+) -> torch.Tensor:
+    """Approximate top-r1 right singular vectors by a randomized range finder (Halko et al.).
+
+    B = orth(XᵀXΩ), Ω ~ N(0, 1) (n × q, q = r1 + oversample), refined by ``niter`` power steps
+    B ← orth(XᵀXB); then the exact SVD of the thin X B (T × q) rotates B onto the top-r1
+    directions. Cost O(T·n·q) instead of O(T·n·min(T, n)).
+    """
+    x = x.float()
+    t, n = x.shape
+    q = min(r1 + oversample, n, t)
+    if q < r1:
+        return principal_basis_ref(x, r1)
+    omega = torch.randn(n, q, generator=gen).to(x.device)
+    basis, _ = torch.linalg.qr(x.T @ (x @ omega))  # n × q, spans the top right-singular space
+    for _ in range(niter):
+        basis, _ = torch.linalg.qr(x.T @ (x @ basis))
+    _, _, vh = torch.linalg.svd(x @ basis, full_matrices=False)  # (T × q) -> q × q
+    return (basis @ vh[:r1].T).contiguous()
+
+
+def random_complement_ref(
+    q1: torch.Tensor, n: int, r2: int, gen: torch.Generator, batch: tuple[int, ...] = ()
+) -> torch.Tensor:
+    """Orthonormal basis (n × r2) of (I − Q1Q1ᵀ)S, S ~ N(0, 1): uniform in Q1's complement.
+
+    ``batch`` draws that many independent bases at once, shape (*batch, n, r2).
+    """
+    s = torch.randn(*batch, n, r2, generator=gen).to(q1.device)
+    for _ in range(2):  # project out Q1 twice ("twice is enough" for numerical orthogonality)
+        s = s - q1 @ (q1.T @ s)
+        s, _ = torch.linalg.qr(s)
+    return s.contiguous()
+
+
+def prac_encode_ref(x2d: torch.Tensor, p: torch.Tensor, r1: int, k: float) -> torch.Tensor:
+    """Z = [XQ1, k·XQ2] = X P diag(1, k) in fp32, returned in x's dtype.  (T × n) -> (T × r)."""
+    z = x2d.float() @ p
+    if z.shape[1] > r1:
+        z[:, r1:] *= k
+    return z.to(x2d.dtype)
+
+
+def prac_decode_ref(z: torch.Tensor, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """X̃ = Z Pᵀ.  (T × r) @ (r × n) -> (T × n), in ``dtype``."""
+    return (z.float() @ p.T).to(dtype)
+
+
+def prac_reconstruct_ref(x: torch.Tensor, q1: torch.Tensor, q2: torch.Tensor) -> torch.Tensor:
+    """X̃ = XQ1Q1ᵀ + kXQ2Q2ᵀ, k = (n − r1)/r2, straight from the formula (fp32)."""
+    x = x.float()
+    n, r1, r2 = x.shape[-1], q1.shape[1], q2.shape[1]
+    out = x @ q1 @ q1.T
+    if r2:
+        out = out + (n - r1) / r2 * (x @ q2 @ q2.T)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def site_seed(seed: int, key: str) -> int:
+    """A per-site seed: the config seed mixed with a stable hash of the site/group key."""
+    return (seed * 1_000_003 + zlib.crc32(key.encode())) % (2**63 - 1)
+
+
+class PracCodec(Codec):
+    """Stateful PRAC codec: one instance per site (or shared group); holds Q1, Q2 and its RNG.
+
+    ``clock`` (optional) returns the training step t; without one the codec counts its encodes.
+    ``name`` labels warnings (the site or group it serves).
+    """
+
+    def __init__(
+        self,
+        config: PracCodecConfig,
+        clock: Callable[[], int] | None = None,
+        name: str = "",
+        role: str = "",
+    ) -> None:
+        super().__init__(config)
+        self.clock = clock
+        self.name = name or "prac"
+        self.role = role
+        self.gen = torch.Generator().manual_seed(site_seed(config.seed, self.name))
+        self.calls = 0
+        self.n: int | None = None
+        self.r1 = self.r2 = 0
+        self.q1: torch.Tensor | None = None
+        self.q2: torch.Tensor | None = None
+        self.p: torch.Tensor | None = None  # [Q1, Q2], what payloads reference
+        self.q1_step = self.q2_step = -1  # step of the last update
+        self.q1_pending = False  # a Q1 update was skipped (non-finite X): retry next encode
+        self.updates = {"q1": 0, "q2": 0, "q1_skipped": 0}
+
+    # -- ranks ---------------------------------------------------------------------------------
+    @property
+    def k(self) -> float:
+        return (self.n - self.r1) / self.r2 if self.r2 else 1.0
+
+    def _setup(self, n: int) -> None:
+        r1, r2 = resolve_rank(self.config.r1, n), resolve_rank(self.config.r2, n)
+        check_ranks(r1, r2, n, self.name)
+        self.n, self.r1, self.r2 = n, r1, r2
+
+    # -- subspace updates (Alg. 1) ---------------------------------------------------------------
+    def _update(self, x2d: torch.Tensor, t: int) -> None:
+        cfg = self.config
+        q1_due = self.q1 is None or self.q1_pending or (t % cfg.t1 == 0 and t != self.q1_step)
+        changed = False
+        if q1_due and self.r1:
+            if bool(torch.isfinite(x2d).all()):
+                if cfg.svd == "exact":
+                    self.q1 = principal_basis_ref(x2d, self.r1)
+                else:
+                    self.q1 = randomized_basis_ref(
+                        x2d, self.r1, self.gen, cfg.niter, cfg.oversample
+                    )
+                self.q1_pending = False
+                self.updates["q1"] += 1
+            else:
+                self.updates["q1_skipped"] += 1
+                self.q1_pending = True
+                fallback = "keeping the previous Q1"
+                if self.q1 is None:
+                    fallback = "using a random Q1 until the next update"
+                    s = torch.randn(self.n, self.r1, generator=self.gen)
+                    self.q1 = torch.linalg.qr(s)[0].to(x2d.device)
+                warnings.warn(
+                    f"PRAC site {self.name}: non-finite activation at step {t}; skipped the "
+                    f"principal-subspace update, {fallback}",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            self.q1_step, changed = t, True
+        elif self.q1 is None:  # rac: no principal part, an empty Q1 once
+            self.q1 = torch.zeros(self.n, 0, device=x2d.device)
+            self.q1_step, changed = t, True
+        q2_due = self.q2 is None or changed or (t % cfg.t2 == 0 and t != self.q2_step)
+        if q2_due:
+            if self.r2:
+                self.q2 = random_complement_ref(self.q1, self.n, self.r2, self.gen)
+            else:
+                self.q2 = torch.zeros(self.n, 0, device=x2d.device)
+            self.q2_step = t
+            self.updates["q2"] += 1
+        if changed or q2_due:
+            self.p = torch.cat([self.q1, self.q2], dim=1).contiguous()
+
+    # -- Codec interface -------------------------------------------------------------------------
+    def encode(self, x: torch.Tensor) -> Packed:
+        if not x.is_floating_point() or x.dim() < 1:
+            raise ValueError(
+                f"PRAC site {self.name}: needs a floating tensor with a feature dimension, "
+                f"got dtype {x.dtype} shape {tuple(x.shape)}"
+            )
+        n = x.shape[-1]
+        if self.n is None:
+            self._setup(n)
+        elif n != self.n:
+            raise ValueError(
+                f"PRAC site {self.name}: feature size changed from {self.n} to {n}; "
+                f"one codec serves one site (or a group sharing one input)"
+            )
+        t = self.clock() if self.clock is not None else self.calls
+        self.calls += 1
+        x2d = x.reshape(-1, n)
+        if self.q1 is not None and self.q1.device != x.device:  # state restored on another device
+            self.q1, self.q2 = self.q1.to(x.device), self.q2.to(x.device)
+            self.p = torch.cat([self.q1, self.q2], dim=1).contiguous()
+        self._update(x2d, t)
+        z = prac_encode_ref(x2d, self.p, self.r1, self.k)
+        meta = {"r1": self.r1, "r2": self.r2, "k": self.k, "step": t}
+        return Packed({"z": z, "p": self.p}, tuple(x.shape), x.dtype, x.device, meta)
+
+    def decode(self, packed: Packed) -> torch.Tensor:
+        z, p = packed.tensors["z"], packed.tensors["p"]
+        return prac_decode_ref(z, p.to(z.device), packed.dtype).reshape(packed.shape)
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            **super().metadata(),
+            "site": self.name,
+            "n": self.n,
+            "ranks": (self.r1, self.r2),
+            "k": self.k if self.n else None,
+            "updates": dict(self.updates),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        sd: dict[str, Any] = {
+            "n": -1 if self.n is None else self.n,
+            "r1": self.r1,
+            "r2": self.r2,
+            "calls": self.calls,
+            "q1_step": self.q1_step,
+            "q2_step": self.q2_step,
+            "q1_pending": self.q1_pending,
+            "gen": self.gen.get_state(),
+        }
+        if self.q1 is not None:
+            sd["q1"] = self.q1.detach().cpu().clone()
+        if self.q2 is not None:
+            sd["q2"] = self.q2.detach().cpu().clone()
+        return sd
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        n = int(state["n"])
+        self.n = None if n < 0 else n
+        self.r1, self.r2 = int(state["r1"]), int(state["r2"])
+        if self.n is not None:
+            check_ranks(self.r1, self.r2, self.n, self.name)
+        self.calls = int(state["calls"])
+        self.q1_step, self.q2_step = int(state["q1_step"]), int(state["q2_step"])
+        self.q1_pending = bool(state["q1_pending"])
+        self.gen.set_state(state["gen"])
+        self.q1, self.q2 = state.get("q1"), state.get("q2")
+        self.p = None
+        if self.q1 is not None and self.q2 is not None:
+            self.p = torch.cat([self.q1, self.q2], dim=1).contiguous()
+
+
+register_codec("prac", PracCodecConfig(), PracCodec)
+register_codec("pac", PacCodecConfig(), PracCodec)
+register_codec("rac", RacCodecConfig(), PracCodec)
