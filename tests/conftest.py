@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# Triton kernels are tested on CPU through its interpreter. Triton reads TRITON_INTERPRET when it
+# is first imported (torch.compile imports it too), so set it before any test module runs.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)
