@@ -9,6 +9,7 @@ BENCHMARKS.md is generated, never hand-edited.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,8 +38,13 @@ SECTIONS: list[tuple[str, list[str]]] = [
 ]
 
 
+_LINK = re.compile(r"\]\((?!https?://|/|#)([^)]+)\)")
+
+
 def demote(md: str) -> str:
-    """Drop a leading '# ' title and push every other heading one level down."""
+    """Drop a leading '# ' title, push every other heading one level down, and rebase relative
+    links (plots) from benchmarks/results/ to the repository root."""
+    md = _LINK.sub(r"](benchmarks/results/\1)", md)
     lines = md.strip("\n").splitlines()
     if lines and lines[0].startswith("# "):
         lines = lines[1:]

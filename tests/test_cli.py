@@ -66,3 +66,15 @@ def test_python_dash_m_entry_point():
         [sys.executable, "-m", "slimact", "strategies"], capture_output=True, text=True, check=True
     )
     assert "recompute" in out.stdout
+
+
+def test_budget_flag_maps_to_auto_spec():
+    from slimact.strategies import resolve
+    from slimact.strategies.registry import with_budget
+
+    assert with_budget("auto", "30%") == "auto@30%"
+    assert with_budget("invact+auto", "6GiB") == "invact+auto@6GiB"
+    assert with_budget("none", None) == "none"
+    with pytest.raises(ValueError, match="applies to strategy 'auto'"):
+        with_budget("int4", "25%")
+    assert resolve("auto@30%")[0].budget == "30%"

@@ -56,6 +56,12 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "run_rank",
         "effective rank r(alpha) of a checkpoint's activations",
     ),
+    "plan": (
+        "slimact.planner.cli",
+        "add_arguments",
+        "run",
+        "solve a per-site plan under a memory budget",
+    ),
 }
 
 
@@ -91,6 +97,7 @@ def _run_strategies(args: argparse.Namespace) -> int:
 def _add_memory(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-tiny")
     p.add_argument("--strategy", default="recompute", help="name, or names joined by '+'")
+    p.add_argument("--budget", default=None, help="memory budget for 'auto': 25%% | 6GiB | bytes")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
@@ -107,13 +114,14 @@ def _run_memory(args: argparse.Namespace) -> int:
     import torch
 
     from slimact.compare import CompareConfig, compare
+    from slimact.strategies.registry import with_budget
     from slimact.utils import default_device, fmt_bytes
 
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = CompareConfig(
         model=args.model,
-        strategy=args.strategy,
+        strategy=with_budget(args.strategy, args.budget),
         batch=args.batch,
         seq=args.seq,
         seed=args.seed,
@@ -143,7 +151,9 @@ def _run_memory(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="slimact", description="slimact: cut the activation memory of transformer training")
+    parser = argparse.ArgumentParser(
+        prog="slimact", description="slimact: cut the activation memory of transformer training"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what apply changes")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, add, _run, help_) in COMMANDS.items():

@@ -2,7 +2,8 @@
 
 torchao-style: each strategy is a frozen dataclass config; ``register_strategy`` ties a name and a
 config class to ``transform(model, config, filter_fn) -> AppliedChange list``. ``apply`` accepts
-``"name"``, a config, or ``"a+b"`` to compose several (applied left to right). Every change is
+``"name"``, a config, ``"name@arg"`` for configs with a ``from_spec`` parser (``"auto@25%"``), or
+``"a+b"`` to compose several (applied left to right). Every change is
 recorded on the model (``applied(model)``) and can be undone with ``revert(model)``.
 """
 
@@ -87,10 +88,24 @@ def resolve(strategy: str | StrategyConfig) -> list[StrategyConfig]:
     out = []
     for part in strategy.split("+"):
         part = part.strip()
-        if part not in _REGISTRY:
+        base = part.split("@", 1)[0]
+        if part in _REGISTRY:
+            out.append(_REGISTRY[part].default)
+        elif base in _REGISTRY and hasattr(_REGISTRY[base].config_cls, "from_spec"):
+            out.append(_REGISTRY[base].config_cls.from_spec(part))  # e.g. "auto@30%"
+        else:
             raise ValueError(f"unknown strategy {part!r}; valid strategies: {', '.join(_REGISTRY)}")
-        out.append(_REGISTRY[part].default)
     return out
+
+
+def with_budget(strategy: str, budget: str | None) -> str:
+    """``("auto", "25%") -> "auto@25%"``: the ``--budget`` flag of the CLIs, for every ``auto``."""
+    if budget is None:
+        return strategy
+    parts = [p.strip() for p in strategy.split("+")]
+    if "auto" not in parts:
+        raise ValueError(f"--budget {budget} applies to strategy 'auto', not to {strategy!r}")
+    return "+".join(f"auto@{budget}" if p == "auto" else p for p in parts)
 
 
 def _entry_for(config: StrategyConfig) -> _Entry:

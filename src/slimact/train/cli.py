@@ -28,6 +28,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
     a("--model", default=d["model"], help="registered model name (see `slimact models`)")
     a("--strategy", default=d["strategy"], help="strategy name, or names joined by '+'")
+    a("--budget", default=None, help="memory budget for strategy 'auto': 25%% | 6GiB | bytes")
     a("--steps", type=int, default=d["steps"], help="optimizer steps")
     a("--batch", type=int, default=d["batch"], help="sequences per micro-batch")
     a("--seq", type=int, default=d["seq"], help="tokens per sequence (<= the model's max)")
@@ -63,6 +64,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)
     }
     values["progress"] = not getattr(args, "no_progress", False)
+    if getattr(args, "budget", None) is not None:
+        from slimact.strategies.registry import with_budget
+
+        values["strategy"] = with_budget(values["strategy"], args.budget)
     return TrainConfig(**values)
 
 

@@ -237,6 +237,8 @@ class _Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.saved_bytes: int | None = None
+        self.evolver: Any = None
+        self._evolver_checked = False
         if self.ckpt is not None:
             state = self._load(self.ckpt)
             if WarmupCosine.from_state_dict(state["schedule"]) != self.schedule:
@@ -306,6 +308,24 @@ class _Trainer:
 
         return mean_across(loss_sum / cfg.grad_accum, self.device), float(norm.item())
 
+    def _evolve_plan(self) -> None:
+        """Adacc §3.4 for ``auto``: sample at backed-off steps, re-plan on drift, between steps.
+
+        Single-process only (ranks would have to agree on a new plan); the evolver exists once
+        the ``auto`` runtime has its planner, i.e. after the first forward at the latest.
+        """
+        if self.dist.world_size > 1:
+            return
+        if self.evolver is None and not self._evolver_checked:
+            from slimact.planner import PlanEvolver
+
+            self.evolver = PlanEvolver.for_model(
+                self.model, log_path=self.run_dir / "plan_changes.jsonl"
+            )
+            self._evolver_checked = True
+        if self.evolver is not None:
+            self.evolver.on_step(self.step, self.model)
+
     def checkpoint(self) -> None:
         from slimact.dist import barrier
 
@@ -367,6 +387,7 @@ class _Trainer:
                     loss, grad_norm = self.train_step()
                     dt = time.perf_counter() - t0
                     self.step += 1
+                    self._evolve_plan()
                     if not math.isfinite(loss):
                         raise FloatingPointError(
                             f"loss became {loss} at step {self.step}; lower --lr "

@@ -1,0 +1,258 @@
+"""Applying a plan: checkpoint, reformulate and encode exactly what the ``Plan`` says.
+
+``PlanRuntime`` owns everything a plan changes on a model, so a new plan can replace the old one
+between steps (adaptive evolution) and ``slimact.revert`` undoes it all:
+
+- **recompute**: each planned module's instance ``forward`` runs under non-reentrant
+  ``torch.utils.checkpoint``. Its inputs are saved by the checkpoint *through autograd*, under
+  the site role ``checkpoint_input`` (``"<module>:checkpoint_input#k"``), so the meter counts
+  them and the codec policy may encode them (a recomputation then starts from the decoded
+  input). Nothing is reported with ``sites.hold`` (the save already counts).
+- **reformulate**: ``strategies.invact`` swaps the planned norms/activations (``probe=False``:
+  the profiler already measured what they save).
+- **codecs**: one ``CodecPolicy`` whose ``assign`` looks every site up in the plan's table
+  (absolute site name -> codec); one codec instance per (block, storage), built for the tensor's
+  channel count, so stateful codecs (PRAC) keep one state per storage and block.
+
+The router and the policy are entered around every root forward by the runtime's own hooks.
+*Lazy planning* (strategy ``auto`` without a batch shape): on the first grad-enabled forward the
+runtime profiles the model on that very batch and solves, in a worker thread. The site router's
+state, saved-tensor hooks, the torch-function mode stack and grad mode are thread-local, so an
+enclosing ``slimact.measure`` neither sees nor counts the profiling passes; autocast state is
+carried over; the RNG state is restored afterwards (``profile_model`` forks it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from slimact import sites
+from slimact.codecs.base import Codec
+from slimact.codecs.saving import CodecPolicy
+from slimact.planner.plan import Plan, abs_path, abs_site
+from slimact.planner.profile import build_codec
+from slimact.strategies.registry import AppliedChange
+
+RUNTIME_KEY = "_slimact_plan_runtime"
+_tls = threading.local()
+
+
+def _checkpointed(orig: Callable, *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():
+        return orig(*args, **kwargs)
+    with sites.role("checkpoint_input"):
+        return checkpoint(orig, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+class PlanAssign:
+    """``assign(site, tensor) -> Codec | None`` from a plan's site table."""
+
+    def __init__(self, plan: Plan, runtime: PlanRuntime | None = None) -> None:
+        self.runtime = runtime
+        self.table: dict[str, tuple[str, str]] = {}  # abs site -> (codec, storage key)
+        for lp in plan.layers:
+            for codec, names in lp.codecs:
+                key = f"{lp.block}|{names[0]}"
+                for n in names:
+                    self.table[abs_site(n, lp.block)] = (codec, key)
+        self.codecs: dict[str, Codec] = {}
+
+    def __call__(self, site: str, t: torch.Tensor) -> Codec | None:
+        observer = self.runtime.observer if self.runtime is not None else None
+        if observer is not None:
+            observer(site, t)
+        hit = self.table.get(site)
+        if hit is None:
+            return None
+        name, key = hit
+        codec = self.codecs.get(key)
+        if codec is None:
+            codec = self.codecs[key] = build_codec(name, t)
+        return codec
+
+
+class PlanRuntime:
+    """Installs a plan on ``model`` and swaps it for another on demand (see module docstring)."""
+
+    def __init__(self, model: nn.Module, planner: Callable[..., Any] | None = None) -> None:
+        self.model = model
+        self.planner = planner
+        self.plan: Plan | None = None
+        self.profile = None  # the Profile the plan was solved from (lazy planning sets it)
+        self.solve_options: dict[str, Any] = {}
+        self.observer: Callable[[str, torch.Tensor], None] | None = None
+        self.assign: PlanAssign | None = None
+        self.policy: CodecPolicy | None = None
+        self._undo: list[Callable[[], None]] = []
+        self._stacks: list[ExitStack | None] = []
+        self.history: list[dict] = []
+        self.last_input: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._hooks = [
+            model.register_forward_pre_hook(self._pre, with_kwargs=True),
+            model.register_forward_hook(self._post, always_call=True),
+        ]
+        model.__dict__[RUNTIME_KEY] = self
+
+    # -- plans --------------------------------------------------------------------------------
+    def set_plan(self, plan: Plan, filter_fn: Callable[[nn.Module, str], bool] | None = None):
+        """Undo the current plan's patches and install ``plan``'s; returns the change list."""
+        from slimact.strategies.invact import InvActConfig, apply_invact
+
+        modules = dict(self.model.named_modules())
+        known = {lp.block for lp in plan.layers}
+        missing = sorted(b for b in known if b and b not in modules)
+        if missing:
+            raise ValueError(
+                f"plan for {plan.model!r} names blocks {missing[:3]} this model does not have; "
+                f"its blocks are {sites.block_paths(self.model)[:3]}..."
+            )
+        self._clear_patches()
+        changes: list[AppliedChange] = []
+        allowed = {
+            lp.block for lp in plan.layers
+            if filter_fn is None or filter_fn(modules[lp.block] if lp.block else self.model, lp.block)
+        }  # fmt: skip
+        kept = tuple(lp for lp in plan.layers if lp.block in allowed)
+        plan = dataclasses.replace(plan, layers=kept) if len(kept) != len(plan.layers) else plan
+        targets: set[str] = set()
+        for lp in plan.layers:
+            for path in lp.recompute:
+                full = abs_path(path, lp.block)
+                if full not in modules:
+                    raise ValueError(
+                        f"plan recomputes {full!r}, which is not a module of the model"
+                    )
+                m = modules[full]
+                m.forward = functools.partial(_checkpointed, m.forward)
+                self._undo.append(functools.partial(m.__dict__.pop, "forward", None))
+                changes.append(AppliedChange(full, "recompute"))
+            targets.update(abs_path(p, lp.block) for p in lp.reform)
+        if targets:
+            inv = apply_invact(self.model, InvActConfig(probe=False), lambda m, p: p in targets)
+            done = {c.path for c in inv if not c.skipped}
+            if targets - done:
+                for c in inv:
+                    if c.undo is not None and not c.skipped:
+                        c.undo()
+                raise ValueError(f"plan reformulates {sorted(targets - done)}, which invact skips")
+            self._undo.extend(c.undo for c in inv if c.undo is not None and not c.skipped)
+            changes.extend(c for c in inv if not c.skipped)
+        old = self.assign
+        self.plan = plan
+        self.assign = PlanAssign(plan, self)
+        if old is not None:  # keep codec instances (and their state) where the codec is unchanged
+            for key, codec in old.codecs.items():
+                names = {c for c, k in self.assign.table.values() if k == key}
+                if names == {c for c, k in old.table.values() if k == key}:
+                    self.assign.codecs[key] = codec
+        self.policy = CodecPolicy(self.assign)
+        n_sites = len(self.assign.table)
+        changes.append(AppliedChange("", "codec-policy", f"{n_sites} site(s) through codecs"))
+        return changes
+
+    def _clear_patches(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def remove(self) -> None:
+        """Undo every patch and hook (what ``slimact.revert`` calls)."""
+        self._clear_patches()
+        for h in self._hooks:
+            h.remove()
+        self.model.__dict__.pop(RUNTIME_KEY, None)
+        self.plan = self.assign = self.policy = None
+
+    # -- lazy planning ------------------------------------------------------------------------
+    def plan_now(self, input_ids: torch.Tensor, targets: torch.Tensor | None) -> Plan:
+        """Run the planner on this batch in a worker thread (see the module docstring)."""
+        if self.planner is None:
+            raise ValueError("this runtime has no planner; pass a Plan to set_plan")
+        out: dict[str, Any] = {}
+        dev = input_ids.device.type
+        amp = torch.is_autocast_enabled(dev)
+        amp_dtype = torch.get_autocast_dtype(dev) if amp else None
+
+        def work() -> None:
+            _tls.busy = True
+            try:
+                ctx = torch.autocast(dev, dtype=amp_dtype) if amp else ExitStack()
+                with ctx:
+                    out["plan"] = self.planner(input_ids, targets)
+                if isinstance(out["plan"], tuple):
+                    out["plan"], self.profile = out["plan"]
+            except BaseException as e:  # re-raised in the caller's thread
+                out["error"] = e
+
+        worker = threading.Thread(target=work, name="slimact-planner")
+        worker.start()
+        worker.join()
+        if "error" in out:
+            raise out["error"]
+        return out["plan"]
+
+    # -- hooks --------------------------------------------------------------------------------
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if getattr(_tls, "busy", False):
+            self._stacks.append(None)
+            return
+        ids = args[0] if args else kwargs.get("input_ids")
+        tgt = kwargs.get("targets", args[1] if len(args) > 1 else None)
+        if isinstance(ids, torch.Tensor):
+            self.last_input = (ids, tgt if isinstance(tgt, torch.Tensor) else None)
+        if self.plan is None and torch.is_grad_enabled() and isinstance(ids, torch.Tensor):
+            changes = self.set_plan(self.plan_now(*self.last_input))
+            log = self.model.__dict__.setdefault("_slimact_applied", [])
+            log.extend(AppliedChange(c.path, c.action, c.detail) for c in changes)
+        if self.policy is None:
+            self._stacks.append(None)
+            return
+        stack = ExitStack()
+        stack.enter_context(sites.tracking(self.model))
+        stack.enter_context(sites.policy(self.policy))
+        self.policy.reset()
+        self._stacks.append(stack)
+
+    def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._stacks:
+            stack = self._stacks.pop()
+            if stack is not None:
+                stack.close()
+
+
+def runtime_of(model: nn.Module) -> PlanRuntime | None:
+    return model.__dict__.get(RUNTIME_KEY)
+
+
+def install(
+    model: nn.Module,
+    plan: Plan | None = None,
+    planner: Callable[..., Any] | None = None,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    profile: Any = None,
+    solve_options: dict[str, Any] | None = None,
+) -> list[AppliedChange]:
+    """Put a runtime on ``model`` with ``plan`` (or a lazy ``planner`` returning (plan,
+    profile)); ``profile``/``solve_options`` let ``PlanEvolver`` re-solve. One undoable change."""
+    if runtime_of(model) is not None:
+        raise ValueError("model already carries a slimact plan; slimact.revert(model) first")
+    rt = PlanRuntime(model, planner)
+    rt.profile, rt.solve_options = profile, dict(solve_options or {})
+    changes: list[AppliedChange] = []
+    try:
+        if plan is not None:
+            changes = rt.set_plan(plan, filter_fn)
+    except Exception:
+        rt.remove()
+        raise
+    detail = "lazy: plans on the first training forward" if plan is None else plan.budget
+    head = AppliedChange("", "plan", detail, undo=rt.remove)
+    return [head, *(AppliedChange(c.path, c.action, c.detail) for c in changes)]

@@ -1,0 +1,407 @@
+"""The MILP: one action per stored tensor, minimum added step time under a memory budget.
+
+adacc.txt §3.3 (Eqs. 4-8) gives each tensor one of {recompute, compress, keep}. Here the
+decisions are finer and cover every action slimact has. For a *group* g of blocks that share a
+plan (one block, or every block of a kind: ``layers='uniform'`` is Adacc's "all layers
+identical"), with binaries
+
+    r_A    recompute module A (non-reentrant checkpoint of A's forward)
+    z_m    reformulate module m (invact: save the output + a bit mask / rstd instead of x)
+    k_s    keep storage s as is;   y_sc  store s through codec c;   d_s  s is not stored at all
+
+the constraints are
+
+    k_s + Σ_c y_sc + d_s = 1                                   one action per storage    (Eq. 5)
+    x_a + x_b <= 1        for nested candidates a ⊂ b          (no checkpoint inside a checkpoint)
+    sil(p) = Σ_{A ∋ p} r_A + Σ_{m silences p} z_m              is saver site p silenced?
+    d_s <= sil(p)                 for every saver p of s       dropped only if no one saves it
+    d_s <= 1 - r_A                for A with input s           a checkpoint keeps its inputs
+    d_s <= 1 - z_m                for m whose inverted op saves s (its output)
+    d_s >= Σ_p sil(p) - (|P_s| - 1) - Σ_A r_A - Σ_m z_m        ... and is dropped once it can be
+
+The last line makes ``d`` exact (a storage nobody saves *is* freed), so predictions are the
+bytes the meter will see. "A recomputed site needs its inputs available" is the third line:
+inputs of a checkpointed module stay stored, kept or through a codec (the checkpoint's input
+save goes through the codec policy like any other save), and the block input is never
+recomputed (no candidate produces it). Memory (Eqs. 7-8, one term per block, per-block bytes
+from the profile) and the objective (Eq. 4, plus the measured slowdown of reformulated ops):
+
+    static + Σ_g Σ_{b∈g} [Σ_s (B_bs k_s + Σ_c B_bsc y_sc) + Σ_m E_m z_m] <= budget
+    min  Σ_g |g| [Σ_A T_A r_A + Σ_sc (Tenc_sc + Tdec_sc) y_sc + Σ_m max(ΔT_m, 0) z_m]
+    optional:  Σ_g |g| Σ_sc err_sc² y_sc <= max_quality        (sum of relative MSEs)
+
+A 1e-9 s cost per recompute/reformulation breaks ties towards doing nothing. Solved by HiGHS
+through ``scipy.optimize.milp``. ``evaluate`` computes bytes and time of a decision directly
+from these rules (no linearization), and ``brute_force`` enumerates decisions for small groups:
+the optimality test checks the MILP against it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+from slimact.planner.plan import ROOT, KindProfile, Profile, inside, site_module, solve_plan
+
+__all__ = ["LAYER_MODES", "Decision", "Problem", "Result", "brute_force", "solve_plan"]
+
+LAYER_MODES = ("uniform", "ends", "each")
+EPS_S = 1e-9
+
+
+@contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """HiGHS may printf debug lines even with disp=False; keep them off stdout (``--json``)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # captured / redirected in Python
+        yield
+        return
+    sys.stdout.flush()
+    saved, devnull = os.dup(fd), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    try:
+        yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+        os.close(devnull)
+
+
+@dataclass
+class Group:
+    """Blocks of one kind that share decisions, and the options of each decision."""
+
+    kind: KindProfile
+    blocks: list[str]
+    rc: list[int]  # indices into kind.modules (recompute candidates)
+    rf: list[int]  # indices into kind.reforms
+    options: dict[int, list[str]]  # storage id -> ["raw", codec, ...]
+
+
+@dataclass
+class Decision:
+    recompute: frozenset[str] = frozenset()
+    reform: frozenset[str] = frozenset()
+    codecs: dict[int, str] = field(default_factory=dict)  # storage id -> codec
+
+
+@dataclass
+class Result:
+    decisions: list[Decision]
+    bytes: int
+    time_s: float
+    quality: float
+    status: str
+    solve_s: float
+
+
+class Problem:
+    """The planning problem for a profile: groups of blocks with their candidate actions."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        layers: str = "ends",
+        codecs: tuple[str, ...] | None = None,
+        recompute: bool = True,
+        reform: bool = True,
+        max_rel_err: float | None = None,
+    ) -> None:
+        if layers not in LAYER_MODES:
+            raise ValueError(f"layers must be one of {LAYER_MODES}, got {layers!r}")
+        self.profile = profile
+        self.groups: list[Group] = []
+        for kind in profile.kinds:
+            b = kind.blocks
+            if layers == "each" or kind.kind == ROOT:
+                parts = [[x] for x in b]
+            elif layers == "ends" and len(b) > 2:
+                parts = [[b[0]], b[1:-1], [b[-1]]]
+            elif layers == "ends":
+                parts = [[x] for x in b]
+            else:
+                parts = [list(b)]
+            for blocks in parts:
+                opts = {}
+                for s in kind.storages:
+                    ok = [
+                        c
+                        for c, st in s.codecs.items()
+                        if (codecs is None or c in codecs)
+                        and (max_rel_err is None or st.rel_err <= max_rel_err)
+                    ]
+                    opts[s.id] = ["raw", *ok]
+                rc = list(range(len(kind.modules))) if recompute else []
+                rf = list(range(len(kind.reforms))) if reform else []
+                self.groups.append(Group(kind, blocks, rc, rf, opts))
+
+    # -- coefficients ------------------------------------------------------------------------
+    @staticmethod
+    def bytes_of(g: Group, sid: int, opt: str) -> int:
+        return sum(g.kind.bytes_of(b, sid, opt) for b in g.blocks)
+
+    @staticmethod
+    def time_of(g: Group, sid: int, opt: str) -> float:
+        if opt == "raw":
+            return 0.0
+        st = g.kind.storages[sid].codecs[opt]
+        return len(g.blocks) * (st.encode_s + st.decode_s)
+
+    @staticmethod
+    def quality_of(g: Group, sid: int, opt: str) -> float:
+        if opt == "raw":
+            return 0.0
+        return len(g.blocks) * g.kind.storages[sid].codecs[opt].rel_err ** 2
+
+    @staticmethod
+    def candidates(g: Group) -> list[tuple[str, str]]:
+        """(kind of action, module path) of each recompute/reform candidate."""
+        return [("r", g.kind.modules[i].path) for i in g.rc] + [
+            ("z", g.kind.reforms[i].path) for i in g.rf
+        ]
+
+    # -- evaluation without linearization -------------------------------------------------------
+    def dropped(self, g: Group, d: Decision) -> set[int]:
+        """Storages nobody saves under decision ``d`` (see the module docstring)."""
+        kind = g.kind
+        silenced_by_rf = set()
+        held = set()
+        for r in kind.reforms:
+            if r.path in d.reform:
+                silenced_by_rf.update(r.silenced)
+                held.update(r.added)
+        for m in kind.modules:
+            if m.path in d.recompute:
+                held.update(m.inputs)
+        out = set()
+        for s in kind.storages:
+            if s.id in held:
+                continue
+            if all(
+                p in silenced_by_rf
+                or (p != "!extern" and any(inside(site_module(p), a) for a in d.recompute))
+                for p in s.sites
+            ):
+                out.add(s.id)
+        return out
+
+    def evaluate(self, decisions: list[Decision]) -> tuple[int, float, float]:
+        """(activation bytes, added seconds per step, quality cost) of one decision per group."""
+        total_b, total_t, total_q = 0, 0.0, 0.0
+        for g, d in zip(self.groups, decisions):
+            n = len(g.blocks)
+            drop = self.dropped(g, d)
+            for s in g.kind.storages:
+                opt = d.codecs.get(s.id, "raw")
+                if s.id in drop:
+                    if opt != "raw":
+                        raise ValueError(f"codec {opt} on dropped storage {s.name}")
+                    continue
+                total_b += self.bytes_of(g, s.id, opt)
+                total_t += self.time_of(g, s.id, opt)
+                total_q += self.quality_of(g, s.id, opt)
+            for m in g.kind.modules:
+                if m.path in d.recompute:
+                    total_t += n * m.recompute_s
+            for r in g.kind.reforms:
+                if r.path in d.reform:
+                    total_b += n * r.extra_bytes
+                    total_t += n * max(r.delta_s, 0.0)
+        return total_b, total_t, total_q
+
+    @property
+    def baseline_bytes(self) -> int:
+        return self.evaluate([Decision() for _ in self.groups])[0]
+
+    # -- the MILP ------------------------------------------------------------------------------
+    def _build(self):
+        cols: list[tuple] = []  # (group index, kind, key)
+        index: dict[tuple, int] = {}
+
+        def var(gi: int, kind: str, key) -> int:
+            k = (gi, kind, key)
+            if k not in index:
+                index[k] = len(cols)
+                cols.append(k)
+            return index[k]
+
+        rows: list[dict[int, float]] = []
+        lo: list[float] = []
+        hi: list[float] = []
+
+        def row(coefs: dict[int, float], lb: float, ub: float) -> None:
+            rows.append(coefs)
+            lo.append(lb)
+            hi.append(ub)
+
+        mem: dict[int, float] = {}
+        obj: dict[int, float] = {}
+        qual: dict[int, float] = {}
+        for gi, g in enumerate(self.groups):
+            kind, n = g.kind, len(g.blocks)
+            cand = self.candidates(g)
+            cvar = [var(gi, t, p) for t, p in cand]
+            for va in cvar:
+                obj[va] = n * EPS_S
+            for i in g.rc:
+                m = kind.modules[i]
+                obj[index[(gi, "r", m.path)]] += n * m.recompute_s
+            for i in g.rf:
+                r = kind.reforms[i]
+                v = index[(gi, "z", r.path)]
+                obj[v] += n * max(r.delta_s, 0.0)
+                mem[v] = mem.get(v, 0.0) + n * r.extra_bytes
+            for a in range(len(cand)):
+                for b in range(a + 1, len(cand)):
+                    pa, pb = cand[a][1], cand[b][1]
+                    if inside(pa, pb) or inside(pb, pa):
+                        row({cvar[a]: 1, cvar[b]: 1}, -np.inf, 1)
+            for s in kind.storages:
+                kv, dv = var(gi, "k", s.id), var(gi, "d", s.id)
+                one = {kv: 1.0, dv: 1.0}
+                mem[kv] = float(self.bytes_of(g, s.id, "raw"))
+                for c in g.options[s.id][1:]:
+                    yv = var(gi, "y", (s.id, c))
+                    one[yv] = 1.0
+                    mem[yv] = float(self.bytes_of(g, s.id, c))
+                    obj[yv] = self.time_of(g, s.id, c)
+                    qual[yv] = self.quality_of(g, s.id, c)
+                row(one, 1, 1)
+                sil = []
+                for p in s.sites:
+                    terms = {}
+                    if p != "!extern":
+                        for i in g.rc:
+                            if inside(site_module(p), kind.modules[i].path):
+                                terms[index[(gi, "r", kind.modules[i].path)]] = 1.0
+                        for i in g.rf:
+                            if p in kind.reforms[i].silenced:
+                                terms[index[(gi, "z", kind.reforms[i].path)]] = 1.0
+                    sil.append(terms)
+                    row({dv: 1.0, **{v: -1.0 for v in terms}}, -np.inf, 0)
+                holders = [index[(gi, "r", kind.modules[i].path)] for i in g.rc
+                           if s.id in kind.modules[i].inputs]  # fmt: skip
+                holders += [index[(gi, "z", kind.reforms[i].path)] for i in g.rf
+                            if s.id in kind.reforms[i].added]  # fmt: skip
+                for h in holders:
+                    row({dv: 1.0, h: 1.0}, -np.inf, 1)
+                lower: dict[int, float] = {dv: 1.0}
+                for terms in sil:
+                    for v in terms:
+                        lower[v] = lower.get(v, 0.0) - 1.0
+                for h in holders:
+                    lower[h] = lower.get(h, 0.0) + 1.0
+                row(lower, 1 - len(s.sites), np.inf)
+        return cols, index, rows, lo, hi, mem, obj, qual
+
+    def solve(
+        self,
+        budget_bytes: float | None,
+        max_quality: float | None = None,
+        minimize: str = "time",
+        time_limit: float = 60.0,
+    ) -> Result:
+        """Minimize added time s.t. bytes <= ``budget_bytes`` (or minimize bytes)."""
+        t0 = time.perf_counter()
+        cols, index, rows, lo, hi, mem, obj, qual = self._build()
+        n = len(cols)
+        scale = 2.0**20  # bytes in MiB and seconds in ms keep HiGHS' tolerances meaningful
+        if budget_bytes is not None:
+            rows.append({v: c / scale for v, c in mem.items()})
+            lo.append(-np.inf)
+            hi.append(budget_bytes / scale)
+        if max_quality is not None:
+            rows.append(dict(qual))
+            lo.append(-np.inf)
+            hi.append(max_quality)
+        c = np.zeros(n)
+        src = obj if minimize == "time" else mem
+        for v, x in src.items():
+            c[v] = x * (1e3 if minimize == "time" else 1 / scale)
+        if minimize != "time":
+            for v, x in obj.items():
+                c[v] += x * 1e-6  # among the smallest plans, the fastest
+        ri, ci, vals = [], [], []
+        for i, r in enumerate(rows):
+            for v, x in r.items():
+                ri.append(i)
+                ci.append(v)
+                vals.append(x)
+        a = coo_matrix((vals, (ri, ci)), shape=(len(rows), n)).tocsr()
+        with _quiet_stdout():
+            res = milp(
+                c,
+                constraints=LinearConstraint(a, np.array(lo), np.array(hi)),
+                integrality=np.ones(n),
+                bounds=Bounds(0, 1),
+                options={"time_limit": time_limit, "mip_rel_gap": 1e-9, "disp": False},
+            )
+        solve_s = time.perf_counter() - t0
+        if res.x is None:
+            return Result([], 0, math.inf, math.inf, "infeasible", solve_s)
+        x = np.round(res.x).astype(int)
+        decisions = [Decision(frozenset(), frozenset(), {}) for _ in self.groups]
+        rec: list[set] = [set() for _ in self.groups]
+        ref: list[set] = [set() for _ in self.groups]
+        for (gi, kind, key), v in zip(cols, x):
+            if not v:
+                continue
+            if kind == "r":
+                rec[gi].add(key)
+            elif kind == "z":
+                ref[gi].add(key)
+            elif kind == "y":
+                decisions[gi].codecs[key[0]] = key[1]
+        for gi, d in enumerate(decisions):
+            d.recompute, d.reform = frozenset(rec[gi]), frozenset(ref[gi])
+        b, t, q = self.evaluate(decisions)
+        status = "optimal" if res.status == 0 else f"status {res.status}: {res.message}"
+        return Result(decisions, b, t, q, status, solve_s)
+
+    def min_bytes(self, max_quality: float | None = None) -> Result:
+        return self.solve(None, max_quality, minimize="bytes")
+
+
+def enumerate_group(problem: Problem, gi: int):
+    """Every valid decision of group ``gi`` (exponential: small groups only)."""
+    g = problem.groups[gi]
+    cand = problem.candidates(g)
+    for mask in itertools.product((0, 1), repeat=len(cand)):
+        chosen = [c for c, on in zip(cand, mask) if on]
+        if any(
+            inside(a[1], b[1]) or inside(b[1], a[1]) for a, b in itertools.combinations(chosen, 2)
+        ):
+            continue
+        base = Decision(
+            frozenset(p for t, p in chosen if t == "r"), frozenset(p for t, p in chosen if t == "z")
+        )
+        drop = problem.dropped(g, base)
+        live = [s.id for s in g.kind.storages if s.id not in drop]
+        for opts in itertools.product(*[g.options[s] for s in live]):
+            codecs = {s: o for s, o in zip(live, opts) if o != "raw"}
+            yield Decision(base.recompute, base.reform, codecs)
+
+
+def brute_force(
+    problem: Problem, budget_bytes: float, max_quality: float | None = None
+) -> tuple[float, list[Decision] | None]:
+    """Minimum added time by enumerating every combination of every group's decisions."""
+    best, arg = math.inf, None
+    for combo in itertools.product(
+        *[list(enumerate_group(problem, i)) for i in range(len(problem.groups))]
+    ):
+        b, t, q = problem.evaluate(list(combo))
+        if b <= budget_bytes and (max_quality is None or q <= max_quality) and t < best:
+            best, arg = t, list(combo)
+    return best, arg

@@ -1,0 +1,462 @@
+"""The planner's data: the measured ``Profile`` and the chosen ``Plan``, both plain JSON.
+
+Names are *block-relative*: a block's site ``layers.3.mlp.act_fn:silu#0`` is ``mlp.act_fn:silu#0``
+and its module ``layers.3.mlp`` is ``mlp`` (``""`` is the block itself), so one block's profile
+describes every block of its *kind*. Outside the blocks (embedding, final norm, head, loss) is
+the kind ``(root)`` with one instance, block ``""``, whose names are absolute.
+
+A **storage** (the unit of memory) lists the sites that save it; ``[]`` marks a *virtual*
+storage: a module input no op saves, stored only if a checkpoint of that module keeps it.
+``"!extern"`` marks a saver in another block (such a storage is never dropped nor encoded).
+
+A **Plan** gives every block a ``LayerPlan``: the modules it recomputes (non-reentrant
+checkpointing), the modules it reformulates (invact), and the codec of each encoded storage,
+listed with every site that saves it (checkpoint inputs ``<module>:checkpoint_input#k``
+included), plus predicted bytes and added time. ``Plan`` is a ``StrategyConfig``, so
+``slimact.apply(model, plan)`` applies it; ``Plan.site_actions()`` is the flat site -> action map.
+
+``solve_plan(profile, budget)`` runs the MILP (``slimact.planner.milp``) and turns its decisions
+into a ``Plan``; a budget below the smallest feasible one is an error naming that budget.
+
+Budgets (``parse_budget``): ``"25%"`` is a fraction of the baseline activation bytes (the meter's
+total); an absolute size (``"6GiB"``, ``"512MB"``, a byte count) is *device memory*, static memory
+(parameters + gradients + optimizer states) included, as adacc.txt Eq. 7 has it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from slimact.strategies.registry import StrategyConfig
+from slimact.utils import fmt_bytes
+
+ROOT = "(root)"
+
+
+@dataclass
+class CodecStat:
+    bytes: int
+    encode_s: float
+    decode_s: float
+    rel_err: float
+    sqnr_db: float
+
+
+@dataclass
+class StorageProfile:
+    """One stored tensor of a block; ``sites`` are block-relative (first = owner), [] = virtual."""
+
+    id: int
+    name: str
+    sites: list[str]
+    bytes: int
+    shape: list[int]
+    dtype: str
+    lossy_ok: bool
+    codecs: dict[str, CodecStat] = field(default_factory=dict)
+
+
+@dataclass
+class ModuleProfile:
+    path: str  # block-relative; "" is the block itself
+    type: str
+    inputs: list[int]  # storage ids of its tensor arguments, in checkpoint order
+    recompute_s: float
+    flops: int
+
+
+@dataclass
+class ReformProfile:
+    path: str
+    kind: str  # "invact:silu", "invnorm:rms" ...
+    silenced: list[str]  # baseline sites it no longer saves
+    added: list[int]  # storages that gain a saver (its output, saved by the inverted op)
+    extra_bytes: int  # new storages (bit mask, rstd)
+    delta_s: float  # fwd+bwd time of the inverted module minus the original's
+    saver_sites: dict[str, list[str]] = field(default_factory=dict)  # added sid -> new sites
+
+
+@dataclass
+class KindProfile:
+    kind: str
+    blocks: list[str]
+    storages: list[StorageProfile]
+    modules: list[ModuleProfile]
+    reforms: list[ReformProfile]
+    # block -> storage id (str) -> {"raw": bytes, codec: bytes, "outliers": n}
+    per_block: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+
+    def bytes_of(self, block: str, sid: int, option: str) -> int:
+        """Bytes of storage ``sid`` in ``block`` under ``option`` ('raw' or a codec name)."""
+        got = self.per_block.get(block, {}).get(str(sid), {}).get(option)
+        if got is not None:
+            return int(got)
+        s = self.storages[sid]
+        return s.bytes if option == "raw" else s.codecs[option].bytes
+
+
+@dataclass
+class Profile:
+    model: str
+    batch: int
+    seq: int
+    dtype: str
+    device: str
+    baseline_bytes: int
+    static: dict[str, int]
+    kinds: list[KindProfile]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_blocks(self) -> int:
+        return sum(len(k.blocks) for k in self.kinds if k.kind != ROOT)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(f"{path}.tmp")
+        tmp.write_text(json.dumps(self.to_dict()))
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Profile:
+        kinds = []
+        for k in d["kinds"]:
+            storages = [
+                StorageProfile(
+                    **{**s, "codecs": {n: CodecStat(**c) for n, c in s["codecs"].items()}}
+                )
+                for s in k["storages"]
+            ]
+            kinds.append(
+                KindProfile(
+                    k["kind"],
+                    k["blocks"],
+                    storages,
+                    [ModuleProfile(**m) for m in k["modules"]],
+                    [ReformProfile(**r) for r in k["reforms"]],
+                    k.get("per_block", {}),
+                )
+            )
+        return cls(**{**d, "kinds": kinds})
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+# ---------------------------------------------------------------------------------------------
+# names
+
+
+def rel_site(site: str, block: str) -> str:
+    """``layers.0.mlp:silu#0`` -> ``mlp:silu#0`` for block ``layers.0`` (root: unchanged)."""
+    if not block:
+        return site
+    return site[len(block) + 1 :] if site.startswith(block + ".") else site[len(block) :]
+
+
+def abs_site(rel: str, block: str) -> str:
+    if not block:
+        return rel
+    return block + rel if rel.startswith(":") else f"{block}.{rel}"
+
+
+def abs_path(rel: str, block: str) -> str:
+    return f"{block}.{rel}" if block and rel else (block or rel)
+
+
+def inside(module: str, container: str) -> bool:
+    """Is module path ``module`` equal to or below ``container`` (block-relative paths)?"""
+    return not container or module == container or module.startswith(container + ".")
+
+
+def site_module(site: str) -> str:
+    return site.rpartition(":")[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# budgets
+
+_UNITS = {
+    "": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+_BUDGET = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z%]*)\s*$", re.IGNORECASE)
+
+
+def parse_budget(text: str | int | float, baseline_bytes: int, static_bytes: int = 0) -> int:
+    """Activation bytes allowed by a budget: ``"25%"`` of ``baseline_bytes``, or an absolute
+    device-memory size (``"6GiB"``, ``"800MB"``, ``123456``) minus ``static_bytes``."""
+    if isinstance(text, bool) or text is None:
+        raise ValueError(f"budget must be like '25%' or '6GiB', got {text!r}")
+    if isinstance(text, (int, float)):
+        value, unit = float(text), ""
+    else:
+        m = _BUDGET.match(str(text))
+        if not m or m.group(2).lower() not in (*_UNITS, "%"):
+            raise ValueError(
+                f"budget {text!r} is not understood; use a percentage of the baseline activation "
+                f"memory ('25%') or a size ('6GiB', '512MB', bytes)"
+            )
+        value, unit = float(m.group(1)), m.group(2).lower()
+    if unit == "%":
+        if not 0 < value <= 100:
+            raise ValueError(f"budget percentage must be in (0, 100], got {text!r}")
+        return int(baseline_bytes * value / 100)
+    total = int(value * _UNITS[unit])
+    if total <= 0:
+        raise ValueError(f"budget must be > 0, got {text!r}")
+    return total - static_bytes
+
+
+def is_relative(budget: str | int | float) -> bool:
+    return isinstance(budget, str) and budget.strip().endswith("%")
+
+
+# ---------------------------------------------------------------------------------------------
+# plans
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """The actions of one block (``block == ""``: outside the blocks)."""
+
+    block: str
+    kind: str
+    recompute: tuple[str, ...] = ()
+    reform: tuple[str, ...] = ()
+    codecs: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (codec, block-relative sites)
+    storages: tuple[tuple[str, str, int, int], ...] = ()  # (storage, action, bytes, predicted)
+    baseline_bytes: int = 0
+    predicted_bytes: int = 0
+    predicted_time_s: float = 0.0
+
+    def signature(self) -> tuple:
+        return (self.kind, self.recompute, self.reform, tuple(s[:2] for s in self.storages))
+
+
+@dataclass(frozen=True)
+class Plan(StrategyConfig):
+    """A solved plan; ``slimact.apply(model, plan)`` applies it (see the module docstring)."""
+
+    model: str = ""
+    batch: int = 0
+    seq: int = 0
+    dtype: str = ""
+    budget: str = ""
+    budget_bytes: int = 0  # activation bytes the solver was allowed
+    baseline_bytes: int = 0
+    static_bytes: int = 0
+    predicted_bytes: int = 0
+    predicted_time_s: float = 0.0
+    min_feasible_bytes: int = 0
+    solve_s: float = 0.0
+    layers: tuple[LayerPlan, ...] = ()
+    meta: tuple[tuple[str, Any], ...] = ()
+
+    def layer(self, block: str) -> LayerPlan | None:
+        for lp in self.layers:
+            if lp.block == block:
+                return lp
+        return None
+
+    def site_actions(self) -> dict[str, str]:
+        """Every planned site (absolute name) -> 'keep' | 'codec:<name>' | 'dropped' ...;
+        modules -> 'recompute' | 'reform:<kind>'."""
+        out: dict[str, str] = {}
+        for lp in self.layers:
+            for path in lp.recompute:
+                out[abs_path(path, lp.block) + ":"] = "recompute"
+            for path in lp.reform:
+                out[abs_path(path, lp.block) + ":"] = "reform"
+            for name, action, _, _ in lp.storages:
+                out[abs_site(name, lp.block)] = action
+            for codec, sites_ in lp.codecs:
+                for s in sites_:
+                    out[abs_site(s, lp.block)] = f"codec:{codec}"
+        return out
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["meta"] = dict(self.meta)
+        d["site_actions"] = self.site_actions()
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        names = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k in names}
+        layers = tuple(
+            LayerPlan(
+                **{
+                    **lp,
+                    "recompute": tuple(lp["recompute"]),
+                    "reform": tuple(lp["reform"]),
+                    "codecs": tuple((c, tuple(s)) for c, s in lp["codecs"]),
+                    "storages": tuple(tuple(s) for s in lp["storages"]),
+                }
+            )
+            for lp in d.get("layers", ())
+        )
+        return cls(**{**d, "layers": layers, "meta": tuple(dict(d.get("meta", {})).items())})
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def table(self) -> str:
+        """Per distinct layer plan: its storages' actions; then the predicted totals."""
+        groups: dict[tuple, list[LayerPlan]] = {}
+        for lp in self.layers:
+            groups.setdefault(lp.signature(), []).append(lp)
+        lines = []
+        for lps in groups.values():
+            lp = lps[0]
+            names = ", ".join(p.block or "(outside blocks)" for p in lps)
+            lines.append(f"== {names}  [{lp.kind}]")
+            if lp.recompute:
+                lines.append(
+                    f"   recompute: {', '.join(p or '(whole block)' for p in lp.recompute)}"
+                )
+            if lp.reform:
+                lines.append(f"   reformulate: {', '.join(lp.reform)}")
+            lines.append(f"   {'storage':<44} {'action':<16} {'bytes':>11} {'planned':>11}")
+            for name, action, before, after in lp.storages:
+                lines.append(
+                    f"   {name:<44} {action:<16} {fmt_bytes(before):>11} {fmt_bytes(after):>11}"
+                )
+            lines.append(
+                f"   per block: {fmt_bytes(lp.baseline_bytes)} -> {fmt_bytes(lp.predicted_bytes)}"
+                f", +{lp.predicted_time_s * 1e3:.2f} ms"
+            )
+        ratio = self.predicted_bytes / self.baseline_bytes if self.baseline_bytes else 0.0
+        lines += [
+            "",
+            f"model {self.model}  batch {self.batch} x seq {self.seq}  {self.dtype}",
+            f"budget {self.budget} -> {fmt_bytes(self.budget_bytes)} of activations"
+            f"  (static {fmt_bytes(self.static_bytes)})",
+            f"baseline activations {fmt_bytes(self.baseline_bytes)}   predicted "
+            f"{fmt_bytes(self.predicted_bytes)} ({ratio:.1%})   smallest feasible "
+            f"{fmt_bytes(self.min_feasible_bytes)}",
+            f"predicted added time {self.predicted_time_s * 1e3:.2f} ms/step   "
+            f"solve {self.solve_s * 1e3:.1f} ms",
+        ]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# solving (the MILP itself is slimact.planner.milp)
+
+
+def solve_plan(
+    profile: Profile,
+    budget: str | int | float,
+    *,
+    layers: str = "ends",
+    codecs: tuple[str, ...] | None = None,
+    recompute: bool = True,
+    reform: bool = True,
+    max_quality: float | None = None,
+    max_rel_err: float | None = None,
+    include_static: bool = True,
+) -> Plan:
+    """Solve the MILP for ``budget`` (``"25%"``, ``"6GiB"``, bytes) and return the ``Plan``.
+
+    A budget below the smallest feasible one raises ``ValueError`` naming that smallest budget.
+    """
+    from slimact.planner.milp import Problem
+
+    problem = Problem(profile, layers, codecs, recompute, reform, max_rel_err)
+    base = profile.baseline_bytes
+    static = profile.static.get("total", 0) if include_static and not is_relative(budget) else 0
+    allowed = parse_budget(budget, base, static)
+    smallest = problem.min_bytes(max_quality)
+    if smallest.status == "infeasible":
+        raise ValueError(f"no plan satisfies max_quality={max_quality}; raise it or drop the cap")
+    if allowed < smallest.bytes:
+        extra = f" = {fmt_bytes(smallest.bytes + static)} of device memory" if static else ""
+        raise ValueError(
+            f"budget {budget!r} allows {fmt_bytes(max(allowed, 0))} of activations "
+            f"({allowed / base:.1%} of the baseline {fmt_bytes(base)}); the smallest feasible "
+            f"budget is {fmt_bytes(smallest.bytes)} ({smallest.bytes / base:.1%}){extra} for "
+            f"{profile.model} at batch {profile.batch} x seq {profile.seq}"
+        )
+    res = problem.solve(allowed, max_quality)
+    if res.status == "infeasible" or res.bytes > allowed:  # solver tolerance: the exact floor
+        res = smallest
+    return make_plan(problem, res, budget, allowed, static, smallest.bytes)
+
+
+def make_plan(
+    problem: Any, res: Any, budget: str | int | float, allowed: int, static: int, floor: int
+) -> Plan:
+    prof = problem.profile
+    layers = []
+    for g, d in zip(problem.groups, res.decisions):
+        kind = g.kind
+        drop = problem.dropped(g, d)
+        by_codec: dict[str, list[str]] = {}
+        for sid, c in sorted(d.codecs.items()):
+            s = kind.storages[sid]
+            names = [x for x in s.sites if x != "!extern"]
+            for m in kind.modules:
+                if m.path in d.recompute and sid in m.inputs:
+                    names += [
+                        f"{m.path}:checkpoint_input#{j}" for j, i in enumerate(m.inputs) if i == sid
+                    ]
+            for r in kind.reforms:
+                if r.path in d.reform:
+                    names += r.saver_sites.get(str(sid), [])
+            by_codec.setdefault(c, []).extend(names)
+        t = sum(m.recompute_s for m in kind.modules if m.path in d.recompute)
+        t += sum(max(r.delta_s, 0.0) for r in kind.reforms if r.path in d.reform)
+        t += sum(kind.storages[sid].codecs[c].encode_s + kind.storages[sid].codecs[c].decode_s
+                 for sid, c in d.codecs.items())  # fmt: skip
+        extra = sum(r.extra_bytes for r in kind.reforms if r.path in d.reform)
+        for b in g.blocks:
+            rows = []
+            for s in kind.storages:
+                raw = kind.bytes_of(b, s.id, "raw")
+                if s.id in drop:
+                    act, after = ("dropped" if s.sites else "not stored"), 0
+                elif s.id in d.codecs:
+                    act, after = d.codecs[s.id], kind.bytes_of(b, s.id, d.codecs[s.id])
+                else:
+                    act, after = ("keep" if s.sites else "checkpoint input"), raw
+                if s.sites or after:
+                    rows.append((s.name, act, raw if s.sites else 0, after))
+            layers.append(
+                LayerPlan(
+                    block=b,
+                    kind=kind.kind,
+                    recompute=tuple(sorted(d.recompute)),
+                    reform=tuple(sorted(d.reform)),
+                    codecs=tuple((c, tuple(v)) for c, v in sorted(by_codec.items())),
+                    storages=tuple(rows),
+                    baseline_bytes=sum(r[2] for r in rows),
+                    predicted_bytes=sum(r[3] for r in rows) + extra,
+                    predicted_time_s=t,
+                )  # fmt: skip
+            )
+    return Plan(
+        model=prof.model, batch=prof.batch, seq=prof.seq, dtype=prof.dtype, budget=str(budget),
+        budget_bytes=int(allowed), baseline_bytes=prof.baseline_bytes, static_bytes=static,
+        predicted_bytes=int(res.bytes), predicted_time_s=res.time_s, min_feasible_bytes=floor,
+        solve_s=res.solve_s, layers=tuple(layers),
+        meta=(("status", res.status), ("quality", res.quality), ("device", prof.device)),
+    )  # fmt: skip

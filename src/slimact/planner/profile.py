@@ -1,0 +1,548 @@
+"""Profiler: what each saved tensor costs to keep, recompute, encode or reformulate (adacc.txt §3.3).
+
+One forward of the model on a real batch runs under the meter (``slimact.measure``), which names
+every site and groups sites into *storages* (the unit of memory: a storage saved by several
+sites, like Q/K/V's shared input, is freed only if every saver drops it). Blocks that repeat
+(children of a ``ModuleList``) are grouped into *kinds* by structure; as in adacc.txt §3.3 the
+expensive measurements run on one block per kind (the first) and are shared by its peers:
+
+- **recompute**: for every submodule ``M`` of the block (the block itself included) that owns at
+  least one storage no module input holds, the median time and FLOPs of re-running ``M.forward``
+  with grad enabled on its captured inputs (what non-reentrant checkpointing adds to backward),
+  and which storages are ``M``'s inputs (a checkpoint keeps them, so they stay stored);
+- **codecs**: for every storage and every registered codec, the exact payload bytes, the median
+  encode and decode times and the reconstruction error (relative L2 error and SQNR), measured by
+  running the storage's saved views through a real ``CodecPolicy`` (so a storage saved as several
+  views is encoded exactly as in training). Lossy codecs are only tried where the ``int4``
+  strategy's roles allow one (``role_of``); elsewhere (logsumexp, norm statistics, ids, loss
+  inputs) only codecs whose reconstruction is exact qualify. A stateful codec's first encode (an
+  SVD for PRAC) is amortized over its update period ``t1``;
+- **reformulations** (invact): each GELU/SiLU/norm that ``strategies.invact`` can invert is run
+  alone, inverted, under the meter: the sites it no longer saves, the storage its output gains a
+  saver for, the bytes of new storages (mask, rstd), and the fwd+bwd time difference;
+- **per block**: payload bytes of the non-stateful codecs and the outlier-channel count of every
+  storage of *every* block (data-dependent: outliers differ between layers, adacc.txt Fig. 4);
+- **static memory**: parameters + gradients + optimizer states; AdamW's states are measured by
+  stepping a real ``torch.optim.AdamW`` on meta-device twins of the parameters.
+
+Outside the blocks (embedding, final norm, head, loss) is profiled the same way as a kind
+``(root)`` with one instance whose module paths are absolute. Timings are medians over
+``repeats`` after one warm-up. ``cached_profile`` stores the result as JSON, keyed by model
+structure, a weight fingerprint, batch shape, dtype, device, codec list and torch version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from slimact import sites
+from slimact.codecs.base import Codec, codec_names, get_codec, storage_nbytes
+from slimact.codecs.saving import CodecPolicy, SharedStored
+from slimact.meter import measure
+from slimact.planner.plan import (
+    ROOT,
+    CodecStat,
+    KindProfile,
+    ModuleProfile,
+    Profile,
+    ReformProfile,
+    StorageProfile,
+    abs_path,
+    abs_site,
+    inside,
+    rel_site,
+    site_module,
+)
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(max(1, repeats)):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def build_codec(name: str, t: torch.Tensor) -> Codec:
+    """Codec ``name`` for tensor ``t``: ``channels`` fields get ``t``'s hidden channel count."""
+    from slimact.strategies.int4 import hidden_channels
+
+    codec = get_codec(name)
+    cfg = codec.config
+    if "channels" in {f.name for f in dataclasses.fields(cfg)} and t.dim() > 0:
+        codec = dataclasses.replace(cfg, channels=hidden_channels(t)).build()
+    return codec
+
+
+def lossy_allowed(site: str, t: torch.Tensor) -> bool:
+    """Lossy codecs only where the ``int4`` strategy would compress (``role_of``)."""
+    from slimact.strategies.int4 import role_of
+
+    return role_of(site, t, min_numel=1024) is not None
+
+
+def run_policy(codec: Codec, views: list[tuple[str, torch.Tensor]]) -> list[Any]:
+    """Store ``views`` through a fresh ``CodecPolicy`` that gives every view ``codec``."""
+    policy = CodecPolicy(lambda site, t: codec)
+    return [policy(site, t) for site, t in views]
+
+
+def _payload_bytes(stored: list[Any]) -> int:
+    tensors, seen = [], set()
+    for st in stored:
+        base = st.base if isinstance(st, SharedStored) else st
+        if id(base) not in seen:
+            seen.add(id(base))
+            tensors.extend(base.tensors())
+    return storage_nbytes(tensors)
+
+
+@torch.no_grad()
+def codec_stat(
+    name: str, views: list[tuple[str, torch.Tensor]], repeats: int, device: torch.device
+) -> CodecStat | None:
+    """Measure codec ``name`` on a storage's views; None if it does not apply."""
+    codec = build_codec(name, views[0][1])
+    try:
+        t0 = time.perf_counter()
+        stored = run_policy(codec, views)
+        _sync(device)
+        first = time.perf_counter() - t0
+        decoded = [st.unpack() for st in stored]
+    except (TypeError, ValueError, RuntimeError, NotImplementedError):
+        return None
+    num = den = 0.0
+    for (_, t), y in zip(views, decoded):
+        num += float((y.double() - t.double()).pow(2).sum())
+        den += float(t.double().pow(2).sum())
+    nbytes = _payload_bytes(stored)
+    enc = median_time(lambda: run_policy(codec, views), repeats, device)
+    dec = median_time(lambda: [st.unpack() for st in run_policy(codec, views)], repeats, device)
+    dec = max(dec - enc, 0.0)
+    period = getattr(codec.config, "t1", None)
+    if codec.state_dict() and isinstance(period, int) and period > 0:
+        enc += max(first - enc, 0.0) / period  # amortized subspace update (PRAC's SVD)
+    rel = math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
+    sqnr = math.inf if num == 0 else (10 * math.log10(den / num) if den > 0 else -math.inf)
+    return CodecStat(nbytes, enc, dec, rel, sqnr)
+
+
+def _worth_trying(name: str, views: list, lossy_ok: bool, device: torch.device) -> bool:
+    """Cheap pre-checks before timing codec ``name`` on a storage.
+
+    A subspace codec (PRAC family: config fields ``r1``/``r2``) stores its n x r fp32 basis per
+    storage, so it cannot beat the raw tensor when n * r * 4 >= raw bytes (prac.txt: PRAC pays
+    off when tokens >> n); building that basis for a wide tensor (n = 32000 logits) costs
+    minutes, so it is skipped. Where only exact codecs qualify, exactness is first tried on the
+    first 64 rows (a lossy codec is lossy there too)."""
+    t = views[0][1]
+    cfg = get_codec(name).config
+    if hasattr(cfg, "r1") and hasattr(cfg, "r2") and t.dim() > 0:
+        n = t.shape[-1]
+        r = sum(int(v * n) if isinstance(v, float) else int(v) for v in (cfg.r1, cfg.r2))
+        if n * r * 4 >= t.untyped_storage().nbytes():
+            return False
+    if lossy_ok or t.dim() == 0:
+        return True
+    head = t.detach().reshape(-1, t.shape[-1])[:64] if t.dim() > 1 else t.detach()[:4096]
+    st = codec_stat(name, [("trial", head.contiguous())], 1, device)
+    return st is not None and st.rel_err == 0.0
+
+
+def static_memory(model: nn.Module, optimizer: str = "adamw") -> dict[str, int]:
+    """Parameter, gradient and optimizer-state bytes; AdamW states measured on meta twins."""
+    params = list({p.untyped_storage().data_ptr(): p for p in model.parameters()}.values())
+    p_bytes = sum(p.untyped_storage().nbytes() for p in params)
+    trainable = [p for p in params if p.requires_grad]
+    g_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    o_bytes = 0
+    if optimizer == "adamw" and trainable:
+        twins = [nn.Parameter(torch.empty_like(p, device="meta")) for p in trainable]
+        for t in twins:
+            t.grad = torch.empty_like(t)
+        opt = torch.optim.AdamW(twins, foreach=False)
+        opt.step()
+        for st in opt.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    o_bytes += v.numel() * v.element_size()
+    elif optimizer != "adamw":
+        raise ValueError(f"optimizer must be 'adamw', got {optimizer!r}")
+    return {
+        "params": p_bytes,
+        "grads": g_bytes,
+        "optimizer": o_bytes,
+        "total": p_bytes + g_bytes + o_bytes,
+    }
+
+
+def kind_signature(module: nn.Module) -> str:
+    parts = [
+        (n, type(m).__name__, tuple(tuple(p.shape) for p in m.parameters(recurse=False)))
+        for n, m in module.named_modules()
+    ]
+    digest = hashlib.sha1(repr(parts).encode()).hexdigest()[:8]
+    return f"{type(module).__name__}-{digest}"
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    h = hashlib.sha1()
+    for n, p in model.named_parameters():
+        h.update(f"{n}{tuple(p.shape)}{p.dtype}{float(p.detach().float().sum()):.6e}".encode())
+    return h.hexdigest()[:16]
+
+
+def default_cache_dir() -> Path:
+    return (
+        Path(os.environ.get("SLIMACT_CACHE_DIR", Path.home() / ".cache" / "slimact")) / "profiles"
+    )
+
+
+def _detach(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.detach().requires_grad_(v.requires_grad and v.is_floating_point())
+    return v
+
+
+def _call(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    with torch.enable_grad():
+        return module(*[_detach(a) for a in args], **{k: _detach(v) for k, v in kwargs.items()})
+
+
+def _fwd_bwd(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    with torch.enable_grad():
+        a = [_detach(x) for x in args]
+        out = module(*a, **{k: _detach(v) for k, v in kwargs.items()})
+        leaves = [x for x in a if isinstance(x, torch.Tensor) and x.requires_grad]
+        leaves += [p for p in module.parameters() if p.requires_grad]
+        if isinstance(out, torch.Tensor) and out.requires_grad and leaves:
+            torch.autograd.grad(out, leaves, torch.ones_like(out), allow_unused=True)
+
+
+def _reform_candidates(block: nn.Module, device: torch.device) -> list[str]:
+    from slimact.strategies.invact import _ACT_NAME, classify_activation, classify_norm
+
+    out = []
+    for path, m in block.named_modules():
+        leaf = not list(m.children()) and not list(m.parameters(recurse=False))
+        if leaf and not list(m.buffers(recurse=False)) and _ACT_NAME.search(type(m).__name__):
+            if classify_activation(m, device)[0] is not None:
+                out.append(path)
+        elif path and classify_norm(m, device)[0] is not None:
+            out.append(path)
+    return out
+
+
+def profile_model(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    targets: torch.Tensor | None = None,
+    *,
+    codecs: tuple[str, ...] | list[str] | None = None,
+    repeats: int = 3,
+    reform: bool = True,
+    per_block: bool = True,
+    optimizer: str = "adamw",
+    name: str = "",
+) -> Profile:
+    """Measure everything the MILP needs on one forward of ``model(input_ids, targets=...)``.
+
+    Parameters' ``.grad`` and the global RNG state are left untouched.
+    """
+    codecs = list(codecs) if codecs else codec_names()
+    unknown = [c for c in codecs if c not in codec_names()]
+    if unknown:
+        raise ValueError(f"unknown codec(s) {unknown}; valid codecs: {', '.join(codec_names())}")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    t_start = time.perf_counter()
+    with torch.random.fork_rng(devices=[]):
+        prof = _Profiler(model, input_ids.device, codecs, repeats)
+        report = prof.forward(input_ids, input_ids if targets is None else targets)
+        kinds = [prof.kind(sig, members, reform, per_block) for sig, members in prof.groups]
+    return Profile(
+        model=name or type(model).__name__,
+        batch=int(input_ids.shape[0]),
+        seq=int(input_ids.shape[-1]),
+        dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
+        device=str(input_ids.device),
+        baseline_bytes=int(report.total_bytes),
+        static=static_memory(model, optimizer),
+        kinds=kinds,
+        meta={
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "repeats": repeats,
+            "codecs": codecs,
+            "profile_s": time.perf_counter() - t_start,
+        },
+    )
+
+
+class _Profiler:
+    """State of one profiling pass: the captured views, module inputs and the meter's report."""
+
+    def __init__(self, model: nn.Module, device: torch.device, codecs: list[str], repeats: int):
+        self.model, self.device, self.codecs, self.repeats = model, device, codecs, repeats
+        self.modules = dict(model.named_modules())
+        self.blocks = sites.block_paths(model)
+        groups: dict[str, list[str]] = {}
+        for b in self.blocks:
+            groups.setdefault(kind_signature(self.modules[b]), []).append(b)
+        self.groups = [*groups.items(), (ROOT, [""])]
+        self.reps = [g[1][0] for g in self.groups]
+        ts = (*model.parameters(), *model.buffers())
+        self.skip = {t.untyped_storage().data_ptr() for t in ts}
+        self.views: dict[str, torch.Tensor] = {}
+        self.captured: dict[str, list] = {}  # path -> [args, kwargs, output]
+
+    def region(self, path: str) -> str | None:
+        """The rep block a module is profiled in ("" = root), or None (a non-rep block)."""
+        b = sites.block_of(path, self.blocks)
+        if b:
+            return b if b in self.reps else None
+        ok = path and not isinstance(self.modules[path], (nn.ModuleList, nn.Sequential))
+        return "" if ok else None
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor):
+        def pre(mod, args, kwargs, path):
+            if path not in self.captured:
+                kw = {k: _detach(v) for k, v in kwargs.items()}
+                self.captured[path] = [tuple(_detach(a) for a in args), kw, None]
+
+        def post(mod, args, kwargs, out, path):
+            self.captured[path][2] = out.detach() if isinstance(out, torch.Tensor) else None
+
+        handles = []
+        for path, m in self.modules.items():
+            if self.region(path) is not None:
+                handles.append(
+                    m.register_forward_pre_hook(partial(pre, path=path), with_kwargs=True)
+                )
+                handles.append(m.register_forward_hook(partial(post, path=path), with_kwargs=True))
+        listen = lambda ev: self.views.setdefault(ev.site, _detach(ev.tensor))  # noqa: E731
+        try:
+            with torch.enable_grad(), measure(self.model, input_ids.numel()) as meter:
+                with sites.listening(listen):
+                    self.model(input_ids, targets=targets)
+        finally:
+            for h in handles:
+                h.remove()
+        self.report = meter.report
+        self.owner_of = {sh: rec.site for rec in self.report.sites for sh in rec.shared_with}
+        return self.report
+
+    def kind(self, sig: str, members: list[str], reform: bool, per_block: bool) -> KindProfile:
+        rep = members[0]
+        kp = KindProfile(sig, list(members), [], [], [])
+        self.by_ptr: dict[int, int] = {}
+        self._storages(kp, rep)
+        self._modules(kp, rep)
+        for s in kp.storages:
+            if s.bytes >= 4096:
+                vs = self._views(s, rep) or [(s.name, self.views[f"{rep}|{s.name}"])]
+                for c in self.codecs:
+                    if not _worth_trying(c, vs, s.lossy_ok, self.device):
+                        continue
+                    st = codec_stat(c, vs, self.repeats, self.device)
+                    if st is not None and (s.lossy_ok or st.rel_err == 0.0) and st.bytes < s.bytes:
+                        s.codecs[c] = st
+        if reform:
+            for rel in _reform_candidates(self.modules[rep] if rep else self.model, self.device):
+                if rel or rep:
+                    self._reform(kp, rep, rel)
+        for b in members if per_block else [rep]:
+            with torch.no_grad():
+                kp.per_block[b] = {
+                    str(s.id): row for s in kp.storages if (row := self._row(s, b, rep))
+                }
+        return kp
+
+    def _views(self, s: StorageProfile, block: str) -> list[tuple[str, torch.Tensor]]:
+        names = [abs_site(x, block) for x in s.sites if x != "!extern"]
+        return [(n, self.views[n]) for n in names if n in self.views]
+
+    def _row(self, s: StorageProfile, b: str, rep: str) -> dict[str, int]:
+        from slimact.codecs.outlier import count_outlier_channels
+        from slimact.strategies.int4 import hidden_channels
+
+        vs = self._views(s, b)
+        if not s.sites or not vs:
+            return {}
+        t = vs[0][1]
+        row = {"raw": t.untyped_storage().nbytes()}
+        if t.is_floating_point() and t.dim() > 0 and t.numel():
+            row["outliers"] = count_outlier_channels(t, channels=hidden_channels(t))
+        for c, st in s.codecs.items():
+            codec = build_codec(c, t)
+            stateful = bool(codec.state_dict())
+            row[c] = st.bytes if b == rep or stateful else _payload_bytes(run_policy(codec, vs))
+        return row
+
+    def _storages(self, kp: KindProfile, rep: str) -> None:
+        for rec in self.report.sites:
+            if rec.site in self.owner_of or rec.block != rep or rec.bytes == 0:
+                continue
+            if rec.site not in self.views:
+                continue
+            same = [rec.site]
+            same += [
+                x for x in rec.shared_with if sites.block_of(site_module(x), self.blocks) == rep
+            ]
+            foreign = len(same) != 1 + len(rec.shared_with)  # a saver in another block
+            t = self.views[rec.site]
+            names = [rel_site(x, rep) for x in same] + (["!extern"] if foreign else [])
+            lossy = lossy_allowed(rec.site, t) and not foreign
+            sid = len(kp.storages)
+            kp.storages.append(
+                StorageProfile(sid, names[0], names, rec.bytes, list(rec.shape), rec.dtype, lossy)
+            )
+            self.by_ptr[t.untyped_storage().data_ptr()] = sid
+
+    def _modules(self, kp: KindProfile, rep: str) -> None:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        for path, (args, kwargs, _) in list(self.captured.items()):
+            if self.region(path) != rep:
+                continue
+            rel = rel_site(path, rep)
+            ins = []
+            flat = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            for a in [a for a in flat if a.untyped_storage().data_ptr() not in self.skip]:
+                ptr = a.untyped_storage().data_ptr()
+                if ptr not in self.by_ptr:  # an input nobody saves: stored only if checkpointed
+                    sid = self.by_ptr[ptr] = len(kp.storages)
+                    nm = f"{rel}:input#{len(ins)}"
+                    dt = str(a.dtype).replace("torch.", "")
+                    nb = a.untyped_storage().nbytes()
+                    lossy = lossy_allowed(f"{rel}:linear#0", a)
+                    kp.storages.append(StorageProfile(sid, nm, [], nb, list(a.shape), dt, lossy))
+                    self.views[f"{rep}|{nm}"] = a
+                ins.append(self.by_ptr[ptr])
+            internal = [
+                s for s in kp.storages
+                if s.sites and s.id not in ins and "!extern" not in s.sites
+                and all(inside(site_module(x), rel) for x in s.sites)
+            ]  # fmt: skip
+            if not internal or (not rep and not rel):
+                continue
+            module = self.modules[path]
+            t = median_time(partial(_call, module, args, kwargs), self.repeats, self.device)
+            with FlopCounterMode(display=False) as fc:
+                _call(module, args, kwargs)
+            flops = int(fc.get_total_flops())
+            kp.modules.append(ModuleProfile(rel, type(module).__name__, ins, t, flops))
+
+    def _reform(self, kp: KindProfile, rep: str, rel: str) -> None:
+        """Invert module ``rel`` alone and see what its saves become."""
+        from slimact.strategies.invact import InvActConfig, apply_invact
+
+        path = abs_path(rel, rep)
+        if path not in self.captured:
+            return
+        args, kwargs, out0 = self.captured[path]
+        module = self.modules[path]
+        run = partial(_fwd_bwd, module, args, kwargs)
+        changes = apply_invact(self.model, InvActConfig(probe=False), lambda m, p: p == path)
+        done = [c for c in changes if not c.skipped and c.path == path]
+        events: list[sites.SavedEvent] = []
+        try:
+            if not done:
+                return
+            with torch.enable_grad(), measure(self.model), sites.listening(events.append):
+                out = _call(module, args, kwargs)
+            inv_fwd = module.__dict__["forward"]
+            t_inv, t_orig = [], []
+            for _ in range(self.repeats):  # interleaved, so drifting machine load cancels
+                t_inv.append(median_time(run, 1, self.device))
+                del module.forward
+                t_orig.append(median_time(run, 1, self.device))
+                module.forward = inv_fwd
+        finally:
+            for c in reversed(changes):
+                if c.undo is not None:
+                    c.undo()
+        base_sites = {x for s in kp.storages for x in s.sites}
+        new_names = {rel_site(ev.site, rep) for ev in events}
+        silenced = [x for x in base_sites if inside(site_module(x), rel) and x not in new_names]
+        out_ptr = out.untyped_storage().data_ptr() if isinstance(out, torch.Tensor) else -1
+        out_sid = self.by_ptr.get(out0.untyped_storage().data_ptr()) if out0 is not None else None
+        savers: dict[str, list[str]] = {}
+        extra, seen = 0, set()
+        for ev in events:
+            ptr = ev.tensor.untyped_storage().data_ptr()
+            sid = out_sid if ptr == out_ptr else self.by_ptr.get(ptr)
+            if sid is not None:  # its output (saved by the next op too), or an input saved again
+                savers.setdefault(str(sid), []).append(rel_site(ev.site, rep))
+            elif ptr not in seen:
+                extra += ev.tensor.untyped_storage().nbytes()  # bit mask, rstd, ...
+            seen.add(ptr)
+        if silenced:
+            dt = statistics.median(t_inv) - statistics.median(t_orig)
+            added = sorted(int(k) for k in savers)
+            r = ReformProfile(rel, done[0].action, sorted(silenced), added, extra, dt, savers)
+            kp.reforms.append(r)
+
+
+def cached_profile(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    targets: torch.Tensor | None = None,
+    *,
+    cache_dir: str | Path | None = None,
+    name: str = "",
+    **kwargs: Any,
+) -> Profile:
+    """``profile_model`` with a JSON cache (``cache_dir=None``: ``default_cache_dir()``)."""
+    codecs = tuple(kwargs.get("codecs") or codec_names())
+    key = json.dumps(
+        [
+            name or type(model).__name__,
+            kind_signature(model),
+            model_fingerprint(model),
+            list(input_ids.shape),
+            str(next(model.parameters()).dtype),
+            str(input_ids.device),
+            codecs,
+            torch.__version__,
+            sorted((k, str(v)) for k, v in kwargs.items() if k != "codecs"),
+        ]
+    )
+    digest = hashlib.sha1(key.encode()).hexdigest()[:20]
+    path = Path(cache_dir or default_cache_dir()) / f"{name or 'model'}-{digest}.json"
+    if path.exists():
+        prof = Profile.load(path)
+        prof.meta["cache"] = str(path)
+        prof.meta["cache_hit"] = True
+        return prof
+    prof = profile_model(model, input_ids, targets, name=name, **kwargs)
+    prof.meta["cache"] = str(path)
+    prof.save(path)
+    prof.meta["cache_hit"] = False
+    return prof

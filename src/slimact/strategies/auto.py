@@ -1,0 +1,172 @@
+"""``auto``: the planner as a strategy; ``plan``: apply a saved ``Plan``.
+
+``auto`` profiles the model, solves the MILP of ``slimact.planner.milp`` under a memory budget
+and applies the plan (recompute, codecs, invact, per storage and per block). Without ``batch``
+and ``seq`` it plans on the first training forward, on that very batch (see
+``slimact.planner.apply``); with them it plans at ``apply`` time on random tokens of that shape.
+
+``AutoConfig(budget="25%")`` budgets a fraction of the baseline activation bytes;
+``AutoConfig(budget="6GiB")`` budgets device memory, static memory (parameters, gradients,
+AdamW states) included. Strategy names ``auto@10%``, ``auto@25%``, ``auto@50%`` are registered
+for command lines; ``AutoConfig.from_spec("auto@30%")`` parses any ``auto@<budget>``.
+
+``slimact.apply(model, plan)`` with a ``Plan`` (``slimact.planner.Plan.load(path)``) applies it
+as solved; the registered name ``plan`` itself carries no plan and refuses to apply.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from slimact.planner.apply import install
+from slimact.planner.milp import LAYER_MODES, solve_plan
+from slimact.planner.plan import Plan, parse_budget
+from slimact.planner.profile import cached_profile, profile_model
+from slimact.strategies.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
+
+
+@dataclass(frozen=True)
+class AutoConfig(StrategyConfig):
+    """``budget``: '25%' | '6GiB' | bytes (required). ``layers``: 'uniform' (Adacc: one plan
+    for all blocks of a kind) | 'ends' (first, middle, last) | 'each'. ``codecs``: candidate
+    codec names (None: all registered). ``max_quality``: cap on the summed relative MSE of
+    encoded tensors; ``max_rel_err``: per-tensor cap on the relative L2 error of a
+    codec's reconstruction (default 0.25 admits INT4/INT8 but, at the paper's ranks, not PRAC's
+    unbiased but noisy subspace estimates, 0.3-1.1; None admits every codec). ``cache``: profile JSON cache directory
+    ('' = ~/.cache/slimact, None = no cache). ``batch``/``seq``: plan at apply time."""
+
+    budget: str | int | None = None
+    layers: str = "ends"
+    codecs: tuple[str, ...] | None = None
+    recompute: bool = True
+    reform: bool = True
+    max_quality: float | None = None
+    max_rel_err: float | None = 0.25
+    include_static: bool = True
+    repeats: int = 3
+    cache: str | None = ""
+    batch: int | None = None
+    seq: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.budget is not None:
+            parse_budget(self.budget, 100, 0)  # raises on a malformed budget
+        if self.layers not in LAYER_MODES:
+            raise ValueError(f"AutoConfig.layers must be one of {LAYER_MODES}, got {self.layers!r}")
+        if self.codecs is not None:
+            from slimact.codecs import codec_names
+
+            object.__setattr__(self, "codecs", tuple(self.codecs))
+            bad = [c for c in self.codecs if c not in codec_names()]
+            if bad:
+                raise ValueError(f"unknown codec(s) {bad}; valid: {', '.join(codec_names())}")
+        for name in ("max_quality", "max_rel_err"):
+            v = getattr(self, name)
+            if v is not None and not v >= 0:
+                raise ValueError(f"AutoConfig.{name} must be >= 0 or None, got {v!r}")
+        if not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"AutoConfig.repeats must be an int >= 1, got {self.repeats!r}")
+        if (self.batch is None) != (self.seq is None):
+            raise ValueError("AutoConfig: give both batch and seq, or neither (plan lazily)")
+        for name in ("batch", "seq"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"AutoConfig.{name} must be an int >= 1, got {v!r}")
+
+    @classmethod
+    def from_spec(cls, spec: str, **overrides) -> AutoConfig:
+        """``"auto@25%"`` or ``"25%"`` -> ``AutoConfig(budget="25%", **overrides)``."""
+        budget = spec.split("@", 1)[1] if "@" in spec else spec
+        return cls(budget=budget.strip(), **overrides)
+
+
+def solve_options(config: AutoConfig) -> dict:
+    return dict(
+        layers=config.layers, codecs=config.codecs, recompute=config.recompute,
+        reform=config.reform, max_quality=config.max_quality, max_rel_err=config.max_rel_err,
+        include_static=config.include_static,
+    )  # fmt: skip
+
+
+def plan_model(
+    model: nn.Module,
+    config: AutoConfig,
+    input_ids: torch.Tensor,
+    targets=None,
+    return_profile: bool = False,
+):
+    """Profile ``model`` on ``input_ids`` (cached if configured) and solve for the budget;
+    ``return_profile``: return (plan, profile)."""
+    name = type(model).__name__
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "d_model"):
+        name = f"{name}-d{cfg.d_model}-L{getattr(cfg, 'n_layers', '?')}"
+    kw = dict(codecs=config.codecs, repeats=config.repeats, reform=config.reform, name=name)
+    if config.cache is None:
+        prof = profile_model(model, input_ids, targets, **kw)
+    else:
+        prof = cached_profile(model, input_ids, targets, cache_dir=config.cache or None, **kw)
+    plan = solve_plan(prof, config.budget, **solve_options(config))
+    return (plan, prof) if return_profile else plan
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def apply_auto(
+    model: nn.Module, config: AutoConfig, filter_fn: FilterFn | None = None
+) -> list[AppliedChange]:
+    if config.budget is None:
+        raise ValueError(
+            "strategy 'auto' needs a memory budget: use 'auto@25%' (a share of the baseline "
+            "activation memory), AutoConfig(budget='6GiB') (device memory), or --budget"
+        )
+    if filter_fn is not None:
+        raise ValueError("strategy 'auto' plans the whole model; filter_fn is not supported")
+    planner = functools.partial(plan_model, model, config, return_profile=True)
+    opts = solve_options(config)
+    if config.batch is None:
+        return install(model, planner=planner, solve_options=opts)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if not isinstance(vocab, int):
+        raise ValueError("AutoConfig(batch, seq) needs model.config.vocab_size to draw tokens")
+    gen = torch.Generator().manual_seed(config.seed)
+    ids = torch.randint(0, vocab, (config.batch, config.seq + 1), generator=gen)
+    ids = ids.to(_model_device(model))
+    was = model.training
+    model.train()
+    try:
+        plan, prof = planner(ids[:, :-1], ids[:, 1:])
+    finally:
+        model.train(was)
+    return install(model, plan=plan, planner=planner, profile=prof, solve_options=opts)
+
+
+def apply_plan(model: nn.Module, plan: Plan, filter_fn: FilterFn | None = None):
+    if not plan.layers:
+        raise ValueError(
+            "strategy 'plan' needs a solved Plan: slimact.apply(model, Plan.load(path)) or "
+            "slimact.planner.plan_for(...); the bare name carries no plan"
+        )
+    return install(model, plan=plan, filter_fn=filter_fn)
+
+
+register_strategy(
+    "auto",
+    AutoConfig(),
+    apply_auto,
+    "MILP planner over recompute/codecs/invact per storage under a budget (needs a budget)",
+)
+for _pct in ("10%", "25%", "50%"):
+    register_strategy(
+        f"auto@{_pct}", AutoConfig(budget=_pct), apply_auto, f"auto with budget {_pct}"
+    )
+register_strategy("plan", Plan(), apply_plan, "apply a solved slimact.planner.Plan object")

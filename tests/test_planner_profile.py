@@ -1,0 +1,126 @@
+"""The profiler: storages add up to the meter's total, codec figures are real, nothing leaks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import slimact
+from slimact.codecs import get_codec
+from slimact.planner.plan import ROOT, Profile
+from slimact.planner.profile import cached_profile, profile_model, static_memory
+
+CODECS = ("int4", "int8", "int4-outlier", "bits")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = slimact.build_model("llama-tiny")
+    x = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(1))
+    return model, x, profile_model(model, x, codecs=CODECS, repeats=1)
+
+
+def test_storages_add_up_to_the_meter(tiny):
+    model, x, prof = tiny
+    with slimact.measure(model) as m:
+        model(x, targets=x)
+    assert prof.baseline_bytes == m.report.total_bytes
+    total = sum(s.bytes * len(k.blocks) for k in prof.kinds for s in k.storages if s.sites)
+    assert total == m.report.total_bytes
+    block = next(k for k in prof.kinds if k.kind != ROOT)
+    assert block.blocks == ["layers.0", "layers.1"]
+    names = {s.name for s in block.storages}
+    assert "self_attn.q_proj:linear#0" in names and "mlp.act_fn:silu#0" in names
+    qkv = next(s for s in block.storages if s.name == "self_attn.q_proj:linear#0")
+    assert {"self_attn.k_proj:linear#0", "self_attn.v_proj:linear#0"} <= set(qkv.sites)
+
+
+def test_modules_reforms_and_codecs_are_measured(tiny):
+    model, x, prof = tiny
+    block = next(k for k in prof.kinds if k.kind != ROOT)
+    mods = {m.path: m for m in block.modules}
+    assert {"", "self_attn", "mlp", "input_layernorm"} <= set(mods)
+    assert "mlp.act_fn" not in mods  # recomputing SiLU alone frees nothing: its input is held
+    assert all(m.recompute_s > 0 for m in mods.values())
+    assert mods["mlp"].flops == 3 * 2 * 64 * 64 * 172  # three GEMMs of B*S x d x d_ff
+    gate = next(s.id for s in block.storages if s.name == "mlp.gate_proj:linear#0")
+    assert mods["mlp"].inputs == [gate]
+    ref = {r.path: r for r in block.reforms}
+    silu = ref["mlp.act_fn"]
+    assert silu.silenced == ["mlp.act_fn:silu#0"]
+    assert silu.extra_bytes == 2 * 32 * 172 // 8  # the 1-bit mask, measured
+    norm = ref["input_layernorm"]
+    q = next(s.id for s in block.storages if s.name == "self_attn.q_proj:linear#0")
+    assert norm.added == [q] and norm.extra_bytes == 2 * 32 * 4  # saves y (shared) + rstd
+    s = next(s for s in block.storages if s.name == "mlp:mul#0")
+    t = torch.randn(s.shape)
+    for c in ("int4", "int8"):
+        st = s.codecs[c]
+        assert st.bytes == get_codec(c).nbytes(get_codec(c).encode(t))
+        assert 0 < st.rel_err < (0.3 if c == "int4" else 0.02)
+        assert st.encode_s > 0 and st.decode_s >= 0
+    assert "bits" not in s.codecs  # floats are not {0, 1}: the codec does not apply
+    lse = next(s for s in block.storages if s.name.endswith("attention#3"))
+    assert lse.lossy_ok is False and not lse.codecs  # logsumexp: exact only, and tiny
+
+
+def test_per_block_rows_and_outliers(tiny):
+    _, _, prof = tiny
+    block = next(k for k in prof.kinds if k.kind != ROOT)
+    assert set(block.per_block) == {"layers.0", "layers.1"}
+    for b in block.blocks:
+        for sid, row in block.per_block[b].items():
+            s = block.storages[int(sid)]
+            assert row["raw"] == s.bytes
+            if "int4-outlier" in s.codecs:
+                assert row["int4-outlier"] >= row["int4"] - 8 * 4  # outliers only add
+                assert row["outliers"] >= 0
+
+
+def test_static_memory_and_side_effects(tiny):
+    model, x, prof = tiny
+    n = sum(p.numel() for p in model.parameters())
+    assert prof.static["params"] == prof.static["grads"] == 4 * n
+    assert prof.static["optimizer"] == 2 * 4 * n + 4 * len(list(model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    state = torch.get_rng_state()
+    profile_model(model, x, codecs=("int8",), repeats=1, reform=False, per_block=False)
+    assert torch.equal(state, torch.get_rng_state())
+    assert all("forward" not in m.__dict__ for m in model.modules())  # invact probes undone
+    assert static_memory(model)["total"] == prof.static["total"]
+
+
+def test_cache_roundtrip(tmp_path, tiny):
+    model, x, _ = tiny
+    kw = dict(codecs=("int8",), repeats=1, reform=False, per_block=False)
+    a = cached_profile(model, x, cache_dir=tmp_path, name="tiny", **kw)
+    b = cached_profile(model, x, cache_dir=tmp_path, name="tiny", **kw)
+    assert a.meta["cache_hit"] is False and b.meta["cache_hit"] is True
+    assert Profile.load(a.meta["cache"]).baseline_bytes == a.baseline_bytes
+    assert b.kinds[0].storages[3].codecs["int8"] == a.kinds[0].storages[3].codecs["int8"]
+    with torch.no_grad():
+        model.layers[0].mlp.up_proj.weight.mul_(1.0001)  # other weights: another cache entry
+    c = cached_profile(model, x, cache_dir=tmp_path, name="tiny", **kw)
+    assert c.meta["cache_hit"] is False
+
+
+def test_gpt2_profile():
+    torch.manual_seed(0)
+    model = slimact.build_model("gpt2-tiny")
+    x = torch.randint(0, 257, (2, 32))
+    prof = profile_model(model, x, codecs=("int4",), repeats=1, per_block=False)
+    block = next(k for k in prof.kinds if k.kind != ROOT)
+    assert {r.kind for r in block.reforms} == {"invact:gelu_tanh", "invnorm:layer"}
+    assert sum(s.bytes * len(k.blocks) for k in prof.kinds for s in k.storages if s.sites) == (
+        prof.baseline_bytes
+    )
+
+
+def test_bad_arguments():
+    model = slimact.build_model("llama-tiny")
+    x = torch.randint(0, 257, (1, 8))
+    with pytest.raises(ValueError, match="unknown codec"):
+        profile_model(model, x, codecs=("int3",))
+    with pytest.raises(ValueError, match="repeats"):
+        profile_model(model, x, repeats=0)
