@@ -27,8 +27,10 @@ of this first round ran on 2 cores shared by several jobs; each section says so 
 
 # (section title, summary files in order)
 SECTIONS: list[tuple[str, list[str]]] = [
-    ("1. Foundation: the meter, the baseline and per-block recomputation",
-     ["foundation_meter.md", "foundation.md"]),
+    (
+        "1. Foundation: the meter, the baseline and per-block recomputation",
+        ["foundation_meter.md", "foundation.md"],
+    ),
     ("2. Inverted activations (invact.txt)", ["inv_act.md"]),
     ("3. Codecs and Adacc's layer-specific INT4 (adacc.txt §3.2)", ["quant.md"]),
     ("4. PRAC (prac.txt)", ["prac.md"]),

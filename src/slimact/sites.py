@@ -140,7 +140,12 @@ def hold(t: torch.Tensor, role: str) -> None:
 
     Under ``torch.compile`` nothing is reported: the compiled graph's own saves (which include
     what a checkpoint keeps) reach the router as saved tensors of the graph."""
-    if torch.compiler.is_compiling() or not is_active() or not isinstance(t, torch.Tensor) or _is_excluded(t):
+    if (
+        torch.compiler.is_compiling()
+        or not is_active()
+        or not isinstance(t, torch.Tensor)
+        or _is_excluded(t)
+    ):
         return
     site, module = _next_site(role)
     event = SavedEvent(site, module, role, t, [t], "hold")
