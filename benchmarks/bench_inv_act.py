@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
+from slimact.envinfo import machine_info
 from slimact.ops import inv_act_approx as ap
 from slimact.ops.inv_act import act_ref, inv_act
 
@@ -30,14 +28,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _meta() -> dict:
-    return {
-        "machine": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "command": "PYTHONPATH=src python " + " ".join(sys.argv),
-    }
+    """Machine, versions, git commit and command (shared by every benchmark)."""
+    return machine_info()
 
 
 def _write(part: str, data: dict) -> Path:

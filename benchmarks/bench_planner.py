@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +23,7 @@ import torch
 
 import slimact
 from slimact.codecs import codec_names
+from slimact.envinfo import machine_info
 from slimact.models import build_model, count_params
 from slimact.planner import plan_for, profile_model
 from slimact.planner.milp import Problem, solve_plan
@@ -38,15 +36,8 @@ MARK = "<!-- reading -->"
 
 
 def env(args) -> dict:
-    return {
-        "machine": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "command": "PYTHONPATH=src python " + " ".join(sys.argv),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
+    """Machine, versions, git commit and command (shared by every benchmark)."""
+    return machine_info() | {"date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def tokens(vocab: int, b: int, s: int, seed: int):

@@ -17,16 +17,15 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
-import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from slimact.envinfo import machine_info
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
@@ -35,14 +34,8 @@ RUNS = RESULTS / "prac_runs"
 
 
 def machine() -> dict:
-    return {
-        "processor": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "command": "PYTHONPATH=src python " + " ".join(sys.argv),
-    }
+    """Machine, versions, git commit and command (shared by every benchmark)."""
+    return machine_info()
 
 
 def merge(section: str, key: str, value: dict) -> None:
