@@ -22,3 +22,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def isolated_cache(tmp_path, monkeypatch):
+    """A private token cache for tests that build corpora."""
+    monkeypatch.setenv("SLIMACT_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: fast on tiny models and immune to a busy machine's oversubscription."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -32,18 +32,7 @@ from slimact.train.checkpoint import (
 TEXT = "".join(f"class Thing{i}:\n    value = {i * 31 % 97}\n\n" for i in range(400))
 
 
-@pytest.fixture(autouse=True)
-def _cache_env(tmp_path, monkeypatch):
-    monkeypatch.setenv("SLIMACT_CACHE", str(tmp_path / "cache"))
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: fast on tiny models and immune to a busy machine's oversubscription."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("isolated_cache", "one_thread")
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ import json
 import math
 
 import pytest
-import torch
 
 from slimact.train import TrainConfig, WarmupCosine, read_metrics, train
 from slimact.train.cli import add_train_arguments, config_from_args, main, run_train
@@ -15,18 +14,7 @@ from slimact.train.cli import add_train_arguments, config_from_args, main, run_t
 TEXT = "".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(300))
 
 
-@pytest.fixture(autouse=True)
-def _cache_env(tmp_path, monkeypatch):
-    monkeypatch.setenv("SLIMACT_CACHE", str(tmp_path / "cache"))
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: fast on tiny models and immune to a busy machine's oversubscription."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("isolated_cache", "one_thread")
 
 
 @pytest.fixture
