@@ -31,14 +31,7 @@ from slimact.codecs.prac import (
 )
 from slimact.strategies.prac import PracConfig, prac_report
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matrices: one thread is faster, and far faster on a shared, oversubscribed CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matrices: 1 thread is faster
 
 
 def spectrum_matrix(t: int, n: int, seed: int = 0, decay: float = 0.7) -> torch.Tensor:

@@ -21,13 +21,7 @@ from slimact.strategies.prac import (
     prac_state_dict,
 )
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matrices: 1 thread is faster
 
 
 def model_and_batch(name="llama-tiny", strategy=None, b=4, s=64, seed=0, dtype=None):
