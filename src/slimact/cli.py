@@ -5,6 +5,9 @@
     slimact memory --model M --strategy S [--batch B --seq S --json]
     slimact train --model M --strategy S --steps N ...
     slimact flops | rank | plan ...     CoLA calculators, effective rank, the planner
+    slimact bench quick|full|gpu [--only-models M,.. --only-strategies S,.. --threads N
+                  --out-dir DIR]        run a benchmark suite, write its JSON, rebuild the report
+    slimact bench --report-only         regenerate bench.md, its plots and BENCHMARKS.md
 
 Subcommands live in a small table: name -> (module, add-arguments function, run function, help).
 Modules are imported when the parser is built; they keep heavy imports inside their run function.
@@ -61,6 +64,12 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "add_arguments",
         "run",
         "solve a per-site plan under a memory budget",
+    ),
+    "bench": (
+        "slimact.bench.cli",
+        "add_arguments",
+        "run",
+        "run a benchmark suite (quick | full | gpu) and regenerate BENCHMARKS.md",
     ),
 }
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -104,17 +104,37 @@ def run_steps(
     return report, loss, report.step_time_s
 
 
-def grad_cosine(baseline: nn.Module, other: nn.Module) -> float:
-    """Min cosine over parameters with non-negligible baseline gradient (see module docstring)."""
+def grads_of(model: nn.Module, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Detached copies of ``model``'s gradients by parameter name (on ``device``), so a baseline
+    model can be freed and still compared with :func:`grad_cosine`."""
+    return {
+        n: p.grad.detach().to(device, copy=True)
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
+
+
+def grad_cosine(baseline: nn.Module | Mapping[str, torch.Tensor], other: nn.Module) -> float:
+    """Min cosine over parameters with non-negligible baseline gradient (see module docstring).
+
+    ``baseline`` is a model, or its gradients by parameter name (:func:`grads_of`)."""
     pairs = []
-    for (name, p), (_, q) in zip(baseline.named_parameters(), other.named_parameters()):
-        if p.grad is None:
+    if isinstance(baseline, Mapping):
+        named = [(n, baseline.get(n), q) for n, q in other.named_parameters()]
+        triples = [(n, g, q) for n, g, q in named if g is not None]
+    else:
+        triples = [
+            (name, p.grad, q)
+            for (name, p), (_, q) in zip(baseline.named_parameters(), other.named_parameters())
+        ]
+    for name, g, q in triples:
+        if g is None:
             continue
         if q.grad is None:
             raise RuntimeError(
                 f"parameter {name} has a baseline gradient but none under the strategy"
             )
-        pairs.append((p.grad.float().flatten(), q.grad.float().flatten()))
+        pairs.append((g.float().flatten().to(q.grad.device), q.grad.float().flatten()))
     if not pairs:
         raise RuntimeError("no parameter received a gradient")
     largest = max(float(a.norm()) for a, _ in pairs)

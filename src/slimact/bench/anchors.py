@@ -1,0 +1,136 @@
+"""The anchors: what plain PyTorch offers, measured in the same run as slimact's strategies.
+
+Each anchor turns a model and a loss function into a :class:`Prepared` point (the model to run,
+the ``forward(model, x, y) -> loss`` to call, a note, and a ``restore`` to call when done):
+
+* ``torch-checkpoint``: every block (``sites.block_paths``: ModuleList children) wrapped in
+  ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, nothing else. The block inputs the
+  checkpoint keeps alive for recomputation are reported to the meter with ``sites.hold`` (the
+  same accounting slimact's ``recompute`` uses), so the two are measured alike.
+* ``compile-budget``: ``torch.compile`` (inductor) of the whole loss function with
+  ``torch._functorch.config.activation_memory_budget`` set (the suite's ``compile_budget``, 0.5 by
+  default): AOTAutograd's min-cut partitioner recomputes what it must to keep the saved bytes under
+  that fraction. The meter sees the compiled graph's saves (the router's hooks wrap the compiled
+  autograd function; see benchmarks/results/compile.md), unnamed and attributed outside blocks,
+  so its per-site chart is empty. The first (compiling) call is made before timing.
+* ``save-on-cpu``: ``torch.autograd.graph.save_on_cpu`` around the forward. Its hooks are the
+  innermost, so the meter sees no saves: on CUDA that is the truth for GPU-resident saved bytes
+  (they live in host memory; the peak shows what is left); on a CPU machine the "device" *is* the
+  host, so it moves nothing and the runner reports the baseline's bytes with a note saying so.
+
+Nothing here imports CUDA state at import time.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from slimact import sites
+
+Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Prepared:
+    """A model ready to measure under one anchor."""
+
+    model: nn.Module
+    forward: Forward
+    note: str = ""
+    meter_sees_saves: bool = True
+    restore: Callable[[], None] = field(default=lambda: None)
+
+
+def _checkpointed(orig, *args, **kwargs):
+    from torch.utils.checkpoint import checkpoint
+
+    if not torch.is_grad_enabled():
+        return orig(*args, **kwargs)
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            sites.hold(a, "checkpoint_input")  # what the checkpoint keeps alive (meter only)
+    return checkpoint(orig, *args, use_reentrant=False, **kwargs)
+
+
+def torch_checkpoint(model: nn.Module, forward: Forward) -> Prepared:
+    modules = dict(model.named_modules())
+    blocks = sites.block_paths(model)
+    if not blocks:
+        raise ValueError("anchor torch-checkpoint: the model has no repeated blocks")
+    for path in blocks:
+        block = modules[path]
+        block.forward = functools.partial(_checkpointed, block.forward)
+
+    def restore() -> None:
+        for path in blocks:
+            modules[path].__dict__.pop("forward", None)
+
+    return Prepared(
+        model,
+        forward,
+        note=f"torch.utils.checkpoint (non-reentrant) on each of {len(blocks)} blocks",
+        restore=restore,
+    )
+
+
+def compile_budget(model: nn.Module, forward: Forward, budget: float = 0.5) -> Prepared:
+    import torch._dynamo
+    import torch._functorch.config as functorch_config
+
+    previous = functorch_config.activation_memory_budget
+    functorch_config.activation_memory_budget = budget
+    torch._dynamo.reset()
+    compiled = torch.compile(forward, backend="inductor")
+
+    def restore() -> None:
+        functorch_config.activation_memory_budget = previous
+        torch._dynamo.reset()
+
+    return Prepared(
+        model,
+        compiled,
+        note=f"torch.compile(inductor) of the whole loss, activation_memory_budget={budget}; "
+        "saves counted by the meter (unnamed, outside blocks)",
+        restore=restore,
+    )
+
+
+def save_on_cpu(model: nn.Module, forward: Forward, device: torch.device) -> Prepared:
+    pin = device.type == "cuda"
+
+    def fwd(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+            return forward(m, x, y)
+
+    if device.type == "cuda":
+        note = "save_on_cpu(pin_memory=True): saved tensors live in host memory; GPU-side saved bytes ~0, see peak"
+    else:
+        note = (
+            "save_on_cpu on a CPU machine moves nothing (device = host): saved bytes are the "
+            "baseline's; only its overhead is measured"
+        )
+    return Prepared(model, fwd, note=note, meter_sees_saves=False)
+
+
+def prepare(
+    name: str,
+    model: nn.Module,
+    forward: Forward,
+    device: torch.device,
+    compile_budget_fraction: float = 0.5,
+) -> Prepared:
+    """The anchor ``name`` (see module docstring) applied to ``model``."""
+    if name == "torch-checkpoint":
+        return torch_checkpoint(model, forward)
+    if name == "compile-budget":
+        return compile_budget(model, forward, compile_budget_fraction)
+    if name == "save-on-cpu":
+        return save_on_cpu(model, forward, device)
+    from slimact.bench.suites import ANCHORS
+
+    raise ValueError(f"unknown anchor {name!r}; valid anchors: {', '.join(ANCHORS)}")

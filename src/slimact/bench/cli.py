@@ -1,0 +1,107 @@
+"""``slimact bench``: run a named suite, write its results JSON, regenerate the report.
+
+    slimact bench quick                  # a few minutes on CPU; then bench.md + BENCHMARKS.md
+    slimact bench full --threads 2       # about an hour on a 2-core CPU
+    slimact bench gpu                    # on a GPU (cuda, bf16 autocast)
+    slimact bench quick --only-models llama-20m --only-strategies invact,int4
+    slimact bench --report-only          # regenerate the report from existing JSON
+
+``python -m slimact.bench ...`` takes the same arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def _csv(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("suite", nargs="?", default=None, help="suite to run: quick | full | gpu")
+    p.add_argument("--only-models", type=_csv, default=None, help="comma-separated models")
+    p.add_argument(
+        "--only-strategies",
+        type=_csv,
+        default=None,
+        help="comma-separated points (strategies or anchor:NAME); 'none' is always run",
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: all cores)"
+    )
+    p.add_argument(
+        "--out-dir",
+        default=None,
+        help="results JSON folder (default benchmarks/results/bench); the report goes to its parent",
+    )
+    p.add_argument(
+        "--report-only", action="store_true", help="regenerate the report from existing JSON"
+    )
+    p.add_argument("--no-report", action="store_true", help="run and write JSON only")
+    p.add_argument(
+        "--data", default=None, help="a .txt/.jsonl file or folder instead of the corpus"
+    )
+
+
+def report_paths(out_dir: Path) -> tuple[Path, Path | None]:
+    """(bench.md, BENCHMARKS.md or None): the report lives in the results folder's parent; the
+    repository's BENCHMARKS.md is rebuilt only when that parent is its benchmarks/results."""
+    results = out_dir.parent
+    root = results.parent.parent
+    is_repo = results.name == "results" and (root / "benchmarks" / "build_report.py").is_file()
+    return results / "bench.md", (root / "BENCHMARKS.md") if is_repo else None
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from slimact.bench.report import write_report
+    from slimact.bench.runner import default_results_dir, run_suite
+    from slimact.bench.suites import get_suite, suite_names
+
+    out_dir = Path(args.out_dir) if args.out_dir else default_results_dir()
+    if not args.report_only:
+        if args.suite is None:
+            raise ValueError(f"name a suite ({', '.join(suite_names())}) or pass --report-only")
+        if args.threads is not None and args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        suite = get_suite(args.suite)
+        selection = {}
+        if args.only_models or args.only_strategies:
+            suite = suite.select(args.only_models, args.only_strategies)
+            selection = {"models": args.only_models, "points": args.only_strategies}
+        torch.set_num_threads(args.threads or os.cpu_count() or 1)
+        command = "slimact bench " + " ".join(
+            sys.argv[1:] if sys.argv[1:2] != ["bench"] else sys.argv[2:]
+        )
+        run_suite(
+            suite,
+            out_dir,
+            threads=args.threads,
+            data=args.data,
+            selection=selection,
+            command=command,
+        )
+    elif args.suite is not None:
+        raise ValueError("--report-only takes no suite name")
+    if args.no_report:
+        return 0
+    bench_md, benchmarks_md = report_paths(out_dir)
+    for path in write_report(out_dir, bench_md, benchmarks_md=benchmarks_md):
+        print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m slimact.bench", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"slimact bench: error: {e}", file=sys.stderr)
+        return 2
