@@ -260,6 +260,12 @@ def render_suite(name: str, result: dict, plot_dir: Path | None) -> str:
         f"- Suite: {meta['suite'].get('description')}; seed {meta['suite'].get('seed')}, "
         f"compile budget {meta['suite'].get('compile_budget')}.",
     ]
+    if meta.get("uncommitted_src"):
+        lines.append(
+            "- The run used uncommitted changes to: "
+            + ", ".join(f"`{f}`" for f in meta["uncommitted_src"])
+            + "."
+        )
     if meta.get("selection"):
         lines.append(f"- Filtered run: {meta['selection']}.")
     cases = {c["model"]: c for c in meta["suite"]["cases"]}

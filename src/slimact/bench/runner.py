@@ -297,6 +297,25 @@ def _write(path: Path, result: dict) -> None:
     tmp.replace(path)
 
 
+def _dirty_files() -> list[str] | None:
+    """Tracked files under src/ that differ from the commit (the run used them as they are)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", "src"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return [ln[3:] for ln in out.stdout.splitlines() if ln.strip()]
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -329,6 +348,7 @@ def run_suite(
         **({"command": command} if command else {}),
         "suite": suite.config(),
         "selection": selection or {},
+        "uncommitted_src": _dirty_files(),
         "data": data or "embedded stdlib corpus (byte tokens)",
         "start": _now(),
         "end": None,
