@@ -29,7 +29,7 @@ from slimact.codecs.prac import (
     random_complement_ref,
     randomized_basis_ref,
 )
-from slimact.strategies.prac import PracConfig, prac_report
+from slimact.strategies.prac import PracConfig, prac_report, prac_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny matrices: 1 thread is faster
 
@@ -138,21 +138,61 @@ def test_linear_weight_gradient_mean_converges_to_exact_gradient():
     assert one > 20 * err  # a single draw is far noisier than the mean: the noise is real
 
 
+@pytest.mark.parametrize("q2", ["regenerate", "store"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch", [3, 8])
-def test_memory_of_a_linear_site_is_tokens_times_rank_plus_projection(dtype, batch):
+def test_memory_of_a_linear_site_is_tokens_times_rank_plus_projection(dtype, batch, q2):
     n, r1, r2, seq = 64, 12, 7, 33
     model = OneLinear(n, 16).to(dtype)
-    slimact.apply(model, PracConfig(linear=(r1, r2)))
+    slimact.apply(model, PracConfig(linear=(r1, r2), q2=q2))
     x = torch.randn(batch, seq, n, dtype=dtype, requires_grad=True)
     with slimact.measure(model) as m:
         model(x).sum().backward()
     (site,) = [s for s in m.report.sites if s.site == "lin:linear#0"]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    projection = n * (r1 + r2) * 4  # P = [Q1, Q2] in fp32, independent of the batch
+    if q2 == "store":  # P = [Q1, Q2] in fp32, independent of the batch
+        projection = n * (r1 + r2) * 4
+    else:  # Q1, M = Q1ᵀS and R: Q2 is rebuilt from its seed
+        projection = (n * r1 + r1 * r2 + r2 * r2) * 4
     assert site.action == "prac"
     assert site.bytes == batch * seq * (r1 + r2) * itemsize + projection
     assert m.report.total_bytes == site.bytes
+    codec = prac_state(model).codecs["lin:linear#0"]
+    assert codec.basis_nbytes() == projection
+
+
+def test_regenerated_q2_equals_the_qr_factor_and_is_orthogonal_to_q1():
+    """Q2 = (S − Q1M)R⁻¹ from the seed is QR((I − Q1Q1ᵀ)S)'s Q: orthonormal, in Q1's complement."""
+    x = spectrum_matrix(80, 40, seed=3)
+    a = PracCodec(PracCodecConfig(r1=6, r2=9, seed=2, q2="regenerate"), name="s")
+    a.encode(x)
+    q1, q2 = a.q1, a.q2
+    torch.testing.assert_close(q2.T @ q2, torch.eye(9), atol=1e-5, rtol=0)
+    assert float((q1.T @ q2).abs().max()) < 1e-5
+    s = torch.randn(40, 9, generator=torch.Generator().manual_seed(a.q2_seed))
+    qr_q, _ = torch.linalg.qr(s - q1 @ (q1.T @ s))
+    torch.testing.assert_close(q2, qr_q, atol=1e-5, rtol=0)
+    torch.testing.assert_close(a.q2, q2, atol=0, rtol=0)  # rebuilt identically every time
+    packed = a.encode(x)
+    assert set(packed.tensors) == {"z", "q1", "m", "r"}  # Q2 itself is not kept
+    torch.testing.assert_close(a.decode(packed), prac_reconstruct_ref(x, q1, q2), atol=1e-4, rtol=0)
+
+
+def test_small_micro_batch_keeps_the_tensor_when_compression_would_cost_more():
+    """only_if_smaller: Z + basis >= X keeps X and says from how many tokens PRAC pays off."""
+    n = 64
+    model = OneLinear(n, 16)
+    slimact.apply(model, PracConfig(linear=(0.3, 0.3)))
+    with slimact.measure(model) as m:
+        model(torch.randn(1, 8, n, requires_grad=True)).sum().backward()
+    assert m.report.total_bytes == 8 * n * 4  # kept raw
+    reason = prac_report(model)["skipped"]["lin:linear#0"]
+    assert "pays off from" in reason and "8 tokens" in reason
+    forced = OneLinear(n, 16)
+    slimact.apply(forced, PracConfig(linear=(0.3, 0.3), only_if_smaller=False))
+    with slimact.measure(forced) as m2:
+        forced(torch.randn(1, 8, n, requires_grad=True)).sum().backward()
+    assert m2.report.total_bytes > 8 * n * 4  # what the check avoids
 
 
 # --- reconstruction quality, dtypes, shapes --------------------------------------------------
@@ -232,8 +272,9 @@ def test_lazy_updates_follow_t1_and_t2():
     assert torch.equal(seen[1][1], seen[0][1]) and not torch.equal(seen[2][1], seen[0][1])
 
 
-def test_seeded_and_state_dict_round_trip_reproduces_the_stream():
-    cfg = PracCodecConfig(r1=3, r2=4, t1=3, t2=1, seed=5)
+@pytest.mark.parametrize("q2", ["regenerate", "store"])
+def test_seeded_and_state_dict_round_trip_reproduces_the_stream(q2):
+    cfg = PracCodecConfig(r1=3, r2=4, t1=3, t2=1, seed=5, q2=q2)
     a, b = PracCodec(cfg, name="s"), PracCodec(cfg, name="s")
     xs = [spectrum_matrix(30, 16, seed=i) for i in range(6)]
     for x in xs[:3]:
@@ -246,7 +287,10 @@ def test_seeded_and_state_dict_round_trip_reproduces_the_stream():
     for x in xs[3:]:
         za, zc = a.encode(x).tensors["z"], c.encode(x).tensors["z"]
         assert torch.equal(za, zc)
-    assert not torch.equal(PracCodec(cfg, name="other").encode(xs[0]).tensors["p"], b.p)
+    first, other = PracCodec(cfg, name="s"), PracCodec(cfg, name="other")
+    first.encode(xs[0])
+    other.encode(xs[0])
+    assert not torch.equal(other.q2, first.q2)  # the stream is per site
 
 
 def test_nan_keeps_previous_q1_and_warns_with_the_site_name():

@@ -56,8 +56,7 @@ def test_which_sites_are_compressed_and_shared_on_llama():
     report, _, _ = step(model, x)
     by = {s.site: s for s in report.sites}
     for site in (
-        "layers.0.input_layernorm:pow#0",  # norm input x
-        "layers.0.input_layernorm:mul#2",  # norm's x̂
+        "layers.0.input_layernorm:rms_norm#0",  # norm input x (the fused norm saves x, rstd)
         "layers.0.self_attn.q_proj:linear#0",
         "layers.0.mlp.gate_proj:linear#0",
         "layers.0.mlp.act_fn:silu#0",
@@ -67,7 +66,7 @@ def test_which_sites_are_compressed_and_shared_on_llama():
     ):
         assert by[site].action == "prac", site
     for site in by:  # attention internals and per-row statistics are never compressed
-        if "scaled_dot_product_attention" in site or "rsqrt" in site:
+        if "scaled_dot_product_attention" in site or "rms_norm#1" in site:
             assert by[site].action == "keep", site
     rep = prac_report(model)
     assert rep["compressed"]["layers.0.self_attn.q_proj:linear#0"]["sites"] == [
@@ -81,10 +80,26 @@ def test_which_sites_are_compressed_and_shared_on_llama():
     )
     assert "layers.0.self_attn.k_proj:linear#0" not in rep["compressed"]  # one state per group
     assert "scaled_dot_product_attention#4" in rep["skipped"]["layers.0.self_attn.o_proj:linear#0"]
-    assert "too small" in rep["skipped"]["layers.0.input_layernorm:rsqrt#0"]
+    assert "too small" in rep["skipped"]["layers.0.input_layernorm:rms_norm#1"]  # rstd
     g = rep["compressed"]["layers.0.self_attn.q_proj:linear#0"]
     assert g["ranks"] == (19, 19) and g["k"] == pytest.approx((64 - 19) / 19)  # ⌊0.3·64⌋
     assert rep["compressed"]["layers.0.mlp.act_fn:silu#0"]["ranks"] == (34, 34)  # ⌊0.2·172⌋
+
+
+def test_unfused_norms_compress_both_x_and_xhat():
+    """fuse_norms=False keeps the op-by-op RMSNorm, whose x and x̂ are two compressed saves."""
+    fused, x = model_and_batch(strategy="prac")
+    plain, _ = model_and_batch(strategy=PracConfig(fuse_norms=False))
+    r_fused, _, g_fused = step(fused, x)
+    r_plain, _, _ = step(plain, x)
+    by = {s.site: s.action for s in r_plain.sites}
+    assert by["layers.0.input_layernorm:pow#0"] == "prac"  # x
+    assert by["layers.0.input_layernorm:mul#2"] == "prac"  # x̂
+    assert not any(":rms_norm#" in s for s in by)
+    assert r_fused.total_bytes < r_plain.total_bytes
+    assert all(torch.isfinite(g).all() for g in g_fused.values())
+    revert(fused)
+    assert "forward" not in fused.layers[0].input_layernorm.__dict__
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +155,7 @@ def test_bfloat16_and_gpt2_run_with_finite_gradients():
     model, x = model_and_batch(strategy="prac", dtype=torch.bfloat16)
     _, loss, g = step(model, x)
     assert torch.isfinite(loss) and all(torch.isfinite(v.float()).all() for v in g.values())
-    gpt, x = model_and_batch("gpt2-tiny", strategy="prac")
+    gpt, x = model_and_batch("gpt2-tiny", strategy=PracConfig(only_if_smaller=False))
     r, _, g = step(gpt, x)
     by = {s.site: s.action for s in r.sites}
     assert by["h.0.ln_1:layer_norm#0"] == "prac" and by["h.0.mlp.act:gelu#0"] == "prac"
@@ -149,7 +164,7 @@ def test_bfloat16_and_gpt2_run_with_finite_gradients():
 
 
 def test_clock_counts_training_forwards_and_lazy_updates_follow_it():
-    model, x = model_and_batch(strategy=PracConfig(t1=2, t2=2), b=2, s=16)
+    model, x = model_and_batch(strategy=PracConfig(t1=2, t2=2, only_if_smaller=False), b=2, s=16)
     for _ in range(5):
         model(x, targets=x).loss.backward()
         with torch.no_grad():
@@ -179,7 +194,9 @@ def test_state_dict_round_trip_reproduces_gradients():
 
 
 def test_apply_reports_small_sites_and_revert_restores():
-    model, x = model_and_batch(strategy=PracConfig(min_features=100), b=2, s=16)
+    model, x = model_and_batch(
+        strategy=PracConfig(min_features=100, only_if_smaller=False), b=2, s=16
+    )
     changes = applied(model)
     assert any(c.skipped and "too small" in c.detail for c in changes)
     r, _, _ = step(model, x)
@@ -253,7 +270,7 @@ def test_composes_with_recompute():
     # checkpoint block 1 only, PRAC the rest
     part, _ = model_and_batch(b=2, s=32)
     slimact.apply(part, "recompute", filter_fn=lambda m, p: p == "layers.1")
-    slimact.apply(part, "prac")
+    slimact.apply(part, PracConfig(only_if_smaller=False))
     r, _, g = step(part, x)
     acts = {s.site: s.action for s in r.sites}
     assert acts["layers.0.mlp.down_proj:linear#0"] == "prac"

@@ -182,11 +182,17 @@ def _synced_update(codec, orig, x2d: torch.Tensor, t: int) -> None:
     orig(x2d, t)
     if (codec.q1_step, codec.q2_step) == before or not dist.is_initialized():
         return
-    for name in ("q1", "q2"):
-        q = getattr(codec, name).contiguous()
-        dist.broadcast(q, src=0)
-        setattr(codec, name, q)
-    codec.p = torch.cat([codec.q1, codec.q2], dim=1).contiguous()
+    q1 = codec.q1.contiguous()
+    dist.broadcast(q1, src=0)
+    codec.q1 = q1
+    if codec.regenerates:  # Q2 is rebuilt from (Q1, seed): broadcast the seed
+        seed = torch.tensor([codec.q2_seed], dtype=torch.int64, device=q1.device)
+        dist.broadcast(seed, src=0)
+        codec._set_q2(int(seed))
+    else:
+        q2 = codec.q2.contiguous()
+        dist.broadcast(q2, src=0)
+        codec._set_q2(q2)
 
 
 def _sync_codec(codec) -> None:

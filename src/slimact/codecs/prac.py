@@ -12,8 +12,12 @@ from the variance, the random part keeps the estimate unbiased. A linear layer's
 G̃ = gYᵀX̃ is then unbiased too (Lemma 3). Variants: ``pac`` (r2 = 0: X̃ = XQ1Q1ᵀ, biased, no
 noise) and ``rac`` (r1 = 0, k = n/r2: unbiased, variance (n/r2 − 1)‖X‖²).
 
-Memory per site: tokens·(r1 + r2)·itemsize for Z plus n·(r1 + r2)·4 bytes for P, which does not
-depend on the batch; PRAC pays off when tokens ≫ n (the paper's B·S = 32768 tokens).
+Memory per site: tokens·(r1 + r2)·itemsize for Z plus the basis, which does not depend on the
+batch. By default (``q2="regenerate"``) Q2 is not kept: S is drawn from a stored seed and
+Q2 = (S − Q1M)R⁻¹ rebuilt on demand from M = Q1ᵀS (r1 × r2) and the QR factor R (r2 × r2), so the
+basis costs n·r1 + r2·(r1 + r2) fp32 values instead of n·(r1 + r2) (RAC's becomes r2²). The price
+is one n × r2 draw and triangular solve per encode and per decode. ``q2="store"`` keeps Q2 as the
+paper does. PRAC pays off when tokens ≫ n (the paper's B·S = 32768 tokens).
 
 Lazy updates (Alg. 1): Q1 is recomputed when t % T1 == 0 and Q2 redrawn when t % T2 == 0, where t
 is the step clock (the strategy's count of training forwards, or this codec's count of encodes).
@@ -42,6 +46,7 @@ import torch
 from slimact.codecs.base import Codec, CodecConfig, Packed, register_codec
 
 SVD_METHODS = ("exact", "randomized")
+Q2_MODES = ("regenerate", "store")
 
 
 def _is_rank(v: Any) -> bool:
@@ -90,6 +95,7 @@ class PracCodecConfig(CodecConfig):
     niter: int = 2
     oversample: int = 8
     seed: int = 0
+    q2: str = "regenerate"
 
     def __post_init__(self) -> None:
         validate_rank_pair(self.r1, self.r2, type(self).__name__)
@@ -107,6 +113,8 @@ class PracCodecConfig(CodecConfig):
             raise ValueError(f"oversample must be an int >= 0, got {self.oversample!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
+        if self.q2 not in Q2_MODES:
+            raise ValueError(f"q2 must be one of {Q2_MODES}, got {self.q2!r}")
 
 
 @dataclass(frozen=True)
@@ -183,6 +191,31 @@ def random_complement_ref(
     return s.contiguous()
 
 
+def _draw(seed: int, n: int, r2: int, device: torch.device) -> torch.Tensor:
+    return torch.randn(n, r2, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def complement_factors_ref(
+    q1: torch.Tensor, r2: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, R) of the seeded complement basis: S = N(0, 1)(seed), M = Q1ᵀS, S − Q1M = Q2R (QR).
+
+    (n × r1) -> M (r1 × r2), R (r2 × r2, upper triangular); Q2 itself is ``complement_from_seed_ref``.
+    """
+    s = _draw(seed, q1.shape[0], r2, q1.device)
+    m = q1.T @ s
+    r = torch.linalg.qr(s - q1 @ m, mode="r").R  # Q itself is never formed here
+    return m.contiguous(), r.contiguous()
+
+
+def complement_from_seed_ref(
+    q1: torch.Tensor, m: torch.Tensor, r: torch.Tensor, seed: int
+) -> torch.Tensor:
+    """Q2 = (S − Q1M)R⁻¹ (n × r2): the Q factor of the seeded S's projection, rebuilt on demand."""
+    s = _draw(seed, q1.shape[0], r.shape[0], q1.device)
+    return torch.linalg.solve_triangular(r, s - q1 @ m, upper=True, left=False)
+
+
 def prac_encode_ref(x2d: torch.Tensor, p: torch.Tensor, r1: int, k: float) -> torch.Tensor:
     """Z = [XQ1, k·XQ2] = X P diag(1, k) in fp32, returned in x's dtype.  (T × n) -> (T × r)."""
     z = x2d.float() @ p
@@ -218,7 +251,8 @@ class PracCodec(Codec):
     """Stateful PRAC codec: one instance per site (or shared group); holds Q1, Q2 and its RNG.
 
     ``clock`` (optional) returns the training step t; without one the codec counts its encodes.
-    ``name`` labels warnings (the site or group it serves).
+    ``name`` labels warnings (the site or group it serves). ``q1`` is the principal basis; ``q2``
+    and ``p`` = [Q1, Q2] are materialised on access when Q2 is regenerated from its seed.
     """
 
     def __init__(
@@ -237,8 +271,8 @@ class PracCodec(Codec):
         self.n: int | None = None
         self.r1 = self.r2 = 0
         self.q1: torch.Tensor | None = None
-        self.q2: torch.Tensor | None = None
-        self.p: torch.Tensor | None = None  # [Q1, Q2], what payloads reference
+        self.basis: dict[str, torch.Tensor] = {}  # what payloads reference (see _basis_tensors)
+        self.q2_seed = -1
         self.q1_step = self.q2_step = -1  # step of the last update
         self.q1_pending = False  # a Q1 update was skipped (non-finite X): retry next encode
         self.updates = {"q1": 0, "q2": 0, "q1_skipped": 0}
@@ -248,10 +282,55 @@ class PracCodec(Codec):
     def k(self) -> float:
         return (self.n - self.r1) / self.r2 if self.r2 else 1.0
 
+    @property
+    def regenerates(self) -> bool:
+        return self.config.q2 == "regenerate" and self.r2 > 0
+
     def _setup(self, n: int) -> None:
         r1, r2 = resolve_rank(self.config.r1, n), resolve_rank(self.config.r2, n)
         check_ranks(r1, r2, n, self.name)
         self.n, self.r1, self.r2 = n, r1, r2
+
+    def basis_nbytes(self) -> int:
+        """Bytes of the basis every payload references (fp32), independent of the batch."""
+        if self.regenerates:
+            return 4 * (self.n * self.r1 + self.r2 * (self.r1 + self.r2))
+        return 4 * self.n * (self.r1 + self.r2)
+
+    # -- the basis -----------------------------------------------------------------------------
+    @property
+    def q2(self) -> torch.Tensor | None:
+        if not self.basis:
+            return None
+        if "p" in self.basis:
+            return self.basis["p"][:, self.r1 :]
+        b = self.basis
+        return complement_from_seed_ref(b["q1"], b["m"], b["r"], self.q2_seed)
+
+    @property
+    def p(self) -> torch.Tensor | None:
+        if not self.basis:
+            return None
+        return self.basis["p"] if "p" in self.basis else torch.cat([self.q1, self.q2], dim=1)
+
+    def _set_q2(self, seed_or_q2: int | torch.Tensor) -> None:
+        """Install Q2 (a seed in regenerate mode, the matrix in store mode) and refresh payloads."""
+        if self.regenerates:
+            self.q2_seed = int(seed_or_q2)
+            m, r = complement_factors_ref(self.q1, self.r2, self.q2_seed)
+            self.basis = {"q1": self.q1, "m": m, "r": r}
+        else:
+            q2 = seed_or_q2 if isinstance(seed_or_q2, torch.Tensor) else None
+            if q2 is None:
+                q2 = torch.zeros(self.n, 0, device=self.q1.device)
+            self.basis = {"p": torch.cat([self.q1, q2], dim=1).contiguous()}
+
+    def _new_q2(self) -> int | torch.Tensor:
+        if self.regenerates:
+            return int(torch.randint(0, 2**62, (1,), generator=self.gen))
+        if self.r2:
+            return random_complement_ref(self.q1, self.n, self.r2, self.gen)
+        return torch.zeros(self.n, 0, device=self.q1.device)
 
     # -- subspace updates (Alg. 1) ---------------------------------------------------------------
     def _update(self, x2d: torch.Tensor, t: int) -> None:
@@ -286,16 +365,11 @@ class PracCodec(Codec):
         elif self.q1 is None:  # rac: no principal part, an empty Q1 once
             self.q1 = torch.zeros(self.n, 0, device=x2d.device)
             self.q1_step, changed = t, True
-        q2_due = self.q2 is None or changed or (t % cfg.t2 == 0 and t != self.q2_step)
-        if q2_due:
-            if self.r2:
-                self.q2 = random_complement_ref(self.q1, self.n, self.r2, self.gen)
-            else:
-                self.q2 = torch.zeros(self.n, 0, device=x2d.device)
+        # Q2 must lie in the current Q1's complement: redrawn whenever Q1 changes
+        if not self.basis or changed or (t % cfg.t2 == 0 and t != self.q2_step):
+            self._set_q2(self._new_q2())
             self.q2_step = t
             self.updates["q2"] += 1
-        if changed or q2_due:
-            self.p = torch.cat([self.q1, self.q2], dim=1).contiguous()
 
     # -- Codec interface -------------------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> Packed:
@@ -316,15 +390,21 @@ class PracCodec(Codec):
         self.calls += 1
         x2d = x.reshape(-1, n)
         if self.q1 is not None and self.q1.device != x.device:  # state restored on another device
-            self.q1, self.q2 = self.q1.to(x.device), self.q2.to(x.device)
-            self.p = torch.cat([self.q1, self.q2], dim=1).contiguous()
+            self.q1 = self.q1.to(x.device)
+            self.basis = {k: v.to(x.device) for k, v in self.basis.items()}
+            if "q1" in self.basis:
+                self.basis["q1"] = self.q1
         self._update(x2d, t)
-        z = prac_encode_ref(x2d, self.p, self.r1, self.k)
-        meta = {"r1": self.r1, "r2": self.r2, "k": self.k, "step": t}
-        return Packed({"z": z, "p": self.p}, tuple(x.shape), x.dtype, x.device, meta)
+        z = prac_encode_ref(x2d, self.p, self.r1, self.k)  # (T × n) -> (T × (r1 + r2))
+        meta = {"r1": self.r1, "r2": self.r2, "k": self.k, "step": t, "seed": self.q2_seed}
+        return Packed({"z": z, **self.basis}, tuple(x.shape), x.dtype, x.device, meta)
 
     def decode(self, packed: Packed) -> torch.Tensor:
-        z, p = packed.tensors["z"], packed.tensors["p"]
+        b, z = packed.tensors, packed.tensors["z"]
+        if "p" in b:
+            return prac_decode_ref(z, b["p"].to(z.device), packed.dtype).reshape(packed.shape)
+        q2 = complement_from_seed_ref(b["q1"], b["m"], b["r"], packed.meta["seed"])  # n × r2
+        p = torch.cat([b["q1"], q2], dim=1)  # n × (r1 + r2), freed after this decode
         return prac_decode_ref(z, p.to(z.device), packed.dtype).reshape(packed.shape)
 
     def metadata(self) -> dict[str, Any]:
@@ -334,6 +414,7 @@ class PracCodec(Codec):
             "n": self.n,
             "ranks": (self.r1, self.r2),
             "k": self.k if self.n else None,
+            "basis_bytes": self.basis_nbytes() if self.n else None,
             "updates": dict(self.updates),
         }
 
@@ -345,13 +426,14 @@ class PracCodec(Codec):
             "calls": self.calls,
             "q1_step": self.q1_step,
             "q2_step": self.q2_step,
+            "q2_seed": self.q2_seed,
             "q1_pending": self.q1_pending,
             "gen": self.gen.get_state(),
         }
         if self.q1 is not None:
             sd["q1"] = self.q1.detach().cpu().clone()
-        if self.q2 is not None:
-            sd["q2"] = self.q2.detach().cpu().clone()
+        if "p" in self.basis:
+            sd["q2"] = self.basis["p"][:, self.r1 :].detach().cpu().clone()
         return sd
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -364,10 +446,18 @@ class PracCodec(Codec):
         self.q1_step, self.q2_step = int(state["q1_step"]), int(state["q2_step"])
         self.q1_pending = bool(state["q1_pending"])
         self.gen.set_state(state["gen"])
-        self.q1, self.q2 = state.get("q1"), state.get("q2")
-        self.p = None
-        if self.q1 is not None and self.q2 is not None:
-            self.p = torch.cat([self.q1, self.q2], dim=1).contiguous()
+        self.q1, self.basis, self.q2_seed = state.get("q1"), {}, int(state.get("q2_seed", -1))
+        if self.q1 is None:
+            return
+        if self.regenerates:
+            if self.q2_seed < 0:
+                raise ValueError(
+                    f"PRAC site {self.name}: the state has no Q2 seed (saved with q2='store'?); "
+                    f"load it into a codec configured with q2='store'"
+                )
+            self._set_q2(self.q2_seed)
+        else:
+            self._set_q2(state.get("q2"))
 
 
 register_codec("prac", PracCodecConfig(), PracCodec)

@@ -39,6 +39,7 @@ GPT-2's GELU) and the first saver of a storage fixes its ranks, so ``inv_*`` sav
 from __future__ import annotations
 
 import fnmatch
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -57,6 +58,8 @@ from slimact.codecs.prac import (
 )
 from slimact.codecs.saving import CodecPolicy, install_policy
 from slimact.models.common import RMSNorm
+from slimact.ops.rms_norm import rms_norm
+from slimact.strategies.invact import _rms_eps, classify_norm
 from slimact.strategies.registry import (
     AppliedChange,
     FilterFn,
@@ -94,6 +97,9 @@ class PracConfig(StrategyConfig):
     niter: int = 2
     seed: int = 0
     min_features: int = 8
+    q2: str = "regenerate"
+    only_if_smaller: bool = True
+    fuse_norms: bool = True
 
     codec_cls: ClassVar[type[PracCodecConfig]] = PracCodecConfig
 
@@ -121,6 +127,9 @@ class PracConfig(StrategyConfig):
             object.__setattr__(self, name, v)
         if self.svd not in SVD_METHODS:
             raise ValueError(f"svd must be one of {SVD_METHODS}, got {self.svd!r}")
+        for flag in ("only_if_smaller", "fuse_norms"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         if not isinstance(self.min_features, int) or self.min_features < 2:
             raise ValueError(f"min_features must be an int >= 2, got {self.min_features!r}")
         for r1, r2 in (self.linear, self.nonlinear, *[(r[1], r[2]) for r in self.overrides]):
@@ -129,7 +138,14 @@ class PracConfig(StrategyConfig):
     def codec_config(self, r1: int | float, r2: int | float) -> PracCodecConfig:
         """The codec config of one site (the variant's codec class checks its invariant)."""
         return self.codec_cls(
-            r1=r1, r2=r2, t1=self.t1, t2=self.t2, svd=self.svd, niter=self.niter, seed=self.seed
+            r1=r1,
+            r2=r2,
+            t1=self.t1,
+            t2=self.t2,
+            svd=self.svd,
+            niter=self.niter,
+            seed=self.seed,
+            q2=self.q2,
         )
 
     def ranks_for(self, role: str, site: str, module: str) -> tuple[int | float, int | float]:
@@ -248,6 +264,17 @@ class PracState:
             return None
         codec = PracCodec(cfg.codec_config(a1, a2), clock=self.clock, name=site, role=role)
         codec._setup(n)  # ranks vs n are checked here: a bad override raises now, naming the site
+        tokens, itemsize = t.numel() // n, t.element_size()
+        stored = tokens * (a1 + a2) * itemsize + codec.basis_nbytes()
+        if cfg.only_if_smaller and stored >= t.numel() * itemsize:
+            need = codec.basis_nbytes() // ((n - a1 - a2) * itemsize) + 1
+            self.skip(
+                site,
+                f"compressing would store {stored:,} B (payload + basis) for a "
+                f"{t.numel() * itemsize:,} B tensor: {tokens} tokens x n={n}, ranks ({a1}, {a2}); "
+                f"it pays off from {need} tokens per micro-batch (only_if_smaller=True)",
+            )
+            return None
         self.codecs[site] = codec
         self.plan[site] = site
         self.sharers[site] = [site]
@@ -354,6 +381,8 @@ def apply_prac(
         f"T1={config.t1} T2={config.t2}, svd={config.svd}"
     )
     changes = [change]
+    if config.fuse_norms:
+        changes.extend(_fuse_rms_norms(model, config, filter_fn))
     for path, m in model.named_modules():  # what is known before the first forward
         role = "linear" if isinstance(m, nn.Linear) else "norm" if _is_norm(m) else None
         if role is None:
@@ -376,6 +405,29 @@ def apply_prac(
             )
         else:
             changes.append(AppliedChange(path, config.name, f"{role} n={n} r1={a1} r2={a2}"))
+    return changes
+
+
+def _fuse_rms_norms(
+    model: nn.Module, config: PracConfig, filter_fn: FilterFn | None
+) -> list[AppliedChange]:
+    """RMSNorms save (x, rstd) instead of (x, x̂): one compressed tensor per norm (ops/rms_norm)."""
+    changes = []
+    for path, m in model.named_modules():
+        if "forward" in m.__dict__ or (filter_fn is not None and not filter_fn(m, path)):
+            continue  # already patched (e.g. by invact, applied first) or filtered out
+        w = getattr(m, "weight", None)
+        kind, _ = classify_norm(m, w.device if isinstance(w, torch.Tensor) else torch.device("cpu"))
+        if kind != "rms":
+            continue
+        m.forward = functools.partial(rms_norm, weight=m.weight, eps=_rms_eps(m))
+
+        def undo(m: nn.Module = m) -> None:
+            m.__dict__.pop("forward", None)
+
+        changes.append(
+            AppliedChange(path, config.name, "RMSNorm saves (x, rstd), not (x, x̂)", undo=undo)
+        )
     return changes
 
 

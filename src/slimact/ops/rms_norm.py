@@ -1,0 +1,61 @@
+"""RMSNorm that saves its input and the per-row rstd only (the "reformulate" action for norms).
+
+RMSNorm written op by op (``rms_norm_ref``: ``w · (x · rsqrt(mean(x²) + eps))``) saves two
+(…, d) tensors for backward: x (for ``pow`` and ``x · rstd``) and x̂ = x · rstd (for ``w · x̂``).
+A fused backward needs only x and rstd (…, 1), because x̂ = x · rstd is one multiply away:
+
+    dL/dx̂ = g = dy · w,        dL/dx = rstd · (g − x̂ · mean(g · x̂)),        dL/dw = Σ dy · x̂.
+
+So this function halves the norm's saved bytes (d + 1 instead of 2d + 1 floats per token) at the
+cost of one elementwise multiply in backward, with the same forward and the same gradients as the
+reference up to fp32 re-association. ``prac`` uses it so a norm stores one compressed tensor (its
+input, as prac.txt's Table 3 assumes), and the backward then differentiates at the reconstructed
+input X̃ with the exact rstd. The plain-PyTorch reference is ``ops.inv_norm.rms_norm_ref``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slimact import sites
+from slimact.ops.inv_norm import rms_norm_ref
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        dtype = x.dtype
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1) fp32
+        xhat = (xf * rstd).to(dtype)
+        y = xhat if weight is None else weight * xhat
+        ctx.x_dtype = dtype
+        ctx.save_for_backward(x, rstd, *(() if weight is None else (weight,)))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        # x, dy: (..., d); rstd: (..., 1) fp32; weight: (d,)
+        x, rstd, *w = ctx.saved_tensors
+        w = w[0] if w else None
+        xhat = x.float() * rstd  # (..., d) fp32
+        g = dy.float() if w is None else dy.float() * w.float()  # dL/dx̂ (..., d)
+        dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))  # (..., d)
+        dw = None
+        if w is not None and ctx.needs_input_grad[1]:
+            xh = xhat.to(ctx.x_dtype).to(torch.promote_types(ctx.x_dtype, w.dtype))
+            dw = (dy.to(xh.dtype) * xh).reshape(-1, x.shape[-1]).float().sum(0).to(w.dtype)
+        return dx.to(ctx.x_dtype), dw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm saving (x, rstd): same forward as :func:`rms_norm_ref`, one saved (…, d) tensor."""
+    if not x.is_floating_point():
+        raise ValueError(f"rms_norm needs a floating-point input, got {x.dtype}")
+    if not (torch.is_grad_enabled() and (x.requires_grad or getattr(weight, "requires_grad", 0))):
+        return rms_norm_ref(x, weight, eps)
+    with sites.role("rms_norm"):
+        return RMSNormFunction.apply(x, weight, eps)
+
+
+__all__ = ["RMSNormFunction", "rms_norm", "rms_norm_ref"]
