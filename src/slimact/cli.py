@@ -107,8 +107,11 @@ def _add_memory(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-tiny")
     p.add_argument("--strategy", default="recompute", help="name, or names joined by '+'")
     p.add_argument("--budget", default=None, help="memory budget for 'auto': 25%% | 6GiB | bytes")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
+    from slimact.train.config import TrainConfig
+
+    micro = "default: slimact train's micro-batch"
+    p.add_argument("--batch", type=int, default=TrainConfig.batch, help=f"{micro} (%(default)s)")
+    p.add_argument("--seq", type=int, default=TrainConfig.seq, help=f"{micro} (%(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=3, help="timed steps (median) after warm-up")
     p.add_argument("--warmup", type=int, default=1)
