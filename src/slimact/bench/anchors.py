@@ -12,7 +12,9 @@ the ``forward(model, x, y) -> loss`` to call, a note, and a ``restore`` to call 
   default): AOTAutograd's min-cut partitioner recomputes what it must to keep the saved bytes under
   that fraction. The meter sees the compiled graph's saves (the router's hooks wrap the compiled
   autograd function; see benchmarks/results/compile.md), unnamed and attributed outside blocks,
-  so its per-site chart is empty. The first (compiling) call is made before timing.
+  so its per-site chart is empty. The compiling call is the measured first step, excluded from the
+  timing (``run_steps`` times steps after warm-up). With dropout in the model (HF BERT) the masks
+  come from inductor's RNG, so gradients differ from eager by the masks; the note says so.
 * ``save-on-cpu``: ``torch.autograd.graph.save_on_cpu`` around the forward. Its hooks are the
   innermost, so the meter sees no saves: on CUDA that is the truth for GPU-resident saved bytes
   (they live in host memory; the peak shows what is left); on a CPU machine the "device" *is* the
@@ -91,13 +93,16 @@ def compile_budget(model: nn.Module, forward: Forward, budget: float = 0.5) -> P
         functorch_config.activation_memory_budget = previous
         torch._dynamo.reset()
 
-    return Prepared(
-        model,
-        compiled,
-        note=f"torch.compile(inductor) of the whole loss, activation_memory_budget={budget}; "
-        "saves counted by the meter (unnamed, outside blocks)",
-        restore=restore,
+    note = (
+        f"torch.compile(inductor) of the whole loss, activation_memory_budget={budget}; "
+        "saves counted by the meter (unnamed, outside blocks)"
     )
+    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()):
+        note += (
+            "; the model has dropout, whose masks inductor draws from its own RNG, so grad_cos "
+            "and the loss curve differ from eager by the masks, not by the saving"
+        )
+    return Prepared(model, compiled, note=note, restore=restore)
 
 
 def save_on_cpu(model: nn.Module, forward: Forward, device: torch.device) -> Prepared:

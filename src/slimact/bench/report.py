@@ -37,6 +37,10 @@ MEANING = """\
   point trains the same, not final quality.
 - **peak MiB (GPU)**: `torch.cuda.max_memory_allocated` during the measured step (weights and
   gradients included); empty on CPU.
+- **models**: random initial weights from the suite's seed; slimact's models use the byte
+  tokenizer's 257-token vocabulary (so `gpt2-124m` has 86M parameters here, its 124M count is
+  with GPT-2's 50,257 tokens); `hf-bert-base` is `BertForMaskedLM(BertConfig())` (30,522 tokens,
+  dropout 0.1, fed byte ids, 15% masked with `slimact.hf.mlm_batch`).
 - **anchors** (plain PyTorch, same meter, same run): `torch-checkpoint` = per-block
   `torch.utils.checkpoint` (non-reentrant); `compile-budget` = `torch.compile` (inductor) of the
   whole loss with `torch._functorch.config.activation_memory_budget`; `save-on-cpu` =
@@ -260,6 +264,14 @@ def render_suite(name: str, result: dict, plot_dir: Path | None) -> str:
         f"- Suite: {meta['suite'].get('description')}; seed {meta['suite'].get('seed')}, "
         f"compile budget {meta['suite'].get('compile_budget')}.",
     ]
+    if meta.get("load_avg_start") or meta.get("load_avg_end"):
+        when = [
+            f"at {k} {meta[f'load_avg_{k}']}" for k in ("start", "end") if meta.get(f"load_avg_{k}")
+        ]
+        lines.append(
+            f"- Load average (1/5/15 min) {', '.join(when)} on {meta.get('cpu_count')} cores: "
+            "above the core count means other jobs shared the CPU and absolute times are inflated."
+        )
     if meta.get("uncommitted_src"):
         lines.append(
             "- The run used uncommitted changes to: "

@@ -316,6 +316,16 @@ def _dirty_files() -> list[str] | None:
     return [ln[3:] for ln in out.stdout.splitlines() if ln.strip()]
 
 
+def _load() -> list[float] | None:
+    """1/5/15-minute load averages (how busy the machine was; timings move with it)."""
+    import os
+
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -351,6 +361,7 @@ def run_suite(
         "uncommitted_src": _dirty_files(),
         "data": data or "embedded stdlib corpus (byte tokens)",
         "start": _now(),
+        "load_avg_start": _load(),
         "end": None,
         "wall_s": None,
         "complete": False,
@@ -372,7 +383,7 @@ def run_suite(
             result["points"].append(rec)
             meta["wall_s"] = time.perf_counter() - t0
             _write(path, result)
-    meta.update(end=_now(), wall_s=time.perf_counter() - t0, complete=True)
+    meta.update(end=_now(), wall_s=time.perf_counter() - t0, complete=True, load_avg_end=_load())
     _write(path, result)
     log(f"wrote {path} ({meta['wall_s'] / 60:.1f} min)")
     return path
