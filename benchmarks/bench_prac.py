@@ -52,26 +52,40 @@ def merge(section: str, key: str, value: dict) -> None:
         tmp.replace(JSON_PATH)
 
 
-def _register_interval(strategy: str, interval: int) -> str:
+def _register(args: argparse.Namespace) -> str:
+    """Register the run's PRAC settings as a strategy name, e.g. ``prac-t20-1-rsvd``."""
     import dataclasses
 
     from slimact.strategies import register_strategy, resolve, strategy_names
     from slimact.strategies.prac import apply_prac
 
-    if strategy == "none":
-        return strategy
-    name = f"{strategy}-t{interval}"
+    if args.strategy == "none":
+        return "none"
+    t1, t2 = args.t1 or args.interval, args.t2 or args.interval
+    name = f"{args.strategy}-t{t1}-{t2}" + ("-rsvd" if args.svd == "randomized" else "")
+    name += "-all" if args.compress_all else ""
     if name not in strategy_names():
-        cfg = dataclasses.replace(resolve(strategy)[0], t1=interval, t2=interval)
-        register_strategy(name, cfg, apply_prac, f"{strategy} with T1 = T2 = {interval}")
+        cfg = dataclasses.replace(
+            resolve(args.strategy)[0],
+            t1=t1,
+            t2=t2,
+            svd=args.svd,
+            only_if_smaller=not args.compress_all,
+        )
+        register_strategy(name, cfg, apply_prac, f"{args.strategy} with T1={t1}, T2={t2}")
     return name
 
 
+def _history(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def cmd_train(args: argparse.Namespace) -> None:
+    """One training run; ``--from-run DIR`` records a finished run of the same command instead."""
     from slimact.train import TrainConfig, train
 
     torch.set_num_threads(args.threads)
-    name = _register_interval(args.strategy, args.interval)
+    name = _register(args)
     out = RUNS / f"{args.model}-{name}-b{args.batch}s{args.seq}-seed{args.seed}"
     cfg = TrainConfig(
         model=args.model,
@@ -89,33 +103,45 @@ def cmd_train(args: argparse.Namespace) -> None:
         progress=False,
     )
     t0 = time.perf_counter()
-    res = train(cfg)
+    if args.from_run:
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(args.from_run) / "metrics.jsonl", out / "metrics.jsonl")
+        history = _history(out)
+        assert history[-1]["step"] == args.steps, (
+            f"{args.from_run} did not finish {args.steps} steps"
+        )
+    else:
+        train(cfg)
+        history = _history(out)
     wall = time.perf_counter() - t0
     for ckpt in out.glob("ckpt-*"):  # the trainer's final checkpoint: 200+ MiB, not kept
         shutil.rmtree(ckpt)
-    curve = [(r["step"], r["eval_loss"]) for r in res.history if "eval_loss" in r]
-    train_curve = [(r["step"], r["loss"]) for r in res.history]
+    curve = [(r["step"], r["eval_loss"]) for r in history if "eval_loss" in r]
+    train_curve = [(r["step"], r["loss"]) for r in history]
     merge(
         "train",
-        f"{args.model}/{args.strategy}",
+        f"{args.model}/{name}/b{args.batch}s{args.seq}",
         {
             "strategy": name,
-            "steps": res.steps,
+            "steps": history[-1]["step"],
             "batch": args.batch,
             "seq": args.seq,
             "seed": args.seed,
-            "interval": args.interval,
-            "final_val_loss": res.final_val_loss,
-            "final_train_loss": res.final_train_loss,
-            "saved_bytes_first_step": res.saved_bytes,
-            "tokens_per_s": res.tokens_per_s,
-            "wall_s": wall,
+            "t1": args.t1 or args.interval,
+            "t2": args.t2 or args.interval,
+            "svd": args.svd,
+            "compress_all": args.compress_all,
+            "final_val_loss": curve[-1][1],
+            "final_train_loss": history[-1]["loss"],
+            "saved_bytes_first_step": history[0].get("saved_bytes"),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in history[1:]),
+            "wall_s": None if args.from_run else wall,
             "val_curve": curve,
             "train_curve": train_curve,
             "run_dir": str(out.relative_to(ROOT.parent)),
         },
     )
-    print(json.dumps({"strategy": name, "final_val_loss": res.final_val_loss, "wall_s": wall}))
+    print(json.dumps({"strategy": name, "final_val_loss": curve[-1][1], "wall_s": wall}))
 
 
 def cmd_memory(args: argparse.Namespace) -> None:
@@ -230,30 +256,29 @@ def cmd_svd(args: argparse.Namespace) -> None:
         print(json.dumps({"site": site, **row}))
 
 
-def _plot(train: dict, model: str, path: Path) -> None:
+def _plot(runs: dict, title: str, path: Path) -> None:
+    """Training (10-step mean) and validation loss of every run in one (model, B×S) group."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for strategy in ("none", "prac", "pac", "rac"):
-        run = train.get(f"{model}/{strategy}")
-        if run is None:
-            continue
+    for name, run in sorted(runs.items(), key=lambda kv: (kv[0] != "none", kv[0])):
         steps, losses = zip(*run["train_curve"])
         k = 10  # moving average of the training loss
         smooth = [
             sum(losses[max(0, i - k + 1) : i + 1]) / len(losses[max(0, i - k + 1) : i + 1])
             for i in range(len(losses))
         ]
-        axes[0].plot(steps, smooth, label=strategy)
+        style = {"color": "black", "lw": 2} if name == "none" else {}
+        axes[0].plot(steps, smooth, label=name, **style)
         vs, vl = zip(*run["val_curve"])
-        axes[1].plot(vs, vl, marker="o", ms=3, label=strategy)
-    axes[0].set(title=f"{model}: training loss (10-step mean)", xlabel="step", ylabel="loss")
-    axes[1].set(title=f"{model}: validation loss", xlabel="step", ylabel="loss")
+        axes[1].plot(vs, vl, marker="o", ms=3, label=name, **style)
+    axes[0].set(title=f"{title}: training loss (10-step mean)", xlabel="step", ylabel="loss")
+    axes[1].set(title=f"{title}: validation loss", xlabel="step", ylabel="loss")
     for ax in axes:
-        ax.legend()
+        ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -299,28 +324,33 @@ def write_report() -> None:
             )
         lines.append("")
     train = data.get("train", {})
-    if train:
-        base = {
-            k.split("/")[0]: v["final_val_loss"] for k, v in train.items() if k.endswith("/none")
-        }
+    groups: dict[tuple[str, str], dict] = {}
+    for key, r in train.items():
+        model, name, bs = key.split("/")
+        groups.setdefault((model, bs), {})[name] = r
+    for (model, bs), runs in sorted(groups.items(), key=lambda kv: kv[0][1] != "b8s256"):
+        r0 = next(iter(runs.values()))
+        shape = f"{r0['batch']}×{r0['seq']}"
+        base = runs.get("none", {}).get("final_val_loss")
         lines += [
-            "## 300-step training from the same seed (`slimact.train`, 1 thread)",
+            f"## {r0['steps']}-step training, {model}, {shape} tokens per step (same seed, 1 thread)",
             "",
-            "| model | strategy | B×S | T1=T2 | final val loss | vs none | tokens/s | saved (1st step) |",
-            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+            "| run | T1 | T2 | Q1 by | sites | final val loss | vs none | tokens/s | saved (1st step) |",
+            "| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |",
         ]
-        for key, r in sorted(train.items()):
-            model = key.split("/")[0]
-            rel = (r["final_val_loss"] / base[model] - 1) * 100 if model in base else float("nan")
+        for name, r in sorted(runs.items(), key=lambda kv: (kv[0] != "none", kv[0])):
+            rel = f"{(r['final_val_loss'] / base - 1) * 100:+.2f}%" if base else "–"
+            prac = name != "none"
             lines.append(
-                f"| {model} | {r['strategy']} | {r['batch']}×{r['seq']} "
-                f"| {r['interval'] if r['strategy'] != 'none' else '–'} "
-                f"| {r['final_val_loss']:.4f} | {rel:+.2f}% | {r['tokens_per_s']:.0f} "
+                f"| {name} | {r['t1'] if prac else '–'} | {r['t2'] if prac else '–'} "
+                f"| {r['svd'] if prac else '–'} "
+                f"| {('all' if r['compress_all'] else 'where smaller') if prac else '–'} "
+                f"| {r['final_val_loss']:.4f} | {rel} | {r['tokens_per_s']:.0f} "
                 f"| {r['saved_bytes_first_step'] / 2**20:.1f} MiB |"
             )
-        for model in sorted({k.split("/")[0] for k in train}):
-            _plot(train, model, RESULTS / "prac_loss.png")
-        lines += ["", "![loss curves](prac_loss.png)", ""]
+        png = f"prac_loss_{model}_{bs}.png"
+        _plot(runs, f"{model} {shape}", RESULTS / png)
+        lines += ["", f"![loss curves, {model} {shape}]({png})", ""]
     svd = data.get("svd", {})
     if svd:
         lines += [
@@ -429,11 +459,20 @@ def main() -> None:
     t = sub.add_parser("train", parents=[common])
     t.add_argument("--strategy", required=True, choices=["none", "prac", "pac", "rac"])
     t.add_argument("--steps", type=int, default=300)
-    t.add_argument("--batch", type=int, default=4)
-    t.add_argument("--seq", type=int, default=128)
-    t.add_argument("--interval", type=int, default=20)
-    t.add_argument("--eval-every", type=int, default=25)
+    t.add_argument("--batch", type=int, default=8)
+    t.add_argument("--seq", type=int, default=256)
+    t.add_argument("--interval", type=int, default=20, help="T1 = T2 unless --t1/--t2 are given")
+    t.add_argument("--t1", type=int, default=None)
+    t.add_argument("--t2", type=int, default=None)
+    t.add_argument("--svd", default="exact", choices=["exact", "randomized"])
+    t.add_argument(
+        "--compress-all",
+        action="store_true",
+        help="only_if_smaller=False: compress even where Z + basis outweigh X (small batches)",
+    )
+    t.add_argument("--eval-every", type=int, default=50)
     t.add_argument("--eval-batches", type=int, default=8)
+    t.add_argument("--from-run", default=None, help="record this finished run of the command")
     m = sub.add_parser("memory", parents=[common])
     m.add_argument("--strategies", nargs="+", default=["prac", "pac", "rac"])
     m.add_argument("--batch", type=int, default=16)

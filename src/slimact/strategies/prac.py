@@ -4,7 +4,9 @@ prac.txt §5.1 and App. B, Table 6. A codec policy (``codecs/saving.py``) stores
 Z = [XQ1, k·XQ2] and P = [Q1, Q2] instead of X (``codecs/prac.py`` has the math):
 
 - inputs of linear layers (q/k/v, gate/up, down, lm_head; o_proj see below): r1 = r2 = ⌊0.3n⌋;
-- saves inside norms (RMSNorm's x and x̂, LayerNorm's input), activations (SiLU/GELU input, or an
+- saves inside norms (the norm's input x; ``fuse_norms`` swaps an RMSNorm for ``ops/rms_norm``,
+  which saves (x, rstd) instead of op-by-op (x, x̂), so one tensor per norm is stored, as prac.txt's
+  Table 3 counts; LayerNorm already saves only its input), activations (SiLU/GELU input, or an
   output-saving activation's output) and the SwiGLU gate product's two inputs: r1 = r2 = ⌊0.2n⌋.
   These ops differentiate at the reconstruction X̃: backward unpacks X̃ and runs the op's own
   derivative there (e.g. silu'(X̃), RMSNorm's Σ g·x̃), as the paper does. The theory (unbiased
@@ -15,6 +17,11 @@ Z = [XQ1, k·XQ2] and P = [Q1, Q2] instead of X (``codecs/prac.py`` has the math
   its tensor and is reported (``prac_report``), as is one whose storage another site keeps
   uncompressed (o_proj's input *is* SDPA's saved output, so compressing it would add a payload
   and free nothing: the storage, not the site, is the unit).
+
+Worth it or keep: a site whose payload plus basis (tokens·(r1 + r2) + the basis, see
+``codecs/prac.py``) would not be smaller than the tensor keeps it and ``prac_report`` says from how
+many tokens per micro-batch it would pay off (``only_if_smaller``; decided at the site's first
+save). Below ~n tokens that is every site: PRAC is a large-micro-batch technique.
 
 Sharing: q/k/v save the same input and gate/up the same input; the policy encodes that storage
 once, for its first saver (q_proj, gate_proj), and the others reuse the payload. So one subspace
