@@ -190,8 +190,10 @@ def cmd_ratio(args: argparse.Namespace) -> None:
             row["none" if strategy == "none" else "prac"] = m.report.total_bytes
             if strategy != "none":
                 rep = prac_report(model)
-                proj = sum(4 * c["n"] * sum(c["ranks"]) for c in rep["compressed"].values())
-                row["projection_bytes"] = proj
+                row["projection_bytes"] = sum(c["basis_bytes"] for c in rep["compressed"].values())
+                row["sites_kept_not_worth_it"] = sum(
+                    "pays off from" in why for why in rep["skipped"].values()
+                )
             del model, m
         row.update(tokens=b * s, ratio=row["prac"] / row["none"], strategy=args.strategy)
         row["ratio_without_projections"] = (row["prac"] - row["projection_bytes"]) / row["none"]
@@ -313,14 +315,16 @@ def write_report() -> None:
         lines += [
             "## Saved-bytes ratio vs tokens per step (meter, forward only; vs `none`)",
             "",
-            "| model | strategy | B×S | tokens | ratio | projections P | ratio without P |",
-            "| --- | --- | --- | ---: | ---: | ---: | ---: |",
+            "| model | strategy | B×S | tokens | ratio | basis | ratio without basis "
+            "| sites kept (not worth it) |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
         ]
         for key, r in sorted(ratio.items(), key=lambda kv: kv[1]["tokens"]):
             model, bs = key.split("/")[:2]
             lines.append(
                 f"| {model} | {r.get('strategy', 'prac')} | {bs} | {r['tokens']} | {r['ratio']:.3f} "
-                f"| {r['projection_bytes'] / 2**20:.1f} MiB | {r['ratio_without_projections']:.3f} |"
+                f"| {r['projection_bytes'] / 2**20:.1f} MiB | {r['ratio_without_projections']:.3f} "
+                f"| {r.get('sites_kept_not_worth_it', '–')} |"
             )
         lines.append("")
     train = data.get("train", {})
@@ -480,7 +484,7 @@ def main() -> None:
     m.add_argument("--steps", type=int, default=1)
     m.add_argument("--warmup", type=int, default=1)
     r = sub.add_parser("ratio", parents=[common])
-    r.add_argument("--shapes", nargs="+", default=["4x128", "4x256", "16x256", "32x256"])
+    r.add_argument("--shapes", nargs="+", default=["4x128", "4x256", "8x256", "16x256", "32x256"])
     r.add_argument("--strategy", default="prac", help="a PRAC-family strategy, e.g. invact+prac")
     s = sub.add_parser("svd", parents=[common])
     s.add_argument("--batch", type=int, default=16)
