@@ -296,3 +296,20 @@ def test_composes_with_invact_mask_kept_output_compressed():
     assert norm_out and rep[norm_out[0]]["ranks"] == (19, 19)  # linear ranks for y
     assert r.total_bytes < r_inv.total_bytes
     assert all(torch.isfinite(v).all() for v in g.values())
+
+
+def test_spec_strings_set_update_intervals_and_reject_unknown_keys():
+    from slimact.strategies import resolve
+
+    (cfg,) = resolve("prac@t1=20,t2=1,svd=randomized")
+    assert cfg == PracConfig(t1=20, t2=1, svd="randomized")
+    (pac,) = resolve("pac@t1=7,only_if_smaller=false")
+    assert pac == PacConfig(t1=7, only_if_smaller=False)
+    inv, prac = resolve("invact+prac@t2=1")
+    assert prac == PracConfig(t2=1)
+    with pytest.raises(ValueError, match="key one of t1, t2"):
+        resolve("prac@r1=3")
+    with pytest.raises(ValueError, match="t1 must be int, got 'x'"):
+        resolve("prac@t1=x")
+    with pytest.raises(ValueError, match="t1 .* >= 1"):
+        resolve("prac@t1=0")

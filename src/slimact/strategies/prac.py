@@ -83,6 +83,17 @@ _ACTS = (nn.SiLU, nn.GELU, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Mish, nn.ELU, nn.Sof
 _ACT_NAMES = ("silu", "gelu", "swish", "relu")
 
 
+def _flag(value: str) -> bool:
+    if value.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(value)
+    return value.lower() in ("true", "1")
+
+
+_flag.__name__ = "true or false"
+_SPEC_FIELDS = {"t1": int, "t2": int, "svd": str, "q2": str, "niter": int, "seed": int,
+                "only_if_smaller": _flag, "fuse_norms": _flag}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class PracConfig(StrategyConfig):
     """Ranks per role as (r1, r2): floats are fractions of the feature size n, ints absolute.
@@ -141,6 +152,27 @@ class PracConfig(StrategyConfig):
             raise ValueError(f"min_features must be an int >= 2, got {self.min_features!r}")
         for r1, r2 in (self.linear, self.nonlinear, *[(r[1], r[2]) for r in self.overrides]):
             self.codec_config(r1, r2)  # t1, t2, niter, seed and the variant's invariants
+
+    @classmethod
+    def from_spec(cls, spec: str) -> PracConfig:
+        """``"prac@t1=20,t2=1,svd=randomized"`` -> ``PracConfig(t1=20, t2=1, svd="randomized")``."""
+        body = spec.split("@", 1)[1] if "@" in spec else spec
+        kwargs: dict[str, Any] = {}
+        for item in filter(None, (part.strip() for part in body.split(","))):
+            key, sep, value = item.partition("=")
+            conv = _SPEC_FIELDS.get(key.strip())
+            if not sep or conv is None:
+                raise ValueError(
+                    f"strategy spec {spec!r}: {item!r} must be key=value with key one of "
+                    f"{', '.join(_SPEC_FIELDS)}"
+                )
+            try:
+                kwargs[key.strip()] = conv(value.strip())
+            except ValueError:
+                raise ValueError(
+                    f"strategy spec {spec!r}: {key} must be {conv.__name__}, got {value!r}"
+                ) from None
+        return cls(**kwargs)
 
     def codec_config(self, r1: int | float, r2: int | float) -> PracCodecConfig:
         """The codec config of one site (the variant's codec class checks its invariant)."""
