@@ -29,7 +29,8 @@ state and one payload serve the group; ``prac_report`` lists each group's member
 
 Step clock and checkpoints: t counts training forwards (grad enabled) of the root module; every
 codec updates Q1 when t % T1 == 0 and Q2 when t % T2 == 0 (Alg. 1; with grad accumulation each
-micro-batch is a forward). The codecs' state (Q1, Q2, generator, clock) is exposed as
+micro-batch is a forward). Defaults T1 = 20 with the randomized range finder and T2 = 1 (why, and
+how to get the paper's 500/500: ``codecs/prac.py``). The codecs' state (Q1, Q2, generator, clock) is exposed as
 ``model.__dict__["_slimact_stateful"]["prac"]`` with ``state_dict``/``load_state_dict``.
 
 Composition: ``recompute`` wins inside checkpointed blocks (its saved-tensor hooks are innermost,
@@ -109,9 +110,9 @@ class PracConfig(StrategyConfig):
     overrides: tuple[tuple[str, int | float, int | float], ...] = ()
     keep: tuple[str, ...] = ()
     gate_modules: tuple[str, ...] = ("*mlp",)
-    t1: int = 500
-    t2: int = 500
-    svd: str = "exact"
+    t1: int = 20
+    t2: int = 1
+    svd: str = "randomized"
     niter: int = 2
     seed: int = 0
     min_features: int = 8
