@@ -243,3 +243,14 @@ def test_cli_errors_and_report_only(tmp_path, capsys):
     (res / "quick.json").write_text(json.dumps(_fake()))
     assert main(["bench", "--report-only", "--out-dir", str(res)]) == 0
     assert (tmp_path / "bench.md").is_file() and not (tmp_path / "BENCHMARKS.md").exists()
+
+
+def test_amended_points_are_reported_in_the_suite_header(tmp_path):
+    res = _fake("full")
+    res["meta"]["amended"] = {"points": "prac", "models": ["llama-20m"], "git_commit": "def5678",
+                              "command": "slimact bench full --only-strategies prac",
+                              "reason": "defaults changed"}  # fmt: skip
+    (tmp_path / "full.json").write_text(json.dumps(res))
+    md = render(load_results(tmp_path))
+    assert "Amended: the `prac` points of llama-20m come from a later run at commit `def5678`" in md
+    assert "defaults changed" in md

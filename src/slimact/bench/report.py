@@ -280,6 +280,13 @@ def render_suite(name: str, result: dict, plot_dir: Path | None) -> str:
         )
     if meta.get("selection"):
         lines.append(f"- Filtered run: {meta['selection']}.")
+    amended = meta.get("amended")
+    if amended:  # points replaced by a later partial run of the same suite (recorded, not hidden)
+        lines.append(
+            f"- Amended: the `{amended.get('points')}` points of "
+            f"{', '.join(amended.get('models', []))} come from a later run at commit "
+            f"`{amended.get('git_commit')}` (`{amended.get('command')}`): {amended.get('reason')}."
+        )
     cases = {c["model"]: c for c in meta["suite"]["cases"]}
     for model, pts in by_model(result["points"]).items():
         c = cases.get(model, {})
