@@ -84,14 +84,22 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> to
     return xhat if weight is None else weight * xhat
 
 
+def rms_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd) of :func:`rms_norm_ref`, rstd (..., 1) in fp32: the shared forward of the fused
+    norms (this module's output-saving one and ``ops/rms_norm``'s input-saving one)."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1) fp32
+    xhat = (xf * rstd).to(x.dtype)
+    return (xhat if weight is None else weight * xhat), rstd
+
+
 class InvRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
         dtype = x.dtype
-        xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1) fp32
-        xhat = (xf * rstd).to(dtype)
-        y = xhat if weight is None else weight * xhat
+        y, rstd = rms_norm_fwd(x, weight, eps)
         ctx.has_w = weight is not None
         ctx.x_dtype = dtype
         if weight is None:

@@ -18,18 +18,14 @@ from __future__ import annotations
 import torch
 
 from slimact import sites
-from slimact.ops.inv_norm import rms_norm_ref
+from slimact.ops.inv_norm import rms_norm_fwd, rms_norm_ref
 
 
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        dtype = x.dtype
-        xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1) fp32
-        xhat = (xf * rstd).to(dtype)
-        y = xhat if weight is None else weight * xhat
-        ctx.x_dtype = dtype
+        y, rstd = rms_norm_fwd(x, weight, eps)  # rstd: (..., 1) fp32
+        ctx.x_dtype = x.dtype
         ctx.save_for_backward(x, rstd, *(() if weight is None else (weight,)))
         return y
 
