@@ -7,9 +7,9 @@
 
 Every subcommand merges its results into ``benchmarks/results/prac.json`` (with machine, torch
 version, thread count and the command line) and ``report`` writes ``prac.md`` and
-``prac_loss.png``. Training runs use ``slimact.train.train`` on the embedded corpus; their lazy
+``prac_loss_<model>_b<B>s<S>.png``. Training runs use ``slimact.train.train`` on the embedded corpus; their lazy
 update interval is scaled to the run (T1 = T2 = ``--interval``, default 20 of 300 steps, where the
-paper uses 500 of 10K+): this script registers ``<strategy>-t<interval>`` for that.
+paper uses 500 of 10K+): runs are named ``<strategy>-t<T1>-<T2>[-rsvd][-all]``.
 """
 
 from __future__ import annotations
@@ -52,28 +52,15 @@ def merge(section: str, key: str, value: dict) -> None:
         tmp.replace(JSON_PATH)
 
 
-def _register(args: argparse.Namespace) -> str:
-    """Register the run's PRAC settings as a strategy name, e.g. ``prac-t20-1-rsvd``."""
-    import dataclasses
-
-    from slimact.strategies import register_strategy, resolve, strategy_names
-    from slimact.strategies.prac import apply_prac
-
+def _run_strategy(args: argparse.Namespace) -> tuple[str, str]:
+    """(run name, strategy spec) of a run, e.g. ``("prac-t20-1-rsvd", "prac@t1=20,t2=1,...")``."""
     if args.strategy == "none":
-        return "none"
+        return "none", "none"
     t1, t2 = args.t1 or args.interval, args.t2 or args.interval
     name = f"{args.strategy}-t{t1}-{t2}" + ("-rsvd" if args.svd == "randomized" else "")
     name += "-all" if args.compress_all else ""
-    if name not in strategy_names():
-        cfg = dataclasses.replace(
-            resolve(args.strategy)[0],
-            t1=t1,
-            t2=t2,
-            svd=args.svd,
-            only_if_smaller=not args.compress_all,
-        )
-        register_strategy(name, cfg, apply_prac, f"{args.strategy} with T1={t1}, T2={t2}")
-    return name
+    spec = f"{args.strategy}@t1={t1},t2={t2},svd={args.svd},only_if_smaller={not args.compress_all}"
+    return name, spec
 
 
 def _history(run_dir: Path) -> list[dict]:
@@ -85,11 +72,11 @@ def cmd_train(args: argparse.Namespace) -> None:
     from slimact.train import TrainConfig, train
 
     torch.set_num_threads(args.threads)
-    name = _register(args)
+    name, spec = _run_strategy(args)
     out = RUNS / f"{args.model}-{name}-b{args.batch}s{args.seq}-seed{args.seed}"
     cfg = TrainConfig(
         model=args.model,
-        strategy=name,
+        strategy=spec,
         steps=args.steps,
         batch=args.batch,
         seq=args.seq,
