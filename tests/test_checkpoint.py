@@ -44,7 +44,8 @@ def data(tmp_path):
 
 def cfg(data: str, out, **kw) -> TrainConfig:
     base = dict(
-        model="llama-tiny", steps=6, batch=4, seq=32, eval_every=2, eval_batches=2, data=data,
+        model="llama-tiny", strategy="none", steps=6, batch=4, seq=32, eval_every=2, eval_batches=2,
+        data=data,
         out=str(out), progress=False, ckpt_every=0,
     )  # fmt: skip
     return TrainConfig(**{**base, **kw})

@@ -77,7 +77,7 @@ def test_rank_cli_on_trained_checkpoint(tmp_path, capsys):
     from slimact.train import TrainConfig, train
 
     run = tmp_path / "run"
-    train(TrainConfig(model="llama-tiny", steps=2, batch=2, seq=32, eval_every=0,
+    train(TrainConfig(model="llama-tiny", strategy="none", steps=2, batch=2, seq=32, eval_every=0,
                       eval_batches=1, out=str(run), progress=False))  # fmt: skip
     p = argparse.ArgumentParser()
     add_rank_arguments(p)

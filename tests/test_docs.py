@@ -17,6 +17,10 @@ def test_quick_start_has_two_commands():
     assert len(cmds) == 2 and all("\n" not in c for c in cmds)
     assert "torch==2.13.0" in cmds[0] and "slimact train" in cmds[0]
     assert "pytest" in cmds[1]
+    venv = "python -m venv .venv && . .venv/bin/activate && "
+    for c in cmds:  # a fresh, empty environment: an undeclared dependency fails the command
+        assert c.startswith(venv), c
+        assert c.index("torch==2.13.0") < c.index(" -e "), "torch first: no CUDA wheels"
 
 
 def test_ci_runs_the_readme_test_command():

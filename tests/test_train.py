@@ -10,6 +10,7 @@ import pytest
 
 from slimact.train import TrainConfig, WarmupCosine, read_metrics, train
 from slimact.train.cli import add_train_arguments, config_from_args, main, run_train
+from slimact.train.config import DEFAULT_STRATEGY
 
 TEXT = "".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(300))
 
@@ -27,6 +28,7 @@ def text_file(tmp_path):
 def tiny(tmp_path, text_file, **kw) -> TrainConfig:
     base = dict(
         model="llama-tiny",
+        strategy="none",
         steps=6,
         batch=4,
         seq=32,
@@ -75,7 +77,7 @@ def test_config_rejects_bad_values(kw, pattern):
 
 
 def test_config_defaults_and_round_trip():
-    cfg = TrainConfig(model="llama-tiny", seq=128, steps=50)
+    cfg = TrainConfig(model="llama-tiny", strategy="none", seq=128, steps=50)
     assert (cfg.lr, cfg.warmup, cfg.weight_decay, cfg.clip) == (3e-3, 0.1, 0.01, 0.5)
     assert (
         cfg.warmup_steps == 5 and TrainConfig(model="llama-tiny", seq=8, warmup=7).warmup_steps == 7
@@ -84,7 +86,11 @@ def test_config_defaults_and_round_trip():
     assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     with pytest.raises(ValueError, match="unknown TrainConfig field"):
         TrainConfig.from_dict({**cfg.to_dict(), "bogus": 1})
-    assert TrainConfig().model == "llama-20m" and TrainConfig().strategy == "none"
+    assert TrainConfig().model == "llama-20m" and TrainConfig().strategy == DEFAULT_STRATEGY
+    assert DEFAULT_STRATEGY != "none"  # the main job shows a saving
+    assert TrainConfig().resolved_baseline() == "train"
+    assert TrainConfig(strategy="none").resolved_baseline() == "off"
+    assert TrainConfig(resume=True).resolved_baseline() == "first-batch"
 
 
 # --- schedule ----------------------------------------------------------------------------------
@@ -160,8 +166,9 @@ def test_cli_train_run(tmp_path, text_file, capsys):
     )
     assert rc == 0
     printed = capsys.readouterr().out
-    for word in ("llama-tiny", "final val loss", "tokens/s", "saved activations"):
+    for word in ("llama-tiny", "final val loss", "tokens/s", "saved activations", "peak"):
         assert word in printed
+    assert f"{DEFAULT_STRATEGY} vs baseline (none)" in printed  # the default shows the product
     records = read_metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for key in ("loss", "lr", "tokens_per_s", "grad_norm", "saved_bytes"):
@@ -217,3 +224,47 @@ def test_fresh_run_refuses_a_dir_with_checkpoints(tmp_path, text_file):
         train(tiny(tmp_path, text_file, steps=2))
     with pytest.raises(ValueError, match="batch: checkpoint has 4, this run has 2"):
         train(tiny(tmp_path, text_file, steps=2, batch=2, resume=True))
+
+
+# --- the baseline twin (slimact.train.baseline) -------------------------------------------------
+
+
+def test_baseline_twin_trains_alongside_without_changing_the_run(tmp_path, text_file):
+    kw = dict(strategy="recompute", steps=4, eval_every=2)
+    alone = train(tiny(tmp_path, text_file, baseline="off", out=str(tmp_path / "a"), **kw))
+    paired = train(tiny(tmp_path, text_file, baseline="train", out=str(tmp_path / "b"), **kw))
+    assert alone.baseline is None
+    # the twin replays the strategy's RNG and never draws from it: the same trajectory, bitwise
+    assert [r["loss"] for r in paired.history] == [r["loss"] for r in alone.history]
+    side = paired.baseline
+    assert side is not None and side.mode == "train"
+    assert 0 < paired.saved_bytes < side.saved_bytes  # recompute keeps less than none
+    assert 0 < paired.peak_bytes and 0 < side.peak_bytes
+    # recompute is exact: the twin (strategy none) follows the same losses to rounding
+    assert side.final_train_loss == pytest.approx(paired.final_train_loss, rel=1e-4)
+    assert side.final_val_loss == pytest.approx(paired.final_val_loss, rel=1e-4)
+    assert side.first_loss == pytest.approx(paired.first_loss, rel=1e-6)
+    assert side.step_time_ratio is not None and side.step_time_ratio.n == side.rounds >= 1
+    assert side.step_time_ratio.min <= side.step_time_ratio.median <= side.step_time_ratio.max
+    assert "baseline_loss" in paired.history[1] and "step_time_ratio" in paired.history[2]
+    assert "baseline_eval_loss" in paired.history[1]
+
+
+def test_first_batch_twin_measures_then_frees_itself(tmp_path, text_file):
+    from slimact.train.baseline import FIRST_BATCH_ROUNDS, WARMUP_ROUNDS
+
+    steps = FIRST_BATCH_ROUNDS + WARMUP_ROUNDS + 3
+    res = train(
+        tiny(tmp_path, text_file, strategy="recompute", steps=steps, baseline="first-batch")
+    )
+    side = res.baseline
+    assert side is not None and side.mode == "first-batch"
+    assert side.final_train_loss is None and side.final_val_loss is None  # never trained
+    assert side.rounds == FIRST_BATCH_ROUNDS and side.saved_bytes > res.saved_bytes
+
+
+def test_baseline_train_refuses_resume_and_dist():
+    with pytest.raises(ValueError, match="baseline 'train' needs a fresh single-process run"):
+        TrainConfig(model="llama-tiny", resume=True, baseline="train")
+    with pytest.raises(ValueError, match="baseline must be one of .*got 'twin'"):
+        TrainConfig(model="llama-tiny", baseline="twin")

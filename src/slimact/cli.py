@@ -21,6 +21,8 @@ import json
 import logging
 import sys
 
+from slimact.utils import MissingDependency
+
 # name -> (module, add-arguments function, run function, help). Run functions return an exit code.
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "models": (
@@ -113,7 +115,9 @@ def _add_memory(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=TrainConfig.batch, help=f"{micro} (%(default)s)")
     p.add_argument("--seq", type=int, default=TrainConfig.seq, help=f"{micro} (%(default)s)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=3, help="timed steps (median) after warm-up")
+    p.add_argument(
+        "--steps", type=int, default=5, help="interleaved timing rounds (baseline, strategy)"
+    )
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -154,10 +158,16 @@ def _run_memory(args: argparse.Namespace) -> int:
     print(
         f"{'saved activations':<22} {fmt_bytes(res['baseline_saved_bytes']):>14} {fmt_bytes(res['saved_bytes']):>14}"
     )
+    print(
+        f"{'peak over a step':<22} {fmt_bytes(res['baseline_peak_bytes']):>14} {fmt_bytes(res['peak_bytes']):>14}"
+    )
     print(f"{'step time (s)':<22} {res['baseline_step_time_s']:>14.4f} {res['step_time_s']:>14.4f}")
     print(f"{'loss':<22} {res['baseline_loss']:>14.5f} {res['loss']:>14.5f}")
+    spread = res["step_time_ratio_spread"]
     print(
-        f"ratio {res['ratio']:.4f}   step-time ratio {res['step_time_ratio']:.3f}   grad_cosine {res['grad_cosine']:.6f}"
+        f"ratio {res['ratio']:.4f}   step-time ratio {res['step_time_ratio']:.3f} "
+        f"[{spread['min']:.3f}-{spread['max']:.3f} over {spread['n']} interleaved rounds, "
+        f"load {res['timing']['load_before']}]   grad_cosine {res['grad_cosine']:.6f}"
     )
     return 0
 
@@ -182,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     module, _add, run, _help = COMMANDS[args.command]
     try:
         return int(getattr(importlib.import_module(module), run)(args) or 0)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError, MissingDependency) as e:
         print(f"slimact {args.command}: error: {e}", file=sys.stderr)
         return 2
 

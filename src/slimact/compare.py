@@ -1,16 +1,15 @@
 """Side-by-side measurement of a strategy against the baseline (``slimact memory``).
 
 Both models are built from the same seed and run on the same batch. Saved bytes come from the
-meter (``slimact.measure``) on the first step; step times are medians over a few steps after a
-warm-up; ``grad_cosine`` is the minimum over parameters of the cosine between the strategy's and
+meter (``slimact.measure``) on the first step; peak memory over one whole step from
+``slimact.peak``; step times from interleaved rounds (baseline, strategy, baseline, ...) as the
+median of per-round ratios with its spread (``slimact.timing``); ``grad_cosine`` is the minimum over parameters of the cosine between the strategy's and
 the baseline's gradients, skipping parameters whose baseline gradient norm is below 1e-6 × the
 largest (e.g. gradients that vanish by symmetry).
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -20,8 +19,12 @@ import torch.nn.functional as F
 
 from slimact.meter import MemoryReport, measure
 from slimact.models import build_model, count_params
+from slimact.peak import step_peak
 from slimact.strategies import apply, resolve
+from slimact.timing import interleaved
 from slimact.utils import seed_everything
+
+Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,7 @@ class CompareConfig:
     batch: int = 4
     seq: int = 256
     seed: int = 0
-    steps: int = 3
+    steps: int = 5
     warmup: int = 1
     device: str = "cpu"
     dtype: str = "float32"
@@ -54,13 +57,33 @@ class CompareConfig:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _default_forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return model(x, targets=y).loss
+
+
+def measured_step(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, forward: Forward | None = None
+) -> tuple[MemoryReport, float]:
+    """One forward+backward with the meter on: (report, loss). The gradients stay in ``.grad``."""
+    fwd = forward or _default_forward
+    model.zero_grad(set_to_none=True)
+    with measure(model, n_tokens=x.numel()) as m:
+        out_loss = fwd(model, x, y)
+    out_loss.backward()
+    return m.report, float(out_loss.detach().float())
+
+
+def train_step_fn(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, forward: Forward | None = None
+) -> Callable[[], None]:
+    """A closure running one forward+backward (gradients freed first), for timing and peaks."""
+    fwd = forward or _default_forward
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        fwd(model, x, y).backward()
+
+    return step
 
 
 def run_steps(
@@ -69,39 +92,28 @@ def run_steps(
     y: torch.Tensor,
     steps: int,
     warmup: int,
-    forward: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    forward: Forward | None = None,
 ) -> tuple[MemoryReport, float, float]:
-    """First step measured by the meter; returns (report, first loss, median step time).
+    """One model alone: first step measured by the meter, then its peak over a step (``peak_bytes``
+    of the report), then the median of ``steps`` timed steps. Returns (report, loss, median time).
 
-    ``forward(model, x, y) -> loss`` replaces ``model(x, targets=y).loss`` (e.g.
-    ``slimact.hf.lm_loss`` for Hugging Face models, which take ``labels=``).
+    Use :func:`slimact.timing.interleaved` to compare points: timing one model after another
+    measures the machine's load as much as the model. The first step's gradients are left in
+    ``.grad``.
     """
-    fwd = forward or _default_forward
-    device = x.device
-    model.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    with measure(model, n_tokens=x.numel()) as m:
-        out_loss = fwd(model, x, y)
-    out_loss.backward()
-    report, loss = m.report, out_loss.item()
-    if device.type == "cuda":
-        _sync(device)
-        report.peak_allocated_bytes = torch.cuda.max_memory_allocated(device)
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    times = []
-    for i in range(warmup + steps):
-        model.zero_grad(set_to_none=True)
-        _sync(device)
-        t0 = time.perf_counter()
-        fwd(model, x, y).backward()
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    for n, p in model.named_parameters():  # leave the first step's gradients in place
-        p.grad = grads.get(n)
-    report.step_time_s = statistics.median(times)
+    report, loss = measured_step(model, x, y, forward)
+    grads = grads_of(model, x.device)
+    step = train_step_fn(model, x, y, forward)
+    report.peak_allocated_bytes = step_peak(step, x.device)
+    timing = interleaved({"model": step}, rounds=steps, warmup=warmup)
+    _restore_grads(model, grads)
+    report.step_time_s = timing.median_s("model")
     return report, loss, report.step_time_s
+
+
+def _restore_grads(model: nn.Module, grads: Mapping[str, torch.Tensor]) -> None:
+    for n, p in model.named_parameters():
+        p.grad = grads.get(n)
 
 
 def grads_of(model: nn.Module, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -147,7 +159,12 @@ def grad_cosine(baseline: nn.Module | Mapping[str, torch.Tensor], other: nn.Modu
 
 
 def compare(cfg: CompareConfig) -> dict:
-    """Baseline vs strategy on one batch; returns the ``slimact memory --json`` object."""
+    """Baseline vs strategy on one batch; returns the ``slimact memory --json`` object.
+
+    Saved bytes and loss from each model's first step (meter), ``grad_cosine`` from those
+    gradients, peak memory from one more step each (:mod:`slimact.peak`), then ``cfg.steps``
+    interleaved timing rounds (baseline, strategy, baseline, ...; :mod:`slimact.timing`).
+    """
     device = torch.device(cfg.device)
     dtype = _DTYPES[cfg.dtype]
 
@@ -165,17 +182,24 @@ def compare(cfg: CompareConfig) -> dict:
     gen = torch.Generator().manual_seed(cfg.seed)
     tokens = torch.randint(0, vocab, (cfg.batch, cfg.seq + 1), generator=gen).to(device)
     x, y = tokens[:, :-1], tokens[:, 1:]
-    seed_everything(cfg.seed)
-    base_report, base_loss, base_time = run_steps(base, x, y, cfg.steps, cfg.warmup)
     strat = apply(build(), cfg.strategy)
     seed_everything(cfg.seed)
-    report, loss, step_time = run_steps(strat, x, y, cfg.steps, cfg.warmup)
+    base_report, base_loss = measured_step(base, x, y)
+    base_grads = grads_of(base, device)
+    seed_everything(cfg.seed)
+    report, loss = measured_step(strat, x, y)
+    cosine = grad_cosine(base_grads, strat)
+    steps = {"baseline": train_step_fn(base, x, y), "strategy": train_step_fn(strat, x, y)}
+    peaks = {k: step_peak(fn, device) for k, fn in steps.items()}
+    timing = interleaved(steps, rounds=cfg.steps, warmup=cfg.warmup)
+    ratio = timing.ratio("strategy", "baseline")
     return {
         "model": cfg.model,
         "strategy": cfg.strategy,
         "params": count_params(strat),
         "batch": cfg.batch,
         "seq": cfg.seq,
+        "vocab_size": vocab,
         "device": str(device),
         "dtype": cfg.dtype,
         "saved_bytes": report.total_bytes,
@@ -185,13 +209,16 @@ def compare(cfg: CompareConfig) -> dict:
         "baseline_block_saved_bytes": base_report.block_bytes,
         "bytes_per_token_per_block": report.bytes_per_token_per_block(),
         "baseline_bytes_per_token_per_block": base_report.bytes_per_token_per_block(),
-        "step_time_s": step_time,
-        "baseline_step_time_s": base_time,
-        "step_time_ratio": step_time / base_time,
-        "grad_cosine": grad_cosine(base, strat),
+        "peak_bytes": peaks["strategy"],
+        "baseline_peak_bytes": peaks["baseline"],
+        "peak_ratio": peaks["strategy"] / peaks["baseline"] if peaks["baseline"] else None,
+        "step_time_s": timing.median_s("strategy"),
+        "baseline_step_time_s": timing.median_s("baseline"),
+        "step_time_ratio": ratio.median,
+        "step_time_ratio_spread": ratio.to_dict(),
+        "timing": timing.to_dict(),
+        "grad_cosine": cosine,
         "loss": loss,
         "baseline_loss": base_loss,
-        "peak_allocated_bytes": report.peak_allocated_bytes,
-        "baseline_peak_allocated_bytes": base_report.peak_allocated_bytes,
         "torch": torch.__version__,
     }

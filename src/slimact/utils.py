@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import random
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,3 +28,18 @@ def fmt_bytes(n: float) -> str:
 def default_device() -> str:
     """'cuda' when a GPU is visible, else 'cpu' (queried at call time, never at import)."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class MissingDependency(ImportError):
+    """An optional dependency is not installed; the message names the extra that brings it."""
+
+
+def require(module: str, extra: str, feature: str) -> Any:
+    """Import optional ``module`` for ``feature``, or raise one line naming ``slimact[extra]``."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingDependency(
+            f"{feature} needs {module.split('.')[0]}, which is not installed: "
+            f"pip install 'slimact[{extra}]'"
+        ) from exc

@@ -81,10 +81,15 @@ _CLASSES: dict[type, type] = {}
 
 def register_codec(name: str, default: CodecConfig, codec_cls: type[Codec]) -> None:
     """Register a codec under ``name`` with its default config and implementation class."""
-    if name in _CODECS:
-        raise ValueError(f"codec {name!r} is already registered")
-    _CODECS[name] = default
-    _CLASSES.setdefault(type(default), codec_cls)
+    old = _CODECS.get(name)
+    if old is not None and _qualname(_CLASSES.get(type(old), type)) != _qualname(codec_cls):
+        raise ValueError(f"codec {name!r} is already registered for {type(old).__name__}")
+    _CODECS[name] = default  # same class again: a re-import of its module; replace
+    _CLASSES[type(default)] = codec_cls
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _codec_class_for(cfg_type: type) -> type[Codec]:

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from slimact import sites
 from slimact.cola.layers import CoLALinear
+from slimact.utils import require
 
 
 def effective_rank(singular_values: torch.Tensor, alpha: float = 0.95) -> int:
@@ -145,10 +146,8 @@ def plot_spectra(
     title: str = "",
 ) -> Path:
     """Fig. 2: (a) normalised singular values per block, (b) full dim vs r(α) per block."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    require("matplotlib", "plot", "slimact rank's plots").use("Agg")
+    plt = require("matplotlib.pyplot", "plot", "slimact rank's plots")
 
     kinds = sorted({r.kind for r in rows})
     if kind is None:

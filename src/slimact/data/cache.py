@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from slimact.data.corpus import VAL_FRACTION, Corpus, is_validation, iter_documents
 from slimact.data.tokenizer import ByteTokenizer
@@ -87,7 +88,15 @@ def tokenize_corpus(corpus: Corpus, tokenizer: ByteTokenizer) -> tuple[np.ndarra
     ``VAL_FRACTION`` of tokens becomes validation.
     """
     parts: dict[bool, list[np.ndarray]] = {False: [], True: []}
-    for key, data in iter_documents(corpus):
+    docs = tqdm(
+        iter_documents(corpus),
+        total=len(corpus.files),
+        desc="tokenizing corpus (once; cached)",
+        unit="file",
+        delay=2.0,  # shown only when it takes a while
+        leave=False,
+    )
+    for key, data in docs:
         parts[is_validation(key)].append(tokenizer.encode_bytes(data, add_eos=True))
     if not parts[False] and not parts[True]:
         raise ValueError(f"--data {corpus.root} holds no text")

@@ -38,9 +38,14 @@ def register_model(
     name: str, config: Any, builder: Callable[[Any], nn.Module], description: str = ""
 ) -> None:
     """Add a named model. Later modules (e.g. CoLA) register their families here."""
-    if name in _REGISTRY:
-        raise ValueError(f"model {name!r} is already registered")
+    old = _REGISTRY.get(name)
+    if old is not None and _qualname(old.builder) != _qualname(builder):
+        raise ValueError(f"model {name!r} is already registered")  # same builder: a re-import
     _REGISTRY[name] = ModelSpec(name, config, builder, description)
+
+
+def _qualname(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
 def model_names() -> list[str]:

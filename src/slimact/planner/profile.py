@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from tqdm.auto import tqdm
 
 from slimact import sites
 from slimact.codecs.base import Codec, codec_names, get_codec, storage_nbytes
@@ -285,7 +286,10 @@ def profile_model(
     with torch.random.fork_rng(devices=[]):
         prof = _Profiler(model, input_ids.device, codecs, repeats)
         report = prof.forward(input_ids, input_ids if targets is None else targets)
-        kinds = [prof.kind(sig, members, reform, per_block) for sig, members in prof.groups]
+        groups = tqdm(
+            prof.groups, desc="slimact: profiling block kinds", unit="kind", delay=2.0, leave=False
+        )
+        kinds = [prof.kind(sig, members, reform, per_block) for sig, members in groups]
     return Profile(
         model=name or type(model).__name__,
         batch=int(input_ids.shape[0]),

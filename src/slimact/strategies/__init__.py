@@ -23,6 +23,7 @@ from slimact.strategies.registry import (
     resolve,
     revert,
     strategy_names,
+    unregister_strategies,
 )
 
 
@@ -35,14 +36,27 @@ def _apply_none(model: nn.Module, config: NoneConfig, filter_fn=None) -> list[Ap
     return []
 
 
-register_strategy("none", NoneConfig(), _apply_none, "baseline: keep every saved tensor")
-register_strategy(
-    "recompute", RecomputeConfig(), apply_recompute, "non-reentrant checkpointing of every block"
-)
+def _register_all() -> None:
+    """Register every strategy, or none: a module that fails to import (a missing dependency)
+    takes back what this import registered and its own error propagates unchanged."""
+    before = set(strategy_names())
+    try:
+        register_strategy("none", NoneConfig(), _apply_none, "baseline: keep every saved tensor")
+        register_strategy(
+            "recompute",
+            RecomputeConfig(),
+            apply_recompute,
+            "non-reentrant checkpointing of every block",
+        )
+        for mod in pkgutil.iter_modules(__path__):
+            if mod.name not in ("registry", "recompute"):
+                importlib.import_module(f"{__name__}.{mod.name}")
+    except BaseException:
+        unregister_strategies(set(strategy_names()) - before)
+        raise
 
-for _mod in pkgutil.iter_modules(__path__):
-    if _mod.name not in ("registry", "recompute"):
-        importlib.import_module(f"{__name__}.{_mod.name}")
+
+_register_all()
 
 __all__ = [
     "AppliedChange",

@@ -63,9 +63,26 @@ _REGISTRY: dict[str, _Entry] = {}
 def register_strategy(
     name: str, default: StrategyConfig, transform: Transform, description: str = ""
 ) -> None:
-    if name in _REGISTRY:
-        raise ValueError(f"strategy {name!r} is already registered")
+    """Register ``name``. Registering the same name again from the same transform (a module that
+    is imported a second time, e.g. after an earlier import of the package failed half-way)
+    replaces the entry; a different transform under a taken name is an error."""
+    old = _REGISTRY.get(name)
+    if old is not None and _qualname(old.transform) != _qualname(transform):
+        raise ValueError(
+            f"strategy {name!r} is already registered by {_qualname(old.transform)}; "
+            f"cannot register it again for {_qualname(transform)}"
+        )
     _REGISTRY[name] = _Entry(type(default), default, transform, description)
+
+
+def _qualname(fn: Callable[..., object]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def unregister_strategies(names: set[str]) -> None:
+    """Drop ``names`` from the registry (used to undo a half-finished import)."""
+    for name in names:
+        _REGISTRY.pop(name, None)
 
 
 def strategy_names() -> list[str]:

@@ -1,7 +1,8 @@
 """``slimact train``: argparse front end of :func:`slimact.train.train`.
 
 ``add_train_arguments`` declares the flags (defaults from ``TrainConfig``), ``run_train`` builds
-the config, trains and prints a summary table (``rich`` when available, plain text otherwise).
+the config, trains and prints a summary table and, with a baseline twin (``--baseline``), the
+strategy and the baseline side by side.
 Bad values come back as a one-line ``error: ...`` on stderr and exit status 2; Ctrl-C after a
 saved checkpoint gives 130.
 """
@@ -9,11 +10,18 @@ saved checkpoint gives 130.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import fields
 from typing import Any
 
-from slimact.train.config import DEVICES, DIST_MODES, TrainConfig
+from rich.console import Console
+from rich.table import Table
+
+from slimact.strategies.registry import with_budget
+from slimact.train.config import BASELINES, DEVICES, DIST_MODES, TrainConfig
+from slimact.train.loop import TrainResult, train
+from slimact.utils import fmt_bytes
 
 _DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
 
@@ -51,6 +59,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     a("--device", default=d["device"], help=f"{', '.join(DEVICES)} or cuda:N (auto: cuda if any)")
     a("--no-progress", action="store_true", help="no progress bar")
     a(
+        "--baseline",
+        default=d["baseline"],
+        choices=BASELINES,
+        help="measure strategy 'none' beside the run on the same batches: train (a twin trained "
+        "alongside, for losses), first-batch (bytes, peak and step time on the first steps), off; "
+        "auto: off for strategy none, first-batch when resuming or under --dist, else train",
+    )
+    a(
         "--dist",
         default=d["dist"],
         choices=DIST_MODES,
@@ -65,54 +81,117 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     }
     values["progress"] = not getattr(args, "no_progress", False)
     if getattr(args, "budget", None) is not None:
-        from slimact.strategies.registry import with_budget
-
         values["strategy"] = with_budget(values["strategy"], args.budget)
     return TrainConfig(**values)
 
 
-def summary_rows(result: Any) -> list[tuple[str, str]]:
-    from slimact.utils import fmt_bytes
+def _num(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
 
-    def num(v: float | None, spec: str) -> str:
-        return "-" if v is None else format(v, spec)
 
+def _bytes(v: int | None) -> str:
+    return "-" if v is None else fmt_bytes(v)
+
+
+def summary_rows(result: TrainResult) -> list[tuple[str, str]]:
+    """The run: model, strategy, steps, tokens/s, losses, saved bytes, run dir."""
     cfg = result.config
-    saved = result.saved_bytes
     return [
-        ("model", cfg.model),
+        ("model", f"{cfg.model} ({result.params:,} params) on {result.device}"),
         ("strategy", cfg.strategy),
-        ("params", f"{result.params:,}"),
-        ("device", result.device),
         (
             "steps",
             f"{result.steps} / {cfg.steps}" + (" (interrupted)" if result.interrupted else ""),
         ),
         ("tokens/step", f"{cfg.tokens_per_step:,} ({cfg.batch}x{cfg.seq}x{cfg.grad_accum})"),
-        ("tokens/s", num(result.tokens_per_s, ",.0f")),
-        ("final train loss", num(result.final_train_loss, ".4f")),
-        ("final val loss", num(result.final_val_loss, ".4f")),
-        ("final val ppl", num(result.final_val_ppl, ".2f")),
-        ("saved activations", "-" if saved is None else f"{fmt_bytes(saved)} ({saved:,} B)"),
+        ("training tokens/s", _num(result.tokens_per_s, ",.0f") + " (whole steps)"),
+        ("final val loss", _num(result.final_val_loss, ".4f")),
+        ("final val ppl", _num(result.final_val_ppl, ".2f")),
+        ("load average", " -> ".join(_num(v, ".2f") for v in result.load_avg)),
         ("run dir", str(result.run_dir)),
     ]
 
 
-def print_summary(result: Any) -> None:
-    rows = summary_rows(result)
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        width = max(len(k) for k, _ in rows)
-        print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
-        return
+def side_by_side_rows(result: TrainResult) -> list[tuple[str, str, str, str]]:
+    """(what, baseline, strategy, strategy / baseline) rows; empty without a baseline twin."""
+    base = result.baseline
+    if base is None:
+        return []
+    tokens = result.config.batch * result.config.seq * result.config.grad_accum
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return "-" if a is None or not b else f"{a / b:.3f}x"
+
+    def tps(t: float | None) -> str:
+        return "-" if not t else f"{tokens / t:,.0f}"
+
+    r = base.step_time_ratio
+    spread = "-" if r is None else f"{r.median:.3f}x [{r.min:.2f}-{r.max:.2f}, {r.n} rounds]"
+    return [
+        (
+            "saved activations (1st step)",
+            _bytes(base.saved_bytes),
+            _bytes(result.saved_bytes),
+            ratio(result.saved_bytes, base.saved_bytes),
+        ),
+        (
+            "peak over fwd+bwd (1st step)",
+            _bytes(base.peak_bytes),
+            _bytes(result.peak_bytes),
+            ratio(result.peak_bytes, base.peak_bytes),
+        ),
+        (
+            "step time fwd+bwd (median)",
+            _num(base.step_time_s, ".3f") + " s",
+            _num(result.step_time_s, ".3f") + " s",
+            spread,
+        ),  # fmt: skip
+        ("tokens/s fwd+bwd", tps(base.step_time_s), tps(result.step_time_s), ""),
+        ("loss, 1st step", _num(base.first_loss, ".4f"), _num(result.first_loss, ".4f"), ""),
+        (
+            "final train loss",
+            _num(base.final_train_loss, ".4f"),
+            _num(result.final_train_loss, ".4f"),
+            ratio(result.final_train_loss, base.final_train_loss),
+        ),
+        (
+            "final val loss",
+            _num(base.final_val_loss, ".4f"),
+            _num(result.final_val_loss, ".4f"),
+            ratio(result.final_val_loss, base.final_val_loss),
+        ),
+    ]
+
+
+def print_summary(result: TrainResult, console: Console | None = None) -> None:
+    console = console or Console()
     table = Table(title="slimact train", show_header=False)
     table.add_column(style="bold")
     table.add_column()
-    for k, v in rows:
+    for k, v in summary_rows(result):
         table.add_row(k, v)
-    Console().print(table)
+    console.print(table)
+    rows = side_by_side_rows(result)
+    if not rows:
+        return
+    base = result.baseline
+    assert base is not None
+    how = (
+        "trained alongside on the same batches"
+        if base.mode == "train"
+        else "run on the first steps' batches, not trained (--baseline train compares losses)"
+    )
+    side = Table(title=f"{result.config.strategy} vs baseline (none): baseline {how}")
+    for col in ("", "baseline (none)", result.config.strategy, "strategy / baseline"):
+        side.add_column(col, justify="left" if not col else "right")
+    for row in rows:
+        side.add_row(*row)
+    console.print(side)
+    console.print(
+        "Saved activations: bytes autograd keeps for backward (unique storages, parameters "
+        "excluded). Peak: live memory above the weights over one forward+backward. Step-time "
+        "ratio: median of per-step ratios, strategy and baseline interleaved."
+    )
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -121,15 +200,11 @@ def run_train(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from slimact.train.loop import train
-
     try:
         result = train(config)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    import os
-
     if os.environ.get("RANK", "0") == "0":  # under torchrun, only rank 0 reports
         print_summary(result)
     return 130 if result.interrupted else 0

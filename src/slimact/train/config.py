@@ -32,6 +32,10 @@ TRAJECTORY_FIELDS = (
     "data",
 )
 DEVICES = ("auto", "cpu", "cuda")
+BASELINES = ("auto", "train", "first-batch", "off")  # see slimact.train.baseline
+# What `slimact train` trains with when no --strategy is given: the one the README recommends
+# to a new user (outlier-aware INT4, adacc.txt §3.2: ~4x fewer saved bytes, loss within ~0.2%).
+DEFAULT_STRATEGY = "int4"
 DIST_MODES = ("none", "ddp", "fsdp")  # "none": one process; ddp/fsdp: under torchrun
 
 
@@ -50,8 +54,8 @@ def _check_strategy(strategy: str) -> None:
 @dataclass(frozen=True)
 class TrainConfig:
     model: str = "llama-20m"
-    strategy: str = "none"
-    steps: int = 200
+    strategy: str = DEFAULT_STRATEGY
+    steps: int = 100
     batch: int = 8
     seq: int = 256
     grad_accum: int = 1
@@ -73,6 +77,7 @@ class TrainConfig:
     progress: bool = True
     stop_at: int | None = None
     dist: str = "none"
+    baseline: str = "auto"
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -144,10 +149,28 @@ class TrainConfig:
             self.dist in DIST_MODES,
             f"dist must be one of {', '.join(DIST_MODES)}, got {self.dist!r}",
         )
+        need(
+            self.baseline in BASELINES,
+            f"baseline must be one of {', '.join(BASELINES)}, got {self.baseline!r}",
+        )
+        need(
+            not (self.baseline == "train" and (self.resume or self.dist != "none")),
+            "baseline 'train' needs a fresh single-process run (no --resume, --dist none); "
+            "use --baseline first-batch or off",
+        )
         if self.data is not None:
             object.__setattr__(self, "data", str(self.data))
         if self.out is not None:
             object.__setattr__(self, "out", str(self.out))
+
+    def resolved_baseline(self) -> str:
+        """``auto``: no twin for strategy ``none``; a first-batch twin when resuming or under
+        ``--dist``; otherwise a twin trained alongside (``slimact.train.baseline``)."""
+        if self.baseline != "auto":
+            return self.baseline
+        if self.strategy == "none":
+            return "off"
+        return "first-batch" if (self.resume or self.dist != "none") else "train"
 
     @property
     def warmup_steps(self) -> int:

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import math
 import signal
+import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,19 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
+import slimact
+from slimact import dist as sdist
 from slimact.data import BatchLoader, ByteTokenizer, fixed_batches, load_data
+from slimact.models import build_model, count_params
+from slimact.timing import RatioStats, load_average
+from slimact.train.baseline import (
+    WARMUP_ROUNDS,
+    BaselineTwin,
+    FirstStep,
+    measured_forward_backward,
+    ratio_over_rounds,
+    rng_snapshot,
+)
 from slimact.train.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
@@ -48,9 +61,34 @@ from slimact.train.checkpoint import (
 from slimact.train.config import TrainConfig
 from slimact.train.logger import MetricsLog
 from slimact.train.schedule import WarmupCosine
+from slimact.train.steps import (
+    Batch,
+    autocast_for,
+    clip_and_step,
+    evaluate,
+    forward_backward,
+    make_optimizer,
+    perplexity,
+)
 from slimact.utils import fmt_bytes
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+__all__ = ["TrainResult", "autocast_for", "evaluate", "make_optimizer", "perplexity", "train"]
+
+
+@dataclass(frozen=True)
+class SideBySide:
+    """Strategy and baseline on the same batches (``--baseline``): first-step bytes and peak,
+    interleaved fwd+bwd step times, losses."""
+
+    mode: str
+    saved_bytes: int
+    peak_bytes: int
+    step_time_s: float | None
+    first_loss: float
+    final_train_loss: float | None
+    final_val_loss: float | None
+    step_time_ratio: RatioStats | None
+    rounds: int
 
 
 @dataclass(frozen=True)
@@ -70,43 +108,11 @@ class TrainResult:
     history: list[dict[str, Any]]
     resumed_from: int | None = None
     interrupted: bool = False
-
-
-def perplexity(loss: float) -> float:
-    return math.exp(loss) if loss < 700 else math.inf
-
-
-def autocast_for(device: str) -> Callable[[], AbstractContextManager[Any]]:
-    if device.startswith("cuda"):
-        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
-    return nullcontext
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, batches: list[Batch], device: str) -> float:
-    """Mean next-token loss over ``batches`` (weighted by rows); restores the train/eval mode."""
-    was_training = model.training
-    model.eval()
-    total, rows = 0.0, 0
-    try:
-        for x, y in batches:
-            with autocast_for(device)():
-                loss = model(x.to(device), targets=y.to(device)).loss
-            total += float(loss.float().item()) * x.shape[0]
-            rows += x.shape[0]
-    finally:
-        model.train(was_training)
-    return total / rows
-
-
-def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW, betas (0.9, 0.95); weight decay on >= 2-D parameters only (tied ones once)."""
-    params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95))
+    peak_bytes: int | None = None
+    first_loss: float | None = None
+    step_time_s: float | None = None  # median fwd+bwd seconds of the timed rounds
+    baseline: SideBySide | None = None
+    load_avg: tuple[float | None, float | None] = (None, None)
 
 
 @contextmanager
@@ -132,13 +138,17 @@ def graceful_interrupt() -> Iterator[threading.Event]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _build_model(config: TrainConfig, device: str) -> nn.Module:
-    import slimact
-    from slimact.models import build_model
-
+def _build_model(config: TrainConfig, device: str) -> tuple[nn.Module, nn.Module | None]:
+    """The model with the strategy applied, and (if a baseline twin is wanted) an untouched copy
+    of its initial weights; building the copy does not move the RNG the run draws from."""
     model = build_model(config.model, vocab_size=ByteTokenizer().vocab_size)
+    twin = None
+    if config.resolved_baseline() != "off":
+        with torch.random.fork_rng(devices=[]):
+            twin = build_model(config.model, vocab_size=ByteTokenizer().vocab_size)
+        twin.load_state_dict(model.state_dict())
     slimact.apply(model, config.strategy)
-    return model.to(device)
+    return model.to(device), twin
 
 
 def _find_resume(config: TrainConfig) -> Path | None:
@@ -184,8 +194,6 @@ class _OptimState:
 
 def _plain_copy(config: TrainConfig, weights: dict[str, torch.Tensor]) -> nn.Module:
     """An unwrapped CPU model holding ``weights`` (what FSDP2 checkpoints are written from)."""
-    from slimact.models import build_model
-
     model = build_model(config.model, vocab_size=ByteTokenizer().vocab_size)
     model.load_state_dict(weights)
     return model
@@ -195,14 +203,11 @@ class _Trainer:
     """State of one invocation; ``run`` does the steps."""
 
     def __init__(self, config: TrainConfig) -> None:
-        from slimact.models import count_params
         from slimact.utils import seed_everything
 
         self.config = config
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        from slimact import dist as sdist
-
         self.dist = sdist.DistInfo()
         if config.dist != "none":
             self.dist = sdist.init()
@@ -222,7 +227,16 @@ class _Trainer:
         self.run_dir = config.run_dir
         self.ckpt = _find_resume(config)
         seed_everything(config.seed)
-        self.model = _build_model(config, self.device)
+        self.model, twin = _build_model(config, self.device)
+        self.twin = (
+            BaselineTwin(
+                twin, config.resolved_baseline(), self.device, config.lr, config.weight_decay
+            )
+            if twin is not None
+            else None
+        )
+        self.first: FirstStep | None = None
+        self.fb_times: list[float] = []  # strategy fwd+bwd seconds of the timed rounds
         self.params = count_params(self.model)
         if self.dist.world_size > 1:
             sdist.sync_prac(self.model)
@@ -267,8 +281,6 @@ class _Trainer:
             set_optimizer_state_dict,
         )
 
-        from slimact.models import build_model
-
         plain = build_model(self.config.model, vocab_size=ByteTokenizer().vocab_size)
         state = load_checkpoint(path, plain)
         opts = StateDictOptions(full_state_dict=True)
@@ -276,37 +288,34 @@ class _Trainer:
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=opts)
         return state
 
-    def train_step(self) -> tuple[float, float]:
-        """One optimizer step; returns (mean loss, grad norm before clipping)."""
-        cfg, model = self.config, self.model
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        for micro in range(cfg.grad_accum):
+    def _micro_batches(self) -> list[Batch]:
+        out = []
+        for _ in range(self.config.grad_accum):
             x, y = self.loader.next_batch()
             if self.dist.world_size > 1:
-                from slimact.dist import shard
+                x, y = sdist.shard(x), sdist.shard(y)
+            out.append((x.to(self.device), y.to(self.device)))
+        return out
 
-                x, y = shard(x), shard(y)
-            x, y = x.to(self.device), y.to(self.device)
-            with autocast_for(self.device)():
-                if self.saved_bytes is None and micro == 0:
-                    import slimact
+    def train_step(self, lr: float) -> tuple[float, float]:
+        """One optimizer step; returns (mean loss, grad norm before clipping).
 
-                    with slimact.measure(model, n_tokens=x.numel()) as meter:
-                        loss = self.wrapped(x, targets=y).loss
-                    self.saved_bytes = int(meter.report.total_bytes)  # this rank's, B/W rows
-                else:
-                    loss = self.wrapped(x, targets=y).loss
-            (loss / cfg.grad_accum).backward()
-            loss_sum += float(loss.detach().float().item())
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else math.inf)
-        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
-            norm = norm.full_tensor()
-        self.optimizer.step()
-        from slimact.dist import mean_across
-
-        return mean_across(loss_sum / cfg.grad_accum, self.device), float(norm.item())
+        The first step of an invocation runs under the meter and the peak probe; later steps
+        are timed (forward+backward). A baseline twin then runs the same round.
+        """
+        batches = self._micro_batches()
+        rng = rng_snapshot(self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.first is None:
+            self.first, loss = measured_forward_backward(self.wrapped, batches, self.device)
+            self.saved_bytes = self.first.saved_bytes  # this rank's, B/W rows
+        else:
+            loss, seconds = forward_backward(self.wrapped, batches, self.device)
+            self.fb_times.append(seconds)
+        norm = clip_and_step(self.optimizer, self.config.clip)
+        if self.twin is not None:
+            self.twin.step(batches, rng, lr, self.config.clip)
+        return sdist.mean_across(loss, self.device), norm
 
     def _evolve_plan(self) -> None:
         """Adacc §3.4 for ``auto``: sample at backed-off steps, re-plan on drift, between steps.
@@ -379,12 +388,16 @@ class _Trainer:
         )
         val_loss: float | None = None
         train_time, interrupted = 0.0, False
+        load_before = load_average()
+        if self.first is None:  # the first step runs under the meter and the peak probe
+            who = " of the strategy and its baseline" if self.twin is not None else ""
+            bar.set_postfix_str(f"measuring saved bytes and peak memory{who}")
         try:
             with graceful_interrupt() as stop_flag:
                 while self.step < stop_step and not interrupted:
                     lr = self.schedule.set_lr(self.optimizer, self.step)
                     t0 = time.perf_counter()
-                    loss, grad_norm = self.train_step()
+                    loss, grad_norm = self.train_step(lr)
                     dt = time.perf_counter() - t0
                     self.step += 1
                     self._evolve_plan()
@@ -405,11 +418,19 @@ class _Trainer:
                         "tokens_per_s": cfg.tokens_per_step / dt,
                         "saved_bytes": self.saved_bytes,
                     }
+                    twin = self.twin
+                    if twin is not None and twin.mode == "train" and twin.losses:
+                        record["baseline_loss"] = twin.losses[-1]
+                    if self.fb_times and twin is not None and len(twin.times) >= len(self.fb_times):
+                        record["step_time_ratio"] = self.fb_times[-1] / twin.times[-1]
                     last = self.step == stop_step or interrupted
                     if last or (cfg.eval_every and self.step % cfg.eval_every == 0):
                         val_loss = evaluate(self.wrapped, self.val, self.device)
                         record["eval_loss"] = val_loss
                         record["eval_ppl"] = perplexity(val_loss)
+                        if twin is not None and twin.mode == "train":
+                            twin.evaluate(self.val)
+                            record["baseline_eval_loss"] = twin.val_loss
                         if cfg.progress and self.dist.is_main:
                             bar.write(
                                 f"step {self.step}: val loss {val_loss:.4f} "
@@ -432,6 +453,7 @@ class _Trainer:
             val_loss = evaluate(self.wrapped, self.val, self.device)
         history = self.log.history
         done = self.step - start
+        first = self.first
         return TrainResult(
             config=cfg,
             run_dir=self.run_dir,
@@ -446,7 +468,36 @@ class _Trainer:
             history=list(history),
             resumed_from=start if self.ckpt is not None else None,
             interrupted=interrupted,
+            peak_bytes=first.peak_bytes if first else None,
+            first_loss=first.loss if first else None,
+            step_time_s=_median_timed(self.fb_times),
+            baseline=self._side_by_side(),
+            load_avg=(load_before, load_average()),
         )
+
+    def _side_by_side(self) -> SideBySide | None:
+        twin = self.twin
+        if twin is None or twin.first is None:
+            return None
+        n = min(len(self.fb_times), len(twin.times))
+        ratio = ratio_over_rounds(self.fb_times[:n], twin.times[:n])
+        return SideBySide(
+            mode=twin.mode,
+            saved_bytes=twin.first.saved_bytes,
+            peak_bytes=twin.first.peak_bytes,
+            step_time_s=_median_timed(twin.times),
+            first_loss=twin.first.loss,
+            final_train_loss=twin.losses[-1] if twin.mode == "train" else None,
+            final_val_loss=twin.val_loss,
+            step_time_ratio=ratio,
+            rounds=ratio.n if ratio else 0,
+        )
+
+
+def _median_timed(times: list[float]) -> float | None:
+    """Median of the timed rounds after the warm-up ones (``slimact.train.baseline``)."""
+    counted = times[WARMUP_ROUNDS:] if len(times) > WARMUP_ROUNDS else times
+    return statistics.median(counted) if counted else None
 
 
 def train(config: TrainConfig) -> TrainResult:

@@ -1,0 +1,60 @@
+"""Peak memory over a whole training step, measured: CUDA allocator stats, CPU profiler events.
+
+Saved bytes (``slimact.measure``) count what autograd keeps between forward and backward; a step's
+*peak* also counts the temporaries around it: a codec's scratch buffers, a recomputed block's
+activations during backward, the gradients. ``step_peak(fn, device)`` runs ``fn`` once and
+returns the peak of live bytes *above* what was live when it started (weights, optimizer state
+and the batch are excluded on both devices, so CPU and GPU figures read the same):
+
+- CUDA: ``max_memory_allocated() - memory_allocated()`` after ``reset_peak_memory_stats()``.
+- CPU: the torch profiler's memory events (``profile_memory=True``): every allocation and free
+  with its size, in time order; the peak is the largest running sum. The profiler slows the step
+  down, so never time a step that is measured this way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+T = TypeVar("T")
+
+
+def step_peak(fn: Callable[[], object], device: torch.device | str = "cpu") -> int:
+    """Run ``fn()`` once; return its peak of live bytes above the bytes live at its start."""
+    return peak_and_result(fn, device)[0]
+
+
+def peak_and_result(fn: Callable[[], T], device: torch.device | str = "cpu") -> tuple[int, T]:
+    """``step_peak`` that also returns what ``fn()`` returned."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = fn()
+        torch.cuda.synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - start), out
+    if device.type != "cpu":
+        raise ValueError(f"step_peak supports cpu and cuda devices, got {device}")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    return peak_from_profile(prof), out
+
+
+def peak_from_profile(prof: profile) -> int:
+    """Largest running sum of a CPU profile's allocation (+) and free (-) events, in time order."""
+    events = [
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    ]
+    events.sort(key=lambda t: t[0])
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak

@@ -1,0 +1,115 @@
+"""Trustworthy step-time ratios on a noisy machine: interleaved rounds, median, spread.
+
+A shared machine's speed drifts by tens of percent within a minute, so two points timed one after
+the other compare the machine's load, not the points. Every step-time ratio slimact reports is
+therefore taken like this:
+
+    rounds:   A B C | A B C | A B C | ...     (one call of each point per round, same order)
+    ratio_r = t_r(point) / t_r(baseline)      (per round: both saw about the same load)
+    report    median_r(ratio_r), with min-max and the interquartile range, n = rounds
+
+plus the 1-minute load average before and after. ``interleaved`` runs the rounds; ``ratio_stats``
+turns per-round times into a :class:`RatioStats`.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none)."""
+    try:
+        return float(os.getloadavg()[0])
+    except (AttributeError, OSError):
+        return None
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+@dataclass(frozen=True)
+class RatioStats:
+    """Median of per-round ratios with its spread (min-max and IQR) over ``n`` rounds."""
+
+    median: float
+    min: float
+    max: float
+    q1: float
+    q3: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> RatioStats:
+        if not values:
+            raise ValueError("RatioStats.of needs at least one value")
+        v = sorted(values)
+        if len(v) >= 2:
+            q1, _, q3 = statistics.quantiles(v, n=4, method="inclusive")
+        else:
+            q1 = q3 = v[0]
+        return cls(statistics.median(v), v[0], v[-1], q1, q3, len(v))
+
+    def to_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return f"{self.median:.3f} [{self.min:.3f}-{self.max:.3f}, n={self.n}]"
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Per-round seconds of every point, and the load average around the rounds."""
+
+    times: dict[str, list[float]]
+    load_before: float | None
+    load_after: float | None
+
+    def median_s(self, name: str) -> float:
+        return statistics.median(self.times[name])
+
+    def ratio(self, name: str, baseline: str) -> RatioStats:
+        """Median of per-round ``t(name) / t(baseline)``, with its spread."""
+        a, b = self.times[name], self.times[baseline]
+        return RatioStats.of([x / y for x, y in zip(a, b) if y > 0])
+
+    def to_dict(self, baseline: str | None = None) -> dict:
+        out: dict = {
+            "rounds": len(next(iter(self.times.values()), [])),
+            "load_before": self.load_before,
+            "load_after": self.load_after,
+            "median_s": {k: self.median_s(k) for k in self.times},
+            "times_s": self.times,
+        }
+        if baseline is not None:
+            out["ratio_vs_" + baseline] = {
+                k: self.ratio(k, baseline).to_dict() for k in self.times if k != baseline
+            }
+        return out
+
+
+def interleaved(points: Mapping[str, Callable[[], object]], rounds: int, warmup: int = 1) -> Timing:
+    """Call every point once per round, in order, ``warmup`` untimed rounds first."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    times: dict[str, list[float]] = {k: [] for k in points}
+    load_before = load_average()
+    for r in range(warmup + rounds):
+        for name, fn in points.items():
+            _sync()
+            t0 = time.perf_counter()
+            fn()
+            _sync()
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return Timing(times, load_before, load_average())

@@ -1,0 +1,53 @@
+"""Interleaved timing: call order, per-round ratios, median and spread."""
+
+from __future__ import annotations
+
+import pytest
+
+from slimact import timing
+from slimact.timing import RatioStats, interleaved
+
+
+def test_ratio_stats_median_spread_and_quartiles():
+    r = RatioStats.of([1.3, 1.0, 1.1, 5.0, 1.2])
+    assert (r.median, r.min, r.max, r.n) == (1.2, 1.0, 5.0, 5)
+    assert r.q1 == pytest.approx(1.1) and r.q3 == pytest.approx(1.3)
+    assert str(r) == "1.200 [1.000-5.000, n=5]"
+    assert RatioStats.of([2.0]).to_dict() == {
+        "median": 2.0, "min": 2.0, "max": 2.0, "q1": 2.0, "q3": 2.0, "n": 1,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="at least one value"):
+        RatioStats.of([])
+
+
+def test_interleaved_runs_points_in_rounds_and_ratios_are_per_round(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+    calls: list[str] = []
+    # the machine slows down 10x between rounds; per-round ratios stay exact, medians do not
+    speed = {"round": 0}
+
+    def point(name: str, cost: float):
+        def fn():
+            calls.append(name)
+            clock[0] += cost * (10 ** (speed["round"] % 2))
+            if name == "b":
+                speed["round"] += 1
+
+        return fn
+
+    t = interleaved({"a": point("a", 1.0), "b": point("b", 1.5)}, rounds=4, warmup=1)
+    assert calls == ["a", "b"] * 5  # one warm-up round, then 4 timed rounds, always a then b
+    assert len(t.times["a"]) == 4
+    r = t.ratio("b", "a")
+    assert r.median == pytest.approx(1.5) and r.min == pytest.approx(1.5)
+    assert r.max == pytest.approx(1.5) and r.n == 4
+    d = t.to_dict(baseline="a")
+    assert d["rounds"] == 4 and d["ratio_vs_a"]["b"]["median"] == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("rounds, warmup, msg", [(0, 1, "rounds must be >= 1, got 0"),
+                                                 (2, -1, "warmup must be >= 0, got -1")])  # fmt: skip
+def test_interleaved_rejects_bad_counts(rounds, warmup, msg):
+    with pytest.raises(ValueError, match=msg):
+        interleaved({"a": lambda: None}, rounds=rounds, warmup=warmup)
