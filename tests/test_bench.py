@@ -1,4 +1,5 @@
-"""slimact bench: the report generator on a fake results set, suite validation, a tiny real run."""
+"""slimact bench: the report generator on fake results (schema 2 and 1), suite validation, the
+timing phase, and tiny real runs (interleaved timing, peaks, a real-vocabulary case)."""
 
 from __future__ import annotations
 
@@ -19,22 +20,34 @@ from slimact.bench.suites import BenchPoint, ModelCase, Suite, get_suite, suite_
 MIB = 2**20
 
 
+def _spread(r, base):
+    if base:
+        return {"median": 1.0, "min": 1.0, "max": 1.0, "q1": 1.0, "q3": 1.0, "n": 3}
+    return {"median": r, "min": r - 0.1, "max": r + 0.1, "q1": r - 0.05, "q3": r + 0.05, "n": 3}
+
+
 def _point(model, name, saved_mib, step, loss, cos=1.0, kind="strategy", skipped=None):
-    rec = {"model": model, "point": name, "kind": kind, "skipped": skipped, "note": ""}
+    rec = {"model": model, "case": model, "point": name, "kind": kind, "skipped": skipped,
+           "note": ""}  # fmt: skip
     if skipped:
         return rec
-    base_saved, base_step = 4 * MIB, 0.5
+    base_saved, base_step, base_peak = 4 * MIB, 0.5, 6 * MIB
     rec.update(
         params=1000,
+        vocab_size=257,
         saved_bytes=int(saved_mib * MIB),
         block_saved_bytes=int(saved_mib * MIB) // 2,
+        head_saved_bytes=MIB // 2,
+        head_share=0.5 / saved_mib,
         step_time_s=step,
         tokens_per_s=256 / step,
         first_loss=5.0,
         grad_cosine=cos,
-        peak_allocated_bytes=None,
+        peak_bytes=int((saved_mib + 2) * MIB),
+        peak_ratio=(saved_mib + 2) * MIB / base_peak,
         ratio=saved_mib * MIB / base_saved,
         step_time_ratio=step / base_step,
+        step_time_ratio_spread=_spread(step / base_step, name == "none"),
         sites_block="layers.1",
         sites=[
             {
@@ -70,14 +83,19 @@ def _fake(name="quick", complete=True):
     points.insert(3, _point("llama-20m", "cola-m", 0, 0, 0, skipped="ValueError: needs CoLA"))
     case = {"points": [], "batch": 2, "seq": 128, "timing_steps": 3, "warmup": 1,
             "train_steps": 3, "eval_batches": 1, "lr": 3e-3}  # fmt: skip
+    timing = {"rounds": 3, "warmup": 1, "points": ["none", "recompute", "invact"],
+              "load_before": 1.5, "load_after": 2.25, "wall_s": 3.0, "failed": {}}  # fmt: skip
     meta = {
-        "schema": 1, "processor": "x86_64", "cpu_count": 2, "torch_threads": 1,
+        "schema": 2, "processor": "x86_64", "cpu_count": 2, "torch_threads": 1,
         "python": "3.11", "torch": "2.13.0", "platform": "Linux", "git_commit": "abc1234",
         "command": "slimact bench quick", "start": "2026-01-01T00:00:00+00:00", "wall_s": 120.0,
         "complete": complete, "selection": {}, "data": "corpus",
         "suite": {"name": name, "description": "fake", "device": "cpu", "bf16": False, "seed": 0,
                   "compile_budget": 0.5,
-                  "cases": [dict(case, model="llama-20m"), dict(case, model="cola-20m")]},
+                  "cases": [dict(case, model="llama-20m", case="llama-20m", vocab_size=None),
+                            dict(case, model="cola-20m", case="cola-20m", vocab_size=None)]},
+        "timing": {"llama-20m": dict(timing, case="llama-20m"),
+                   "cola-20m": dict(timing, case="cola-20m")},
     }  # fmt: skip
     return {"meta": meta, "points": points}
 
@@ -98,11 +116,22 @@ def test_report_tables_plots_and_benchmarks_section(tmp_path):
     bench_all = tmp_path / "BENCHMARKS.md"
     written = write_report(res, out_md, benchmarks_md=bench_all)
     md = out_md.read_text()
-    # baseline and strategies with their numbers
-    assert "| `none` | 4.00 | 1.000 | 0.500 | 1.00 | 512 | 1.00000 | 4.0000 | +0.0000 |" in md
-    assert "| `invact` | 3.00 | 0.750 | 0.600 | 1.20 | 427 | 0.98000 | 4.1000 | +0.1000 |" in md
-    assert "| anchor `torch-checkpoint` | 1.00 | 0.250 | 0.650 | 1.30 |" in md
-    assert "| `cola-m` | | | | | | | | | | skipped: ValueError: needs CoLA |" in md
+    # baseline and strategies with their numbers: saved, ratio, head share, peak MiB, peak ratio,
+    # step s, step ratio (min-max), tokens/s, grad_cos, loss, Δloss
+    assert (
+        "| `none` | 4.00 | 1.000 | 12.5% | 6.0 | 1.00 | 0.500 | 1.00 | 512 | 1.00000 | 4.0000 "
+        "| +0.0000 |" in md
+    )
+    assert (
+        "| `invact` | 3.00 | 0.750 | 16.7% | 5.0 | 0.83 | 0.600 | 1.20 (1.10-1.30) | 427 | 0.98000 "
+        "| 4.1000 | +0.1000 |" in md
+    )
+    assert "| anchor `torch-checkpoint` | 1.00 | 0.250 | 50.0% | 3.0 | 0.50 | 0.650 | 1.30 (" in md
+    assert "| `cola-m` | | | | | | | | | | | | skipped: ValueError: needs CoLA |" in md
+    assert "| head share | peak MiB | peak ratio | step s | step ratio (min-max) |" in md
+    assert "3 interleaved rounds of 3 points after 1 warm-up" in md
+    assert "load average 1.50 -> 2.25 during the rounds" in md
+    assert "The loss head (output projection and loss) holds 12.5% of `none`'s saved bytes" in md
     assert md.count("### llama-20m") == 1 and md.count("### cola-20m") == 1
     # Pareto front: recompute (1, 0.7) is dominated by the anchor (1, 0.65); the rest are not
     assert (
@@ -153,6 +182,74 @@ def test_model_table_without_baseline_loss():
     assert "loss@5" in table and "training failed: FloatingPointError: nan" in table
 
 
+def test_schema1_results_render_with_dashes(tmp_path):
+    res = _fake("quick")
+    res["meta"]["schema"] = 1
+    del res["meta"]["timing"]
+    for c in res["meta"]["suite"]["cases"]:
+        del c["case"], c["vocab_size"]
+    for p in res["points"]:
+        del p["case"]
+        for k in ("peak_bytes", "peak_ratio", "head_saved_bytes", "head_share", "vocab_size",
+                  "step_time_ratio_spread"):  # fmt: skip
+            p.pop(k, None)
+        if not p["skipped"]:
+            p["peak_allocated_bytes"] = None
+    (tmp_path / "quick.json").write_text(json.dumps(res))
+    md = render(load_results(tmp_path))
+    assert "| `invact` | 3.00 | 0.750 | - | - | - | 0.600 | 1.20 | 427 | 0.98000 |" in md
+    assert "each point timed alone one after another" in md
+    assert "The loss head" not in md and "### llama-20m" in md
+
+
+def test_committed_results_still_render():
+    from pathlib import Path
+
+    committed = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "bench"
+    if not any(committed.glob("*.json")):
+        pytest.skip("no committed bench results")
+    md = render(load_results(committed))  # no plot dir: nothing written
+    assert "## Suite `" in md and "| point | saved MiB |" in md
+
+
+def test_time_case_interleaves_baseline_first_and_drops_a_failing_point():
+    import time
+
+    import torch.nn as nn
+
+    from slimact.bench.timing_phase import Live, time_case
+
+    calls: list[str] = []
+
+    def step(name, seconds, fail_at=None):
+        def call():
+            calls.append(name)
+            if fail_at is not None and calls.count(name) == fail_at:
+                raise RuntimeError("boom")
+            time.sleep(seconds)
+
+        return call
+
+    live = {  # the baseline is not first here: time_case puts it first
+        "slow": Live(nn.Linear(1, 1), step("slow", 0.010)),
+        "none": Live(nn.Linear(1, 1), step("none", 0.002)),
+        "bad": Live(nn.Linear(1, 1), step("bad", 0.0, fail_at=2)),
+    }
+    records = {n: {"point": n} for n in live}
+    case = ModelCase("llama-tiny", ("none",), batch=2, seq=16, timing_steps=3, warmup=1)
+    out = time_case(case, live, records, log=lambda s: None)
+    assert out["points"] == ["none", "slow"] and list(out["failed"]) == ["bad"]
+    assert out["rounds"] == 3 and "load_before" in out and "load_after" in out
+    assert calls[-8:] == ["none", "slow"] * 4  # the last attempt: 1 warm-up + 3 rounds
+    assert "RuntimeError: boom" in records["bad"]["timing_error"]
+    assert records["bad"]["step_time_s"] is None
+    sp = records["slow"]["step_time_ratio_spread"]
+    assert sp["n"] == 3 and sp["min"] <= sp["median"] <= sp["max"]
+    assert records["slow"]["step_time_ratio"] == sp["median"] > 1.5
+    assert records["slow"]["tokens_per_s"] == pytest.approx(32 / records["slow"]["step_time_s"])
+    assert records["none"]["step_time_ratio"] == 1.0
+
+
 def test_suites_registered_and_valid():
     assert suite_names() == ["quick", "full", "gpu"]
     quick = get_suite("quick")
@@ -166,6 +263,13 @@ def test_suites_registered_and_valid():
     assert {c.model for c in get_suite("full").cases} == {
         "llama-20m", "gpt2-124m", "cola-20m", "hf-bert-base"
     }  # fmt: skip
+    vocab = [c for c in quick.cases if c.vocab_size]
+    assert [c.label for c in vocab] == ["llama-20m (V=32000)"]
+    assert [p.name for p in vocab[0].points] == ["none", "recompute", "invact", "int4", "auto@25%",
+                                                 "anchor:torch-checkpoint", "anchor:compile-budget"]  # fmt: skip
+    assert [c.label for c in get_suite("full").cases if c.vocab_size == 32000] == [vocab[0].label]
+    assert quick.select(["llama-20m (V=32000)"]).cases == (vocab[0],)
+    assert [c.label for c in quick.select(["llama-20m"]).cases] == ["llama-20m", vocab[0].label]
     gpu = get_suite("gpu")
     assert gpu.device == "cuda" and gpu.bf16
     json.dumps(quick.config())
@@ -194,10 +298,24 @@ def test_suite_validation_errors(make, needle):
         make()
 
 
+@pytest.mark.parametrize("bad", [1, 0, -3, True, 2.5, "32000"])
+def test_model_case_rejects_bad_vocab_size(bad):
+    with pytest.raises(ValueError) as e:
+        ModelCase("llama-tiny", ("none",), vocab_size=bad)
+    assert "vocab_size must be an int >= 2" in str(e.value) and f"got {bad!r}" in str(e.value)
+    assert ModelCase("llama-tiny", ("none",), vocab_size=2).label == "llama-tiny (V=2)"
+    with pytest.raises(ValueError, match="must exceed its \\[MASK\\] id 103, got 100"):
+        ModelCase("hf-bert-base", ("none",), vocab_size=100)
+
+
 def test_select_keeps_baseline():
-    s = get_suite("quick").select(["llama-20m"], ["invact"])
-    assert [c.model for c in s.cases] == ["llama-20m"]
-    assert [p.name for p in s.cases[0].points] == ["none", "invact"]
+    s = get_suite("quick").select(["llama-20m"], ["invact"])  # the model: both its cases
+    assert [c.label for c in s.cases] == ["llama-20m", "llama-20m (V=32000)"]
+    assert all([p.name for p in c.points] == ["none", "invact"] for c in s.cases)
+    s = get_suite("quick").select(["llama-20m (V=32000)"], ["int4"])  # a label: just that case
+    assert [(c.label, [p.name for p in c.points]) for c in s.cases] == [
+        ("llama-20m (V=32000)", ["none", "int4"])
+    ]
 
 
 def test_tiny_real_run_writes_schema_valid_json(tmp_path, isolated_cache, one_thread):
@@ -207,7 +325,7 @@ def test_tiny_real_run_writes_schema_valid_json(tmp_path, isolated_cache, one_th
     rows = [{"text": f"def f{i}(x):\n    return x * {i} + {i * 7}\n" * 20} for i in range(60)]
     data.write_text("\n".join(json.dumps(r) for r in rows))
     case = ModelCase("llama-tiny", ("none", "invact", "cola-m"), batch=2, seq=32,
-                     timing_steps=1, warmup=1, train_steps=2, eval_batches=1)  # fmt: skip
+                     timing_steps=2, warmup=1, train_steps=2, eval_batches=1)  # fmt: skip
     suite = Suite("tiny", "test", (case,))
     path = run_suite(suite, tmp_path / "bench", threads=1, data=str(data), log=lambda s: None)
     assert path == tmp_path / "bench" / "tiny.json"
@@ -216,20 +334,63 @@ def test_tiny_real_run_writes_schema_valid_json(tmp_path, isolated_cache, one_th
     for key in ("torch", "git_commit", "command", "cpu_count", "start", "end", "wall_s", "suite"):
         assert key in meta
     assert meta["complete"] and meta["suite"]["cases"][0]["model"] == "llama-tiny"
+    assert meta["schema"] == 2
+    timing = meta["timing"]["llama-tiny"]
+    assert timing["rounds"] == 2 and timing["points"] == ["none", "invact"]  # not the skipped
+    assert "load_before" in timing and "load_after" in timing and not timing["failed"]
     none, invact, colam = res["points"]
-    assert colam["skipped"] and "CoLA" in colam["skipped"]
+    assert colam["skipped"] and "CoLA" in colam["skipped"] and "step_time_s" not in colam
     for p in (none, invact):
-        assert p["skipped"] is None
+        assert p["skipped"] is None and p["case"] == "llama-tiny" and p["vocab_size"] == 257
         for key in ("saved_bytes", "ratio", "step_time_s", "step_time_ratio", "tokens_per_s",
-                    "grad_cosine", "peak_allocated_bytes", "sites", "sites_block"):  # fmt: skip
+                    "grad_cosine", "peak_bytes", "peak_ratio", "head_saved_bytes", "head_share",
+                    "sites", "sites_block"):  # fmt: skip
             assert key in p, key
+        assert p["peak_bytes"] > 0 and 0 < p["head_share"] <= 1
+        assert p["tokens_per_s"] == pytest.approx(64 / p["step_time_s"])
         assert len(p["train"]["losses"]) == 2 and p["train"]["val_loss"] > 0
         assert p["sites"] and all(s["bytes"] > 0 for s in p["sites"])
+    spread = invact["step_time_ratio_spread"]
+    assert spread["n"] == 2 and spread["min"] <= spread["median"] <= spread["max"]
+    assert invact["step_time_ratio"] == spread["median"] > 0
+    base_spread = none.get("step_time_ratio_spread")
+    assert base_spread is None or base_spread["min"] == base_spread["max"] == 1.0
+    assert none["step_time_ratio"] == 1.0 and none["peak_ratio"] == 1.0
+    assert invact["peak_ratio"] == pytest.approx(invact["peak_bytes"] / none["peak_bytes"])
     assert none["ratio"] == 1.0 and 0 < invact["ratio"] < 1
     assert invact["grad_cosine"] > 0.999
     # the report renders it
     md = render(load_results(tmp_path / "bench"))
     assert "### llama-tiny" in md
+
+
+def test_vocab_case_runs_at_that_vocabulary_and_records_head_share(tmp_path, one_thread):
+    import torch
+
+    from slimact.bench.runner import build, run_suite
+
+    model = build("llama-tiny", torch.device("cpu"), 0, vocab_size=1000)
+    assert model.lm_head.out_features == 1000 and model.config.vocab_size == 1000
+    case = ModelCase("llama-tiny", ("none", "int4"), batch=2, seq=32, timing_steps=2, warmup=0,
+                     train_steps=1, eval_batches=1, vocab_size=1000)  # fmt: skip
+    path = run_suite(
+        Suite("voc", "test", (case,)), tmp_path / "bench", threads=1, log=lambda s: None
+    )
+    res = json.loads(path.read_text())
+    assert "random token ids" in res["meta"]["data"]
+    assert list(res["meta"]["timing"]) == ["llama-tiny (V=1000)"]
+    for p in res["points"]:
+        assert (
+            p["skipped"] is None
+            and p["case"] == "llama-tiny (V=1000)"
+            and p["model"] == "llama-tiny"
+        )
+        assert p["vocab_size"] == 1000 and 0 < p["head_share"] <= 1
+        assert p["head_share"] == pytest.approx(p["head_saved_bytes"] / p["saved_bytes"])
+    none = res["points"][0]
+    assert none["head_saved_bytes"] >= 2 * 32 * 1000 * 4  # at least the fp32 logits the loss keeps
+    md = render(load_results(tmp_path / "bench"))
+    assert "### llama-tiny (V=1000)" in md and "vocabulary 1,000, random token ids" in md
 
 
 def test_cli_errors_and_report_only(tmp_path, capsys):

@@ -21,13 +21,19 @@ def test_memory_json_contract(capsys):
             "--seq",
             "64",
             "--steps",
-            "1",
+            "3",
         ]
     )
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
     assert res["model"] == "llama-tiny" and res["strategy"] == "recompute"
     assert res["ratio"] < 0.25 and res["grad_cosine"] > 0.9999
+    # peak over a whole step, both models; recompute's is lower (its activations are not kept)
+    assert 0 < res["peak_bytes"] < res["baseline_peak_bytes"]
+    assert res["baseline_peak_bytes"] > res["baseline_saved_bytes"]
+    spread = res["step_time_ratio_spread"]  # interleaved rounds: median with its spread
+    assert spread["n"] == 3 and spread["min"] <= res["step_time_ratio"] <= spread["max"]
+    assert len(res["timing"]["times_s"]["baseline"]) == 3 and "load_before" in res["timing"]
 
 
 def test_memory_table(capsys):
@@ -38,7 +44,8 @@ def test_memory_table(capsys):
         == 0
     )
     out = capsys.readouterr().out
-    assert "saved activations" in out and "grad_cosine" in out
+    assert "saved activations" in out and "grad_cosine" in out and "peak over a step" in out
+    assert "interleaved rounds" in out
 
 
 def test_models_lists_counts(capsys):

@@ -12,8 +12,10 @@ the ``forward(model, x, y) -> loss`` to call, a note, and a ``restore`` to call 
   default): AOTAutograd's min-cut partitioner recomputes what it must to keep the saved bytes under
   that fraction. The meter sees the compiled graph's saves (the router's hooks wrap the compiled
   autograd function; see benchmarks/results/compile.md), unnamed and attributed outside blocks,
-  so its per-site chart is empty. The compiling call is the measured first step, excluded from the
-  timing (``run_steps`` times steps after warm-up). With dropout in the model (HF BERT) the masks
+  so its per-site chart is empty and its loss-head share unknown (``compiled=True``). The
+  compiling call is the measured first step; the runner runs one more step before the peak (a
+  call without the meter's hooks may recompile), and the timing rounds start after warm-up. With
+  dropout in the model (HF BERT) the masks
   come from inductor's RNG, so gradients differ from eager by the masks; the note says so.
 * ``save-on-cpu``: ``torch.autograd.graph.save_on_cpu`` around the forward. Its hooks are the
   innermost, so the meter sees no saves: on CUDA that is the truth for GPU-resident saved bytes
@@ -39,12 +41,18 @@ Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclass
 class Prepared:
-    """A model ready to measure under one anchor."""
+    """A model ready to measure under one anchor.
+
+    ``meter_sees_saves``: False when the meter sees none of the saves (``save-on-cpu``);
+    ``compiled``: the forward is compiled, so saves reach the meter unnamed (no per-site or
+    loss-head attribution) and its first call without the meter may recompile. ``restore`` undoes
+    the anchor; the runner calls it once the case's timing rounds are done."""
 
     model: nn.Module
     forward: Forward
     note: str = ""
     meter_sees_saves: bool = True
+    compiled: bool = False
     restore: Callable[[], None] = field(default=lambda: None)
 
 
@@ -102,7 +110,7 @@ def compile_budget(model: nn.Module, forward: Forward, budget: float = 0.5) -> P
             "; the model has dropout, whose masks inductor draws from its own RNG, so grad_cos "
             "and the loss curve differ from eager by the masks, not by the saving"
         )
-    return Prepared(model, compiled, note=note, restore=restore)
+    return Prepared(model, compiled, note=note, compiled=True, restore=restore)
 
 
 def save_on_cpu(model: nn.Module, forward: Forward, device: torch.device) -> Prepared:

@@ -23,7 +23,12 @@ def _csv(s: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("suite", nargs="?", default=None, help="suite to run: quick | full | gpu")
-    p.add_argument("--only-models", type=_csv, default=None, help="comma-separated models")
+    p.add_argument(
+        "--only-models",
+        type=_csv,
+        default=None,
+        help="comma-separated models (all their cases) or case labels, e.g. 'llama-20m (V=32000)'",
+    )
     p.add_argument(
         "--only-strategies",
         type=_csv,

@@ -11,17 +11,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from slimact.utils import require
+
 MIB = 2**20
 SITE_PREFERENCE = ("invact", "int4", "prac", "cola-m", "invact+int4", "auto@25%", "recompute")
 
 
 def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    require("matplotlib", "plot", "slimact bench's plots").use("Agg")
+    return require("matplotlib.pyplot", "plot", "slimact bench's plots")
 
 
 def pareto_plot(points: list[dict], front: list[int], path: Path, title: str) -> Path:
@@ -58,7 +56,7 @@ def pareto_plot(points: list[dict], front: list[int], path: Path, title: str) ->
     ax.scatter([], [], marker="o", color="tab:blue", label="slimact strategy")
     ax.scatter([], [], marker="s", color="tab:orange", label="PyTorch anchor")
     ax.set_xlabel("saved for backward (MiB, meter)")
-    ax.set_ylabel("step time (s, median fwd+bwd)")
+    ax.set_ylabel("step time (s, median fwd+bwd over interleaved rounds)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

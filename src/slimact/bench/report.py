@@ -1,7 +1,12 @@
 """Results JSON -> ``bench.md`` (tables, reading aids) + PNG plots -> BENCHMARKS.md.
 
 A pure function of the JSON files (``load_results`` then ``render``), so it is testable on a fake
-results set; every output path is a parameter of :func:`write_report`.
+results set; every output path is a parameter of :func:`write_report`. One section per model case
+(``case`` label, e.g. ``llama-20m (V=32000)``): how its step times were taken (interleaved rounds
+and the load around them, from ``meta.timing``), the loss head's share of the baseline's saved
+bytes, the table (:mod:`slimact.bench.tables`: saved bytes, head share, peak, step-time ratio with
+its min-max spread, ...), plots, Pareto front, anchors and findings. Schema-1 files (no peak, no
+spread, no head share, points timed one by one) still render, with ``-`` where a key is missing.
 
 Which runs are shown: every suite whose JSON exists. For the CPU suites, ``full`` is preferred
 over ``quick`` when both exist (the other is mentioned); a filtered run (``<suite>-subset.json``)
@@ -11,12 +16,21 @@ is shown only when no complete file of that suite exists.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import re
 from pathlib import Path
 
 from slimact.bench import plots
+from slimact.bench.tables import (  # noqa: F401  (model_table, pareto_front: public here too)
+    MIB,
+    anchor_lines,
+    by_case,
+    findings,
+    measured,
+    model_table,
+    pareto_front,
+    timed,
+)
 
-MIB = 2**20
 SUITE_ORDER = ("full", "quick", "gpu")
 READING = "bench_reading.md"
 READING_PLACEHOLDER = (
@@ -27,24 +41,37 @@ READING_PLACEHOLDER = (
 MEANING = """\
 - **saved MiB**: bytes autograd keeps for backward after the first forward (the meter: unique
   storages, parameters excluded, codec payloads at their packed size, tensors a checkpoint holds
-  included); **ratio** is against `none` of the same model in the same run.
-- **step s**: median forward+backward time over a few steps after warm-up (no optimizer);
-  **step ratio** against `none`; **tokens/s** = tokens per step / step s.
+  included); **ratio** is against `none` of the same case in the same run.
+- **head share**: the loss head's part of the saved bytes: sites outside the blocks in the output
+  projection (`lm_head`; BERT's `cls` head) or at the model's root (the loss: its logits and
+  softmax); `-` where the meter cannot attribute saves (`compile-budget`'s compiled graph).
+- **peak MiB**: the peak of live bytes over one whole forward+backward above what was live at its
+  start (weights, optimizer state and the batch excluded; the step's gradients, temporaries and
+  recomputation included): on CPU from the torch profiler's memory events, on CUDA from the
+  allocator (`max_memory_allocated`). Taken on a separate, untimed step; **peak ratio** is
+  against `none`.
+- **step s**: median time of one forward+backward (no optimizer) over interleaved rounds: each
+  round runs every point of the case once, `none` first, after warm-up rounds, so every point of
+  a round sees about the same machine load. **step ratio** is the median over rounds of
+  t(point) / t(`none`) in the same round, with its min-max over the rounds in parentheses;
+  **tokens/s** = tokens per step / step s. Timing runs after the training run (below), on the
+  measurement batch.
 - **grad_cos**: minimum over parameters of the cosine between this point's and `none`'s
   first-step gradients (same seed, same batch); 1.0 means the same gradient.
 - **loss@N**: validation loss after N AdamW steps from the same initial weights on the same
   batches (fixed validation windows); **Δloss** is against `none`. N is small: it shows whether a
   point trains the same, not final quality.
-- **peak MiB (GPU)**: `torch.cuda.max_memory_allocated` during the measured step (weights and
-  gradients included); empty on CPU.
 - **models**: random initial weights from the suite's seed; slimact's models use the byte
   tokenizer's 257-token vocabulary (so `gpt2-124m` has 86M parameters here, its 124M count is
-  with GPT-2's 50,257 tokens); `hf-bert-base` is `BertForMaskedLM(BertConfig())` (30,522 tokens,
-  dropout 0.1, fed byte ids, 15% masked with `slimact.hf.mlm_batch`).
+  with GPT-2's 50,257 tokens), except cases named `(V=...)`: that vocabulary, on random token ids
+  (memory and speed do not depend on the ids; their loss only checks that points train alike);
+  `hf-bert-base` is `BertForMaskedLM(BertConfig())` (30,522 tokens, dropout 0.1, fed byte ids, 15%
+  masked with `slimact.hf.mlm_batch`).
 - **anchors** (plain PyTorch, same meter, same run): `torch-checkpoint` = per-block
   `torch.utils.checkpoint` (non-reentrant); `compile-budget` = `torch.compile` (inductor) of the
   whole loss with `torch._functorch.config.activation_memory_budget`; `save-on-cpu` =
   `torch.autograd.graph.save_on_cpu` (on a CPU machine it moves nothing: the host *is* the device).
+- `-`: not measured (a results file of an older schema, or a point that failed its timing).
 """
 
 
@@ -74,167 +101,6 @@ def shown_suites(results: dict[str, dict]) -> tuple[list[str], list[str]]:
     return [n for n in names if n not in hidden], hidden
 
 
-# ----------------------------------------------------------------------------- pure helpers
-def pareto_front(xy: Sequence[tuple[float, float]]) -> list[int]:
-    """Indices of the points not dominated when minimizing both coordinates.
-
-    ``q`` dominates ``p`` when it is no worse in both and strictly better in one; equal points
-    do not dominate each other. Returned in input order."""
-    front = []
-    for i, (x, y) in enumerate(xy):
-        dominated = any(
-            (a <= x and b <= y) and (a < x or b < y) for j, (a, b) in enumerate(xy) if j != i
-        )
-        if not dominated:
-            front.append(i)
-    return front
-
-
-def measured(points: list[dict]) -> list[dict]:
-    return [p for p in points if not p.get("skipped")]
-
-
-def by_model(points: list[dict]) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {}
-    for p in points:
-        out.setdefault(p["model"], []).append(p)
-    return out
-
-
-def _f(v, fmt: str, empty: str = "") -> str:
-    return empty if v is None else format(v, fmt)
-
-
-def _loss(p: dict) -> float | None:
-    return (p.get("train") or {}).get("val_loss")
-
-
-def model_table(points: list[dict], train_steps: int | None = None) -> str:
-    """The per-model table (baseline first); skipped points get a row saying why."""
-    base = next((p for p in points if p["point"] == "none" and not p.get("skipped")), None)
-    base_loss = _loss(base) if base else None
-    n = f"@{train_steps}" if train_steps else "@N"
-    lines = [
-        f"| point | saved MiB | ratio | step s | step ratio | tokens/s | grad_cos | loss{n} "
-        "| Δloss vs none | peak MiB (GPU) | note |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
-    ]
-    for p in points:
-        name = (
-            f"anchor `{p['point'][len('anchor:') :]}`"
-            if p["kind"] == "anchor"
-            else f"`{p['point']}`"
-        )
-        if p.get("skipped"):
-            reason = _short(p["skipped"]).replace("|", "\\|")
-            lines.append(f"| {name} | | | | | | | | | | skipped: {reason} |")
-            continue
-        loss = _loss(p)
-        dloss = None if loss is None or base_loss is None else loss - base_loss
-        note = p.get("note") or ""
-        err = (p.get("train") or {}).get("error")
-        if err:
-            note = (note + "; " if note else "") + f"training failed: {err}"
-        peak = p.get("peak_allocated_bytes")
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    name,
-                    f"{p['saved_bytes'] / MIB:,.2f}",
-                    _f(p.get("ratio"), ".3f"),
-                    f"{p['step_time_s']:.3f}",
-                    _f(p.get("step_time_ratio"), ".2f"),
-                    f"{p['tokens_per_s']:,.0f}",
-                    f"{p['grad_cosine']:.5f}",
-                    _f(loss, ".4f"),
-                    _f(dloss, "+.4f"),
-                    "" if peak is None else f"{peak / MIB:,.1f}",
-                    note.replace("|", "\\|"),
-                ]
-            )
-            + " |"
-        )
-    return "\n".join(lines)
-
-
-def _dominates(a: dict, p: dict) -> bool:
-    x, y, u, v = a["saved_bytes"], a["step_time_s"], p["saved_bytes"], p["step_time_s"]
-    return x <= u and y <= v and (x < u or y < v)
-
-
-def _moves_nothing(p: dict) -> bool:
-    return (p.get("note") or "").startswith("save_on_cpu on a CPU")
-
-
-def findings(points: list[dict]) -> list[str]:
-    """Plain statements where a point falls short: stores more than `none`, changes the gradient,
-    trains worse, is beaten on both axes (bytes, step time) by a PyTorch anchor or by another
-    slimact point; and what was skipped."""
-    out = []
-    ok = measured(points)
-    base = next((p for p in ok if p["point"] == "none"), None)
-    bl = _loss(base) if base else None
-    for p in ok:
-        if p["point"] == "none":
-            continue
-        name = f"`{p['point']}`"
-        if p.get("ratio") is not None and p["ratio"] > 1:
-            out.append(f"{name} stores **more** than `none` ({p['ratio']:.2f}x).")
-        if p["grad_cosine"] < 0.99:
-            out.append(
-                f"{name} changes the first-step gradient: grad_cos {p['grad_cosine']:.4f} < 0.99."
-            )
-        loss = _loss(p)
-        if loss is not None and bl is not None and loss - bl > 0.01 * abs(bl):
-            out.append(
-                f"{name} trains worse than `none`: loss {loss:.4f} vs {bl:.4f} (+{loss - bl:.4f})."
-            )
-        if p["kind"] != "strategy":
-            continue
-        rivals = [a for a in ok if a is not p and not _moves_nothing(a) and _dominates(a, p)]
-        anchors = [a["point"][len("anchor:") :] for a in rivals if a["kind"] == "anchor"]
-        ours = [a["point"] for a in rivals if a["kind"] != "anchor"]
-        if anchors:
-            out.append(
-                f"{name} is dominated by the PyTorch anchor(s) {', '.join(anchors)} "
-                "(no more bytes, no slower, better in one)."
-            )
-        if ours:
-            out.append(f"{name} is dominated by {', '.join(f'`{o}`' for o in ours)}.")
-    for p in points:
-        if p.get("skipped"):
-            out.append(f"`{p['point']}` did not run: {_short(p['skipped'])}")
-    return out
-
-
-def _short(text: str, n: int = 160) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= n else text[: n - 1] + "…"
-
-
-def anchor_lines(points: list[dict]) -> list[str]:
-    """Per anchor: its ratio/step ratio and the slimact points that beat it on memory at no
-    greater step time."""
-    ok = measured(points)
-    out = []
-    for a in (p for p in ok if p["kind"] == "anchor"):
-        beats = [
-            p["point"]
-            for p in ok
-            if p["kind"] == "strategy"
-            and p["point"] != "none"
-            and p["saved_bytes"] < a["saved_bytes"]
-            and p["step_time_s"] <= a["step_time_s"]
-        ]
-        out.append(
-            f"anchor `{a['point'][len('anchor:') :]}`: ratio {_f(a.get('ratio'), '.3f')}, step "
-            f"ratio {_f(a.get('step_time_ratio'), '.2f')}; slimact points with fewer bytes at no "
-            f"greater step time: {', '.join(f'`{b}`' for b in beats) or 'none'}."
-        )
-    return out
-
-
 # ----------------------------------------------------------------------------- rendering
 def _machine(meta: dict) -> str:
     dev = meta["suite"]["device"]
@@ -246,8 +112,85 @@ def _machine(meta: dict) -> str:
     )
 
 
-def plot_names(suite: str, model: str) -> dict[str, str]:
-    return {k: f"bench_{suite}_{model}_{k}.png" for k in ("pareto", "loss", "sites")}
+def plot_names(suite: str, case: str) -> dict[str, str]:
+    """PNG names of one case: ``bench_<suite>_<case slug>_<kind>.png`` (``llama-20m (V=32000)``
+    -> ``llama-20m_V_32000``)."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", case).strip("_")
+    return {k: f"bench_{suite}_{slug}_{k}.png" for k in ("pareto", "loss", "sites")}
+
+
+def _timing_line(c: dict, timing: dict | None) -> str:
+    """How the case's step times were taken (schema 2: interleaved rounds; 1: one by one)."""
+    if timing is None:
+        return (
+            f"step time median of {c.get('timing_steps')} after {c.get('warmup')} warm-up, each "
+            "point timed alone one after another (an older results file: ratios include load drift)"
+        )
+
+    def load(v) -> str:
+        return "?" if v is None else f"{v:.2f}"
+
+    failed = f", {len(timing['failed'])} failed" if timing.get("failed") else ""
+    return (
+        f"step time: {timing.get('rounds')} interleaved rounds of {len(timing.get('points', []))} "
+        f"points after {timing.get('warmup')} warm-up{failed}, 1-min load average "
+        f"{load(timing.get('load_before'))} -> {load(timing.get('load_after'))} during the rounds"
+    )
+
+
+def _case_section(
+    suite: str, label: str, pts: list[dict], c: dict, timing: dict | None, plot_dir: Path | None
+) -> list[str]:
+    steps = c.get("train_steps")
+    params = next((p.get("params") for p in pts if p.get("params")), None)
+    vocab = c.get("vocab_size")
+    lines = [
+        "",
+        f"### {label}",
+        "",
+        f"{'' if params is None else f'{params:,} parameters; '}"
+        f"{f'vocabulary {vocab:,}, random token ids; ' if vocab else ''}batch {c.get('batch')} x "
+        f"seq {c.get('seq')}; {_timing_line(c, timing)}; {steps} training steps "
+        f"(lr {c.get('lr')}).",
+    ]
+    base = next((p for p in measured(pts) if p["point"] == "none"), None)
+    if base is not None and base.get("head_share") is not None:
+        lines += [
+            "",
+            f"The loss head (output projection and loss) holds {base['head_share']:.1%} of "
+            f"`none`'s saved bytes ({base['head_saved_bytes'] / MIB:,.2f} MiB).",
+        ]
+    lines += ["", model_table(pts, steps)]
+    ok, fast = measured(pts), timed(pts)
+    front = pareto_front([(p["saved_bytes"], p["step_time_s"]) for p in fast])
+    if plot_dir is not None and ok:
+        names = plot_names(suite, label)
+        images = []
+        if fast:
+            title = f"{label} ({suite}): memory vs step time"
+            plots.pareto_plot(fast, front, plot_dir / names["pareto"], title)
+            images.append(("memory vs step time, Pareto front ringed", names["pareto"]))
+        plots.loss_plot(ok, plot_dir / names["loss"], f"{label} ({suite}): training loss")
+        images.append(("training loss per point", names["loss"]))
+        if plots.site_groups(ok):
+            block = next((p.get("sites_block") for p in ok if p.get("sites_block")), "")
+            title = f"{label} ({suite}): per-site bytes of block {block}"
+            plots.sites_plot(ok, plot_dir / names["sites"], title)
+            images.append((f"per-site bytes of block `{block}`", names["sites"]))
+        lines += ["", " ".join(f"![{alt}]({f})" for alt, f in images)]
+    if fast:
+        lines += [
+            "",
+            "Pareto front (saved bytes, step time): "
+            + ", ".join(f"`{fast[i]['point']}`" for i in front)
+            + ".",
+        ]
+    al = anchor_lines(pts)
+    if al:
+        lines += ["", "Against the anchors:", ""] + [f"- {x}" for x in al]
+    fs = findings(pts)
+    lines += ["", "Where it falls short:", ""] + ([f"- {x}" for x in fs] or ["- nothing flagged."])
+    return lines
 
 
 def render_suite(name: str, result: dict, plot_dir: Path | None) -> str:
@@ -287,55 +230,10 @@ def render_suite(name: str, result: dict, plot_dir: Path | None) -> str:
             f"{', '.join(amended.get('models', []))} come from a later run at commit "
             f"`{amended.get('git_commit')}` (`{amended.get('command')}`): {amended.get('reason')}."
         )
-    cases = {c["model"]: c for c in meta["suite"]["cases"]}
-    for model, pts in by_model(result["points"]).items():
-        c = cases.get(model, {})
-        steps = c.get("train_steps")
-        params = next((p.get("params") for p in pts if p.get("params")), None)
-        lines += [
-            "",
-            f"### {model}",
-            "",
-            f"{'' if params is None else f'{params:,} parameters; '}batch {c.get('batch')} x seq "
-            f"{c.get('seq')}; step time median of {c.get('timing_steps')} after "
-            f"{c.get('warmup')} warm-up; {steps} training steps (lr {c.get('lr')}).",
-            "",
-            model_table(pts, steps),
-        ]
-        ok = measured(pts)
-        if plot_dir is not None and ok:
-            names = plot_names(name, model)
-            front = pareto_front([(p["saved_bytes"], p["step_time_s"]) for p in ok])
-            plots.pareto_plot(
-                ok, front, plot_dir / names["pareto"], f"{model} ({name}): memory vs step time"
-            )
-            plots.loss_plot(ok, plot_dir / names["loss"], f"{model} ({name}): training loss")
-            images = [("memory vs step time, Pareto front ringed", names["pareto"])]
-            images.append(("training loss per point", names["loss"]))
-            if plots.site_groups(ok):
-                block = next((p.get("sites_block") for p in ok if p.get("sites_block")), "")
-                plots.sites_plot(
-                    ok,
-                    plot_dir / names["sites"],
-                    f"{model} ({name}): per-site bytes of block {block}",
-                )
-                images.append((f"per-site bytes of block `{block}`", names["sites"]))
-            lines += ["", " ".join(f"![{alt}]({f})" for alt, f in images)]
-        if ok:
-            front = pareto_front([(p["saved_bytes"], p["step_time_s"]) for p in ok])
-            lines += [
-                "",
-                "Pareto front (saved bytes, step time): "
-                + ", ".join(f"`{ok[i]['point']}`" for i in front)
-                + ".",
-            ]
-        al = anchor_lines(pts)
-        if al:
-            lines += ["", "Against the anchors:", ""] + [f"- {x}" for x in al]
-        fs = findings(pts)
-        lines += ["", "Where it falls short:", ""] + (
-            [f"- {x}" for x in fs] or ["- nothing flagged."]
-        )
+    cases = {c.get("case") or c["model"]: c for c in meta["suite"]["cases"]}
+    timings = meta.get("timing") or {}
+    for label, pts in by_case(result["points"]).items():
+        lines += _case_section(name, label, pts, cases.get(label, {}), timings.get(label), plot_dir)
     return "\n".join(lines)
 
 

@@ -1,30 +1,43 @@
 """Run one suite in one process and write its results JSON.
 
-For each model case the baseline (``none``) is measured first, then every other point back to
-back, all from the same seed on the same batch:
+Every model case runs in two phases, all points from the same seed on the same batch
+(``Data.batch``) with the same forward (and autocast context):
 
-1. **one step** (``slimact.compare.run_steps``): saved bytes from the meter (unique storages,
-   parameters excluded) with the per-site report of one block (the middle one), the median step
-   time over ``timing_steps`` forward+backward after ``warmup``, tokens/s = tokens per step /
-   step time, ``grad_cosine`` against the baseline's gradients, and on CUDA the peak allocated
-   memory of that step;
-2. **a short training run**: ``train_steps`` AdamW steps (``slimact.train.make_optimizer``,
+**Phase 1, one point after another** (baseline ``none`` first):
+
+1. the first step with the meter on (``slimact.compare.measured_step``): saved bytes (unique
+   storages, parameters excluded), the per-site report of one block (the middle one), the loss
+   head's saved bytes and share (``head_saved_bytes``: sites outside blocks in the output
+   projection ``lm_head`` / HF's ``cls`` head or at the root, i.e. the loss), and ``grad_cosine``
+   against the baseline's gradients;
+2. the peak over one more step (``slimact.peak.step_peak``: live bytes above those at its start;
+   CPU from the profiler's memory events, CUDA from the allocator): ``peak_bytes``, and
+   ``peak_ratio`` against the baseline. That step is never timed;
+3. a short training run: ``train_steps`` AdamW steps (``slimact.train.make_optimizer``,
    ``WarmupCosine``, clipping 0.5) on the embedded corpus (``slimact.data``: byte tokens,
-   ``BatchLoader`` from the suite's seed, so every point sees the same batches), giving the loss
-   curve, and the validation loss after N steps (``loss@N``: fixed val windows). For BERT the
-   batches are masked with ``slimact.hf.mlm_batch``. ``auto`` runs its plan evolver as
-   ``slimact train`` does.
+   ``BatchLoader`` from the suite's seed, so every point sees the same batches) or, for a case
+   with ``vocab_size``, on random ids from a seeded generator; giving the loss curve and the
+   validation loss after N steps (``loss@N``). For BERT the batches are masked with
+   ``slimact.hf.mlm_batch``. ``auto`` runs its plan evolver as ``slimact train`` does.
+
+The point's prepared model is then kept (gradients freed, the optimizer gone with the run; an
+anchor keeps its prepared forward) for
+
+**Phase 2, all points together** (:mod:`slimact.bench.timing_phase`): ``timing_steps``
+interleaved rounds after ``warmup`` (``slimact.timing.interleaved``, baseline first in each
+round), giving ``step_time_s`` (median), ``step_time_ratio`` (median of per-round ratios against
+``none``) with its spread, and tokens/s; the case's load average before and after the rounds goes
+to ``meta.timing``. Then the anchors are undone and the models freed.
 
 A point that cannot run (``cola-m`` on a non-CoLA model, a strategy failing on a model) is recorded
-with ``skipped`` = the exception message, never dropped. The JSON is rewritten after every point,
-so an interrupted run leaves what it measured (``meta.complete`` is false until the end).
+with ``skipped`` = the exception message, never dropped, and is not in the timing rounds. The JSON
+is rewritten after every point and after each case's timing, so an interrupted run leaves what it
+measured (``meta.complete`` is false until the end).
 """
 
 from __future__ import annotations
 
 import json
-import math
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -34,12 +47,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn as nn
 
+from slimact.bench.case_data import Data, build, loss_fn, train_point
 from slimact.bench.suites import ModelCase, Suite
+from slimact.bench.timing_phase import Live, release, time_case
 
-SCHEMA_VERSION = 1
-MASK_TOKEN_ID = 103  # BERT's [MASK]
+SCHEMA_VERSION = 2
+HEAD_MODULES = ("lm_head", "cls")  # the output projection: slimact's models, HF BERT's MLM head
 Log = Callable[[str], None]
 
 
@@ -49,65 +63,6 @@ def default_results_dir() -> Path:
     if (root / "benchmarks").is_dir():
         return root / "benchmarks" / "results" / "bench"
     return Path.cwd() / "benchmarks" / "results" / "bench"
-
-
-# ----------------------------------------------------------------------------- models and data
-def build(model_name: str, device: torch.device, seed: int) -> nn.Module:
-    """The model of a case, built from ``seed`` (random weights) on ``device``, in train mode."""
-    from slimact.bench.suites import HF_MODELS
-    from slimact.data import ByteTokenizer
-    from slimact.utils import seed_everything
-
-    seed_everything(seed)
-    if model_name in HF_MODELS:
-        from transformers import BertConfig, BertForMaskedLM
-
-        model = BertForMaskedLM(BertConfig())
-    else:
-        from slimact.models import build_model
-
-        model = build_model(model_name, vocab_size=ByteTokenizer().vocab_size)
-    return model.to(device).train()
-
-
-def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    from slimact.hf import lm_loss
-
-    return lm_loss(model, x, y)
-
-
-class Data:
-    """Batches of one case: the measurement batch, a training loader, fixed val batches."""
-
-    def __init__(self, case: ModelCase, splits: Any, seed: int, device: torch.device) -> None:
-        from slimact.bench.suites import HF_MODELS
-        from slimact.data import BatchLoader, fixed_batches
-
-        self.mlm = case.model in HF_MODELS
-        self.device = device
-        self.case, self.splits, self.seed = case, splits, seed
-        self.batch = self._prep(
-            BatchLoader(splits.train, case.batch, case.seq, seed + 1).next_batch(), 0
-        )
-        val = fixed_batches(splits.val, case.batch, case.seq, case.eval_batches)
-        self.val = [self._prep(b, 10_000 + i) for i, b in enumerate(val)]
-
-    def _prep(self, b: tuple[torch.Tensor, torch.Tensor], mask_seed: int):
-        x, y = b
-        if self.mlm:
-            from slimact.hf import mlm_batch
-
-            x, y = mlm_batch(x, MASK_TOKEN_ID, seed=self.seed + mask_seed)
-        return x.to(self.device), y.to(self.device)
-
-    def train_batches(self):
-        from slimact.data import BatchLoader
-
-        loader = BatchLoader(self.splits.train, self.case.batch, self.case.seq, self.seed)
-        step = 0
-        while True:
-            step += 1
-            yield self._prep(loader.next_batch(), step)
 
 
 # ----------------------------------------------------------------------------- one point
@@ -139,50 +94,18 @@ def _block_sites(report: Any, blocks: list[str]) -> tuple[str, list[dict]]:
     return block, out
 
 
-def _train(model, forward, data: Data, case: ModelCase, seed: int) -> dict:
-    from slimact.planner import PlanEvolver
-    from slimact.train import WarmupCosine, make_optimizer
-    from slimact.utils import seed_everything
+def head_bytes(report: Any) -> int:
+    """Saved bytes of the loss head: sites outside blocks (empty ``block``) whose module is the
+    output projection (``HEAD_MODULES`` and below) or the root, where the loss is computed."""
+    return sum(
+        int(s.bytes)
+        for s in report.sites
+        if not s.block and (s.module == "" or s.module.split(".")[0] in HEAD_MODULES)
+    )
 
-    seed_everything(seed)
-    opt = make_optimizer(model, case.lr, 0.01)
-    sched = WarmupCosine(case.lr, case.train_steps, max(1, case.train_steps // 10), 0.1)
-    params = [p for g in opt.param_groups for p in g["params"]]
-    losses, t_train = [], 0.0
-    device = data.device
-    with tempfile.TemporaryDirectory() as tmp:
-        evolver = PlanEvolver.for_model(model, log_path=Path(tmp) / "plan_changes.jsonl")
-        batches = data.train_batches()
-        for step in range(case.train_steps):
-            sched.set_lr(opt, step)
-            x, y = next(batches)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss = forward(model, x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 0.5)
-            opt.step()
-            value = float(loss.detach().float().item())
-            t_train += time.perf_counter() - t0
-            if not math.isfinite(value):
-                raise FloatingPointError(f"training loss became {value} at step {step + 1}")
-            losses.append(value)
-            if evolver is not None:
-                evolver.on_step(step + 1, model)
-    with torch.no_grad():
-        was = model.training
-        model.eval()
-        val = [float(loss_fn(model, x, y).float().item()) for x, y in data.val]
-        model.train(was)
-    return {
-        "steps": case.train_steps,
-        "losses": losses,
-        "final_train_loss": losses[-1],
-        "val_loss": sum(val) / len(val),
-        "train_tokens_per_s": case.train_steps * case.tokens_per_step / t_train,
-    }
+
+def _ratio(value: float | None, base: float | None) -> float | None:
+    return None if value is None or not base else value / base
 
 
 def measure_point(
@@ -193,19 +116,22 @@ def measure_point(
     baseline: dict | None,
     base_grads: dict[str, torch.Tensor] | None,
     log: Log,
-) -> tuple[dict, dict[str, torch.Tensor] | None]:
-    """Measure one (model, point); returns its record and, for the baseline, its gradients."""
+) -> tuple[dict, dict[str, torch.Tensor] | None, Live | None]:
+    """Phase 1 of one (case, point): its record, the baseline's gradients (for the baseline
+    only), and the prepared model kept for the timing rounds (None when skipped)."""
     import slimact
     from slimact import sites
     from slimact.bench import anchors
     from slimact.bench.suites import BenchPoint
-    from slimact.compare import grad_cosine, grads_of, run_steps
+    from slimact.compare import grad_cosine, grads_of, measured_step, train_step_fn
+    from slimact.peak import step_peak
     from slimact.utils import seed_everything
 
     point = BenchPoint(point_name)
     device = data.device
     rec: dict[str, Any] = {
         "model": case.model,
+        "case": case.label,
         "point": point.name,
         "kind": point.kind,
         "skipped": None,
@@ -213,9 +139,10 @@ def measure_point(
     }
     t_start = time.perf_counter()
     ac = _autocast(device, suite.bf16)
-    model = build(case.model, device, suite.seed)
+    model = build(case.model, device, suite.seed, case.vocab_size)
     rec["params"] = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    prepared = None
+    rec["vocab_size"] = int(model.config.vocab_size)
+    prepared, grads, live = None, None, None
     try:
         if point.is_anchor:
             prepared = anchors.prepare(point.anchor, model, loss_fn, device, suite.compile_budget)
@@ -234,59 +161,77 @@ def measure_point(
                 return forward(m, x, y)
 
         x, y = data.batch
-        resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
         seed_everything(suite.seed)
-        report, loss, step_s = run_steps(model, x, y, case.timing_steps, case.warmup, forward=fwd)
+        report, loss = measured_step(model, x, y, fwd)
         grads = grads_of(model) if baseline is None else None
-        saved = int(report.total_bytes)
+        cosine = 1.0 if baseline is None else grad_cosine(base_grads, model)
+        saved, head = int(report.total_bytes), head_bytes(report)
+        if prepared is not None and prepared.compiled:
+            head = None  # the compiled graph's saves reach the meter unnamed
         if prepared is not None and not prepared.meter_sees_saves and device.type != "cuda":
             saved = int(baseline["saved_bytes"]) if baseline else saved
+            head = baseline.get("head_saved_bytes") if baseline else head
+        step = train_step_fn(model, x, y, fwd)
+        if prepared is not None and prepared.compiled:
+            step()  # a call without the meter's hooks may recompile: not inside the peak
+        model.zero_grad(set_to_none=True)  # the peak counts the step's gradients as its own
+        peak = step_peak(step, device)
+        model.zero_grad(set_to_none=True)
         block, site_rows = _block_sites(report, sites.block_paths(model))
         rec.update(
             saved_bytes=saved,
             block_saved_bytes=int(report.block_bytes),
-            step_time_s=step_s,
-            tokens_per_s=case.tokens_per_step / step_s,
+            head_saved_bytes=head,
+            head_share=_ratio(head, saved),
             first_loss=loss,
-            grad_cosine=1.0 if baseline is None else grad_cosine(base_grads, model),
-            peak_allocated_bytes=report.peak_allocated_bytes,
-            resident_bytes_before=resident,
+            grad_cosine=cosine,
+            peak_bytes=int(peak),
             sites_block=block,
             sites=site_rows,
         )
         if baseline is not None:
-            rec["ratio"] = saved / baseline["saved_bytes"] if baseline["saved_bytes"] else None
-            rec["step_time_ratio"] = step_s / baseline["step_time_s"]
+            rec["ratio"] = _ratio(saved, baseline["saved_bytes"])
+            rec["peak_ratio"] = _ratio(peak, baseline.get("peak_bytes"))
         else:
-            rec["ratio"], rec["step_time_ratio"] = 1.0, 1.0
+            rec["ratio"], rec["peak_ratio"] = 1.0, 1.0
+        share = "-" if rec["head_share"] is None else f"{rec['head_share']:.1%}"
         log(
-            f"  {case.model:<13} {point.name:<26} saved {saved / 2**20:9.2f} MiB  "
-            f"ratio {rec['ratio'] or 0:6.3f}  step {step_s:7.3f} s  cos {rec['grad_cosine']:.5f}"
+            f"  {case.label:<22} {point.name:<26} saved {saved / 2**20:9.2f} MiB  "
+            f"ratio {rec['ratio'] or 0:6.3f}  peak {peak / 2**20:9.2f} MiB  head {share}  "
+            f"cos {cosine:.5f}"
         )
         try:
-            rec["train"] = _train(model, fwd, data, case, suite.seed)
+            rec["train"] = train_point(model, fwd, data, case, suite.seed)
             log(
-                f"  {'':<13} {'':<26} loss@{case.train_steps} {rec['train']['val_loss']:.4f} "
+                f"  {'':<22} {'':<26} loss@{case.train_steps} {rec['train']['val_loss']:.4f} "
                 f"(train {rec['train']['final_train_loss']:.4f})"
             )
+            if rec["train"].get("plan_changes"):
+                rec["note"] = (rec["note"] + "; " if rec["note"] else "") + (
+                    f"plan re-solved {rec['train']['plan_changes']}x in training: bytes and peak "
+                    "are of the first plan, step time of the last"
+                )
         except Exception as e:  # the measurement stands; the training failure is recorded
             rec["train"] = {"error": f"{type(e).__name__}: {e}"}
-            log(f"  {'':<13} {'':<26} training failed: {e}")
+            log(f"  {'':<22} {'':<26} training failed: {e}")
+        model.zero_grad(set_to_none=True)
+        live = Live(model, step, prepared.restore if prepared is not None else lambda: None)
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as e:
         rec["skipped"] = f"{type(e).__name__}: {e}".strip()
         rec["traceback_tail"] = traceback.format_exc().strip().splitlines()[-3:]
-        log(f"  {case.model:<13} {point.name:<26} skipped: {rec['skipped'][:150]}")
+        log(f"  {case.label:<22} {point.name:<26} skipped: {rec['skipped'][:150]}")
         grads = None
     finally:
-        if prepared is not None:
-            prepared.restore()
-        del model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        if live is None:
+            if prepared is not None:
+                prepared.restore()
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     rec["wall_s"] = time.perf_counter() - t_start
-    return rec, grads
+    return rec, grads, live
 
 
 # ----------------------------------------------------------------------------- the suite
@@ -326,6 +271,14 @@ def _load() -> list[float] | None:
         return None
 
 
+def _data_note(data: str | None, n_byte: int, n_cases: int) -> str:
+    corpus = data or "embedded stdlib corpus (byte tokens)"
+    if n_byte == n_cases:
+        return corpus
+    vocab = "random token ids at the case's vocabulary"
+    return vocab if n_byte == 0 else f"{corpus}; cases with vocab_size: {vocab}"
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -352,6 +305,7 @@ def run_suite(
     name = suite.name if not selection else f"{suite.name}-subset"
     path = out / f"{name}.json"
     t0 = time.perf_counter()
+    byte_cases = [c for c in suite.cases if c.vocab_size is None]
     meta = {
         "schema": SCHEMA_VERSION,
         **machine_info(),
@@ -359,30 +313,45 @@ def run_suite(
         "suite": suite.config(),
         "selection": selection or {},
         "uncommitted_src": _dirty_files(),
-        "data": data or "embedded stdlib corpus (byte tokens)",
+        "data": _data_note(data, len(byte_cases), len(suite.cases)),
         "start": _now(),
         "load_avg_start": _load(),
         "end": None,
         "wall_s": None,
         "complete": False,
+        "timing": {},
     }
     if device.type == "cuda":
         meta["gpu_total_bytes"] = torch.cuda.get_device_properties(device).total_memory
     result: dict[str, Any] = {"meta": meta, "points": []}
-    splits = load_data(data)
+    splits = load_data(data) if byte_cases else None
     log(f"slimact bench {suite.name}: {sum(len(c.points) for c in suite.cases)} points -> {path}")
     for case in suite.cases:
         case_data = Data(case, splits, suite.seed, device)
         baseline, base_grads = None, None
-        for p in case.points:
-            rec, grads = measure_point(case, p.name, case_data, suite, baseline, base_grads, log)
-            if baseline is None:
-                if rec["skipped"]:
-                    raise RuntimeError(f"the baseline of {case.model} failed: {rec['skipped']}")
-                baseline, base_grads = rec, grads
-            result["points"].append(rec)
-            meta["wall_s"] = time.perf_counter() - t0
-            _write(path, result)
+        live: dict[str, Live] = {}
+        records: dict[str, dict] = {}
+        try:
+            for p in case.points:  # phase 1: one point after another
+                rec, grads, kept = measure_point(
+                    case, p.name, case_data, suite, baseline, base_grads, log
+                )
+                if baseline is None:
+                    if rec["skipped"]:
+                        raise RuntimeError(f"the baseline of {case.label} failed: {rec['skipped']}")
+                    baseline, base_grads = rec, grads
+                if kept is not None:
+                    live[p.name] = kept
+                records[p.name] = rec
+                result["points"].append(rec)
+                meta["wall_s"] = time.perf_counter() - t0
+                _write(path, result)
+            base_grads = None
+            meta["timing"][case.label] = time_case(case, live, records, log)  # phase 2
+        finally:
+            release(live, device)
+        meta["wall_s"] = time.perf_counter() - t0
+        _write(path, result)
     meta.update(end=_now(), wall_s=time.perf_counter() - t0, complete=True, load_avg_end=_load())
     _write(path, result)
     log(f"wrote {path} ({meta['wall_s'] / 60:.1f} min)")

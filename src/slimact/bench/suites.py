@@ -5,12 +5,18 @@ steps, and its :class:`BenchPoint` list). Every config is a frozen dataclass val
 ``__post_init__``; errors name the bad value and the valid ones. Three suites are registered:
 
 * ``quick``: a few minutes on a 2-core CPU (llama-20m with every point, the other models with a
-  subset, 2 x 128 tokens, ~20 training steps);
+  subset, llama-20m at a real 32,000-token vocabulary with a few points; 2 x 128 tokens, ~20
+  training steps);
 * ``full``: about an hour on the same CPU (every model x every point, more steps);
 * ``gpu``: for a lent GPU (cuda, bf16 autocast, larger batches, longer training).
 
 Points: a strategy spec as ``slimact.apply`` takes it (``"invact+int4"``, ``"auto@25%"``), or an
 anchor (plain PyTorch, see :mod:`slimact.bench.anchors`) written ``"anchor:<name>"``.
+
+A case normally runs on the byte corpus (257-token vocabulary). With ``vocab_size`` set it runs at
+that vocabulary on random token ids (memory and speed do not depend on the ids; the loss curve
+then only checks that every point trains alike), and is labelled ``"<model> (V=<vocab>)"``: the
+label is what tables, results and ``--only-models`` use to tell it from the byte-vocabulary case.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import dataclass, replace
 ANCHORS = ("torch-checkpoint", "compile-budget", "save-on-cpu")
 HF_MODELS = ("hf-bert-base",)  # transformers.BertForMaskedLM(BertConfig()), random weights
 DEVICES = ("cpu", "cuda")
+MASK_TOKEN_ID = 103  # BERT's [MASK]
 ANCHOR_PREFIX = "anchor:"
 
 
@@ -77,6 +84,7 @@ class ModelCase:
     train_steps: int = 20
     eval_batches: int = 4
     lr: float = 3e-3
+    vocab_size: int | None = None  # None: the byte tokenizer's 257 tokens and the corpus
 
     def __post_init__(self) -> None:
         from slimact.models import model_names
@@ -106,6 +114,20 @@ class ModelCase:
             raise ValueError(f"seq must be in [2, {max_seq}] for {self.model!r}, got {self.seq!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        v = self.vocab_size
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 2):
+            raise ValueError(
+                f"vocab_size must be an int >= 2 (or None for the byte vocabulary), got {v!r}"
+            )
+        if v is not None and self.model in HF_MODELS and v <= MASK_TOKEN_ID:
+            raise ValueError(
+                f"vocab_size of {self.model!r} must exceed its [MASK] id {MASK_TOKEN_ID}, got {v}"
+            )
+
+    @property
+    def label(self) -> str:
+        """The case's name in results and tables: the model, with ``(V=...)`` when set."""
+        return self.model if self.vocab_size is None else f"{self.model} (V={self.vocab_size})"
 
     @property
     def tokens_per_step(self) -> int:
@@ -131,10 +153,10 @@ class Suite:
         object.__setattr__(self, "cases", tuple(self.cases))
         if not self.cases:
             raise ValueError(f"suite {self.name!r} has no model cases")
-        models = [c.model for c in self.cases]
-        dup = sorted({m for m in models if models.count(m) > 1})
+        labels = [c.label for c in self.cases]
+        dup = sorted({m for m in labels if labels.count(m) > 1})
         if dup:
-            raise ValueError(f"suite {self.name!r}: models listed twice: {dup}")
+            raise ValueError(f"suite {self.name!r}: model cases listed twice: {dup}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.bf16 and self.device != "cuda":
@@ -154,7 +176,9 @@ class Suite:
             "expected_minutes": self.expected_minutes,
             "cases": [
                 {
+                    "case": c.label,
                     "model": c.model,
+                    "vocab_size": c.vocab_size,
                     "points": [p.name for p in c.points],
                     "batch": c.batch,
                     "seq": c.seq,
@@ -169,17 +193,20 @@ class Suite:
         }
 
     def select(self, models: list[str] | None = None, points: list[str] | None = None) -> Suite:
-        """This suite restricted to some models and/or points (``none`` is always kept)."""
+        """This suite restricted to some models and/or points (``none`` is always kept).
+
+        A model name selects all its cases; a case label (``"llama-20m (V=32000)"``) just that
+        one."""
         cases = list(self.cases)
         if models:
-            known = [c.model for c in cases]
+            known = list(dict.fromkeys(k for c in cases for k in (c.model, c.label)))
             bad = [m for m in models if m not in known]
             if bad:
                 raise ValueError(
                     f"--only-models {bad} not in suite {self.name!r}; its models: "
                     f"{', '.join(known)}"
                 )
-            cases = [c for c in cases if c.model in models]
+            cases = [c for c in cases if c.model in models or c.label in models]
         if points:
             known_pts = sorted({p.name for c in cases for p in c.points})
             bad = [p for p in points if p not in known_pts]
@@ -217,13 +244,35 @@ def _case(model: str, points: tuple[str, ...], **kw) -> ModelCase:
     return ModelCase(model=model, points=tuple(BenchPoint(p) for p in points), **kw)
 
 
+VOCAB = 32_000  # a real tokenizer's vocabulary (LLaMA's): the loss head's true weight
+VOCAB_QUICK_POINTS = (
+    "none",
+    "recompute",
+    "invact",
+    "int4",
+    "auto@25%",
+    "anchor:torch-checkpoint",
+    "anchor:compile-budget",
+)
+
+
 def _quick() -> Suite:
     return Suite(
         name="quick",
         description="a few minutes on a 2-core CPU: llama-20m with every point, the other "
-        "models with a subset; 2 x 128 tokens",
+        "models with a subset, llama-20m at a 32,000-token vocabulary; 2 x 128 tokens",
         cases=(
-            _case("llama-20m", ALL_POINTS, batch=2, seq=128, timing_steps=3, train_steps=20),
+            _case("llama-20m", ALL_POINTS, batch=2, seq=128, timing_steps=5, train_steps=20),
+            _case(
+                "llama-20m",
+                VOCAB_QUICK_POINTS,
+                batch=2,
+                seq=128,
+                timing_steps=3,
+                train_steps=4,
+                eval_batches=1,
+                vocab_size=VOCAB,
+            ),
             _case(
                 "cola-20m",
                 (
@@ -237,7 +286,7 @@ def _quick() -> Suite:
                 ),
                 batch=2,
                 seq=128,
-                timing_steps=3,
+                timing_steps=5,
                 train_steps=20,
             ),
             _case(
@@ -245,7 +294,7 @@ def _quick() -> Suite:
                 ("none", "recompute", "invact", "int4"),
                 batch=2,
                 seq=128,
-                timing_steps=2,
+                timing_steps=3,
                 train_steps=5,
                 eval_batches=2,
                 lr=6e-4,
@@ -255,13 +304,13 @@ def _quick() -> Suite:
                 ("none", "recompute", "invact", "anchor:torch-checkpoint"),
                 batch=2,
                 seq=128,
-                timing_steps=2,
+                timing_steps=3,
                 train_steps=5,
                 eval_batches=2,
                 lr=3e-4,
             ),
         ),
-        expected_minutes=8,
+        expected_minutes=10,
     )
 
 
@@ -271,6 +320,16 @@ def _full() -> Suite:
         description="about an hour on a 2-core CPU: every model x every point",
         cases=(
             _case("llama-20m", ALL_POINTS, batch=4, seq=128, timing_steps=5, train_steps=60),
+            _case(
+                "llama-20m",
+                ALL_POINTS,
+                batch=4,
+                seq=128,
+                timing_steps=5,
+                train_steps=10,
+                eval_batches=2,
+                vocab_size=VOCAB,
+            ),
             _case("cola-20m", ALL_POINTS, batch=4, seq=128, timing_steps=5, train_steps=60),
             _case(
                 "gpt2-124m",
