@@ -140,8 +140,8 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint(tmp_path, data, monkeypat
     straight = losses(train(cfg(data, tmp_path / "a")).run_dir)
     original = loop._Trainer.train_step
 
-    def step_then_interrupt(self):
-        out = original(self)
+    def step_then_interrupt(self, *args):
+        out = original(self, *args)
         if self.step == 1:  # during the 2nd step: the user presses Ctrl-C once
             os.kill(os.getpid(), signal.SIGINT)
         return out
