@@ -3,19 +3,29 @@
 Parts (``--parts``, default all), each merged into ``benchmarks/results/cola.json``:
 
 - ``speed``   training step time, tokens/s and measured activation bytes of llama-20m vs cola-20m
-              with none / recompute / cola-m, back to back in one process, interleaved rounds;
+              with none / recompute / cola-m, in one process, interleaved rounds (each of the
+              five configs runs ``--steps`` optimizer steps per round, ``slimact.timing``);
+              ``speedup_vs_llama_none`` is the median of per-round ratios, with its spread;
               measured bytes per block per token next to Table 4's formulas.
 - ``flops``   calculator table (Tables 2-3) for our and the paper's sizes, and recompute FLOPs
               measured with FlopCounterMode (vanilla checkpointing of llama-20m vs CoLA-M of
               cola-20m; Fig. 7's 4.6x is for LLaMA-1B at n = 256).
-- ``infer``   forward tokens/s at batch 32 (Table 11; seq scaled down for CPU) + weight bytes.
+- ``infer``   forward tokens/s at batch 32 (Table 11; seq scaled down for CPU) + weight bytes;
+              both models once per round, ``cola_over_llama_forward_time`` the median of
+              per-round ratios, with its spread.
 - ``quality`` 500-step runs of llama-20m, cola-20m and llama-20m-control (same tokens, seed and
-              hyper-parameters) through ``slimact.train``; finished runs are reused.
+              hyper-parameters) through ``slimact.train``; finished runs are reused. Their
+              tokens/s come from runs one after the other: not a speed comparison.
 - ``rank``    r(α) of every projection / MLP activation of the trained llama-20m (and cola-20m)
               checkpoints, with the Fig. 2-style plot.
 
     PYTHONPATH=src python benchmarks/bench_cola.py --threads 1
     PYTHONPATH=src python benchmarks/bench_cola.py --parts speed,infer --threads 1
+    python benchmarks/bench_cola.py --parts speed,infer --batch 1 --seq 8 --steps 1 --rounds 2 \
+        --infer-batch 2 --infer-seq 8 --results-dir /tmp/cola   # smoke
+
+Every part's record carries the load average (``machine.load_avg``); timed parts also the load
+before and after their rounds.
 """
 
 from __future__ import annotations
@@ -41,8 +51,10 @@ from slimact.cola.flops import (
     training_flops,
 )
 from slimact.models import build_model, count_params
+from slimact.timing import interleaved, load_average
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
 RUNS = Path("runs/cola-quality")
 QUALITY = dict(steps=500, batch=4, seq=64, seed=0, eval_every=100, eval_batches=32)
 
@@ -55,7 +67,8 @@ def machine(threads: int) -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "command": " ".join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
-        "load_avg_at_start": os.getloadavg()[0],
+        "load_avg_at_start": os.getloadavg()[0],  # (in fact when the part's record is written)
+        "load_avg": load_average(),  # when the part's record is written, after it ran
     }
 
 
@@ -81,19 +94,26 @@ def part_speed(batch: int, seq: int, steps: int, rounds: int) -> dict:
         opt.zero_grad(set_to_none=True)
         rep = meter.report
         runs[(name, strat)] = {"model": m, "opt": opt, "times": [], "report": rep}
-    for _ in range(rounds):  # interleave so load changes hit every config alike
-        for r in runs.values():
-            _train_step(r["model"], r["opt"], x)  # warm-up of this round
+
+    def point(r):
+        def run_steps():
             for _ in range(steps):
-                t0 = time.perf_counter()
                 _train_step(r["model"], r["opt"], x)
-                r["times"].append(time.perf_counter() - t0)
+
+        return run_steps
+
+    # one call of every config per round (``steps`` optimizer steps each), so load changes hit
+    # every config alike; the speedup is the median of per-round ratios
+    points = {f"{name}/{strat}": point(r) for (name, strat), r in runs.items()}
+    timing = interleaved(points, rounds=rounds, warmup=1)
     out = []
-    base = statistics.median(runs[("llama-20m", "none")]["times"])
     for (name, strat), r in runs.items():
+        key = f"{name}/{strat}"
+        r["times"] = [s / steps for s in timing.times[key]]
         dm = model_dims(name)
         rep = r["report"]
-        t = statistics.median(r["times"])
+        t = timing.median_s(key) / steps
+        speedup = timing.ratio("llama-20m/none", key)  # per round: t(llama none) / t(this)
         per_tok_block = rep.bytes_per_token_per_block()
         method = {"none": "cola" if name.startswith("cola") else "full-rank",
                   "recompute": "vanilla-gcp", "cola-m": "cola-m"}[strat]  # fmt: skip
@@ -108,7 +128,8 @@ def part_speed(batch: int, seq: int, steps: int, rounds: int) -> dict:
                 "step_time_s_median": t,
                 "step_times_s": r["times"],
                 "tokens_per_s": batch * seq / t,
-                "speedup_vs_llama_none": base / t,
+                "speedup_vs_llama_none": speedup.median,
+                "speedup_vs_llama_none_spread": speedup.to_dict(),
                 "saved_bytes": rep.total_bytes,
                 "block_bytes": rep.block_bytes,
                 "bytes_per_token_per_block": per_tok_block,
@@ -122,6 +143,8 @@ def part_speed(batch: int, seq: int, steps: int, rounds: int) -> dict:
         "seq": seq,
         "timed_steps_per_round": steps,
         "rounds": rounds,
+        "step_times_s_note": "per round: the round's time / timed_steps_per_round",
+        "timing_load_avg": [timing.load_before, timing.load_after],
         "runs": out,
     }
 
@@ -171,17 +194,11 @@ def part_flops(seq: int) -> dict:
 def part_infer(batch: int, seq: int, reps: int) -> dict:
     x = torch.randint(0, 257, (batch, seq), generator=torch.Generator().manual_seed(0))
     models = {n: build_model(n).eval() for n in ("llama-20m", "cola-20m")}
-    times: dict[str, list[float]] = {n: [] for n in models}
-    for m in models.values():
-        m(x)  # warm-up
-    for _ in range(reps):
-        for n, m in models.items():
-            t0 = time.perf_counter()
-            m(x)
-            times[n].append(time.perf_counter() - t0)
+    # llama, cola, llama, cola, ...: one forward of each per round
+    timing = interleaved({n: (lambda m=m: m(x)) for n, m in models.items()}, rounds=reps)
     out = {}
     for n, m in models.items():
-        t = statistics.median(times[n])
+        t = timing.median_s(n)
         out[n] = {
             "tokens_per_s": batch * seq / t,
             "forward_s_median": t,
@@ -190,7 +207,12 @@ def part_infer(batch: int, seq: int, reps: int) -> dict:
     paper = {}
     for n in ("llama-1b", "cola-1b", "llama-7b", "cola-7b"):
         paper[n] = {"weight_bytes_bf16": count_params(n) * 2}
-    return {"batch": batch, "seq": seq, "reps": reps, "ours": out, "paper_sizes_weights": paper}
+    ratio = timing.ratio("cola-20m", "llama-20m")
+    return {"batch": batch, "seq": seq, "reps": reps, "ours": out,
+            "cola_over_llama_forward_time": ratio.median,
+            "cola_over_llama_forward_time_spread": ratio.to_dict(),
+            "timing_load_avg": [timing.load_before, timing.load_after],
+            "paper_sizes_weights": paper}  # fmt: skip
 
 
 def part_quality(threads: int) -> dict:
@@ -212,6 +234,7 @@ def part_quality(threads: int) -> dict:
             "final_val_ppl": res.final_val_ppl,
             "final_train_loss": res.final_train_loss,
             "eval_loss_by_step": evals,
+            # separate runs one after the other, not interleaved: not a speed comparison
             "median_tokens_per_s_logged": statistics.median(tps) if tps else None,
             "train_flops_per_token": training_flops(name, seq=QUALITY["seq"])["methods"][
                 "cola" if name.startswith("cola") else "full-rank"
@@ -266,22 +289,27 @@ def part_rank(batches: int, batch: int, seq: int) -> dict:
         png = RESULTS / f"cola_rank_{name.replace('@', '_')}.png"
         plot_spectra(rows, spectra, png, title=f"{base} {what}, r(0.95)")
         out[name] = {
-            "plot": str(png.relative_to(RESULTS.parent.parent)),
+            "plot": str(png.relative_to(ROOT) if png.is_relative_to(ROOT) else png),
             "layers": ranks_to_json(rows),
         }
     return {"alpha": 0.95, "tokens": sum(x.numel() for x in xs), "models": out}
 
 
 def main() -> None:
+    global RESULTS
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--parts", default="speed,flops,infer,quality,rank")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=2, help="timed steps per config per round")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (speed)")
+    p.add_argument("--infer-batch", type=int, default=32)
     p.add_argument("--infer-seq", type=int, default=64)
+    p.add_argument("--infer-reps", type=int, default=5, help="interleaved rounds (infer)")
+    p.add_argument("--results-dir", type=Path, default=RESULTS, help="where cola.* go")
     args = p.parse_args()
+    RESULTS = args.results_dir
     torch.set_num_threads(args.threads)
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "cola.json"
@@ -293,7 +321,7 @@ def main() -> None:
         elif part == "flops":
             res = part_flops(256)
         elif part == "infer":
-            res = part_infer(32, args.infer_seq, 3)
+            res = part_infer(args.infer_batch, args.infer_seq, args.infer_reps)
         elif part == "quality":
             res = part_quality(args.threads)
         elif part == "rank":

@@ -2,10 +2,18 @@
 
 ``slimact.hf.compile_blocks`` compiles every block's forward; the root stays eager (see
 ``slimact.hf``). Codec strategies (int4, prac) are left eager by design and reported as such.
-Step time: median of ``--steps`` forward+backward after 2 warm-up steps (the first compiled
-call, which compiles, is excluded and reported separately). torch.set_num_threads(--threads).
+Step time: per strategy, the eager and the compiled model are timed in ``--steps`` interleaved
+rounds (eager, compiled, eager, ...; ``slimact.timing``) after 2 warm-up rounds (the first
+compiled call, which compiles, is excluded and reported separately); ``speedup`` is the median
+of per-round t(eager) / t(compiled), ``speedup_spread`` its spread. Strategies are not
+interleaved with each other: each compiles after ``torch._dynamo.reset()`` (dynamo caches per
+code object, and every strategy's blocks share LlamaBlock.forward), so one strategy's compiled
+model cannot be kept beside another's; no ratio across strategies is reported.
+torch.set_num_threads(--threads); the JSON's meta records the load average.
 
     PYTHONPATH=src python benchmarks/bench_compile.py [--model llama-20m --batch 2 --seq 128]
+    python benchmarks/bench_compile.py --model llama-tiny --batch 1 --seq 16 --steps 2 \
+        --strategies none,int4 --out /tmp/compile.json   # smoke
 """
 
 from __future__ import annotations
@@ -14,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -22,6 +29,7 @@ import torch
 
 import slimact
 from slimact import hf
+from slimact.timing import interleaved, load_average
 
 STRATEGIES = ("none", "recompute", "invact", "invact+recompute", "int4", "prac")
 
@@ -31,7 +39,8 @@ def build(name: str, strategy: str):
     return slimact.apply(slimact.build_model(name), strategy)
 
 
-def run(model, x, y, steps: int):
+def first_step(model, x, y):
+    """(saved bytes, seconds, gradients) of one metered forward+backward (compiles if compiled)."""
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     with slimact.measure(model, n_tokens=x.numel()) as m:
@@ -39,14 +48,15 @@ def run(model, x, y, steps: int):
     loss.backward()
     first = time.perf_counter() - t0
     grads = [p.grad.clone() for p in model.parameters()]
-    times = []
-    for i in range(steps + 2):
+    return m.report.total_bytes, first, grads
+
+
+def step_fn(model, x, y):
+    def step() -> None:
         model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
         model(x, targets=y).loss.backward()
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    return m.report.total_bytes, statistics.median(times), first, grads
+
+    return step
 
 
 def main() -> None:
@@ -54,7 +64,7 @@ def main() -> None:
     ap.add_argument("--model", default="llama-20m")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="interleaved timing rounds")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--out", default="benchmarks/results/compile.json")
@@ -66,26 +76,36 @@ def main() -> None:
     rows = []
     for strategy in a.strategies.split(","):
         eager = build(a.model, strategy)
-        e_bytes, e_time, _, e_grads = run(eager, x, y, a.steps)
+        e_bytes, _, e_grads = first_step(eager, x, y)
         model = build(a.model, strategy)
-        torch._dynamo.reset()
+        torch._dynamo.reset()  # strategies one after the other: see the module docstring
         changes = hf.compile_blocks(model, backend="inductor")
         compiled = not any(c.skipped for c in changes)
-        c_bytes, c_time, c_first, c_grads = run(model, x, y, a.steps)
+        c_bytes, c_first, c_grads = first_step(model, x, y)
+        t = interleaved(
+            {"eager": step_fn(eager, x, y), "compiled": step_fn(model, x, y)},
+            rounds=a.steps,
+            warmup=2,
+        )
+        speedup = t.ratio("eager", "compiled")
         rel = max(
             float((g - h).abs().max() / (h.abs().max() + 1e-12)) for g, h in zip(c_grads, e_grads)
         )
         row = dict(strategy=strategy, compiled=compiled,
                    note="" if compiled else changes[0].detail,
                    eager_saved_bytes=e_bytes, compiled_saved_bytes=c_bytes,
-                   eager_step_s=e_time, compiled_step_s=c_time, speedup=e_time / c_time,
+                   eager_step_s=t.median_s("eager"), compiled_step_s=t.median_s("compiled"),
+                   speedup=speedup.median, speedup_spread=speedup.to_dict(),
+                   timing_load_avg=[t.load_before, t.load_after],
                    first_compiled_call_s=c_first, max_rel_grad_diff=rel,
                    graph_breaks=sum(hf.graph_breaks().values()))  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
     meta = dict(machine=platform.processor() or platform.machine(), cores=os.cpu_count(),
                 threads=a.threads, torch=torch.__version__, model=a.model, batch=a.batch,
-                seq=a.seq, command=" ".join(["python", *sys.argv]))  # fmt: skip
+                seq=a.seq, command=" ".join(["python", *sys.argv]), load_avg=load_average(),
+                timing="per strategy: eager and compiled in interleaved rounds; speedup = "
+                "median of per-round t(eager)/t(compiled)")  # fmt: skip
     with open(a.out, "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=2)
 

@@ -2,9 +2,13 @@
 
 Same seed, same batch, baseline vs strategy, meter bytes of one forward, min gradient cosine over
 parameters (``slimact.compare.grad_cosine``). Small random-weight configs built offline (d=256,
-4 layers, batch 4 x seq 256 by default), torch.set_num_threads(1).
+4 layers, batch 4 x seq 256 by default), torch.set_num_threads(1). No step time is reported
+(for interleaved step-time ratios see ``slimact bench`` / ``slimact memory``); the JSON's meta
+records the load average all the same.
 
     PYTHONPATH=src python benchmarks/bench_hf.py [--d 256 --layers 4 --batch 4 --seq 256]
+    python benchmarks/bench_hf.py --d 64 --layers 1 --batch 1 --seq 16 --vocab 64 \
+        --out /tmp/hf.json   # smoke
 """
 
 from __future__ import annotations
@@ -14,13 +18,13 @@ import json
 import os
 import platform
 import sys
-import time
 
 import torch
 
 import slimact
 from slimact import hf
 from slimact.compare import grad_cosine
+from slimact.timing import load_average
 
 ARCHS = ("llama", "mistral", "qwen2", "gpt2", "bert")
 STRATEGIES = ("invact", "recompute", "int4", "prac", "auto@50%")
@@ -56,12 +60,14 @@ def build(arch: str, d: int, layers: int, seq: int, vocab: int):
 
 
 def step(model, x, y):
+    """(saved bytes, loss) of one metered forward+backward; the gradients stay in ``.grad``.
+
+    Not timed: one step of each model after the other would compare the machine's load."""
     torch.manual_seed(3)
-    t0 = time.perf_counter()
     with slimact.measure(model, n_tokens=x.numel()) as m:
         loss = hf.lm_loss(model, x, y)
     loss.backward()
-    return m.report.total_bytes, float(loss.detach()), time.perf_counter() - t0
+    return m.report.total_bytes, float(loss.detach())
 
 
 def main() -> None:
@@ -81,10 +87,10 @@ def main() -> None:
         )
         x, y = hf.mlm_batch(ids, a.vocab - 1, seed=2) if arch == "bert" else (ids, ids)
         base = build(arch, a.d, a.layers, a.seq, a.vocab)
-        b_bytes, b_loss, b_t = step(base, x, y)
+        b_bytes, b_loss = step(base, x, y)
         for strategy in STRATEGIES:
             model = slimact.apply(build(arch, a.d, a.layers, a.seq, a.vocab), strategy)
-            s_bytes, s_loss, s_t = step(model, x, y)
+            s_bytes, s_loss = step(model, x, y)
             row = dict(arch=arch, model=type(model).__name__, strategy=strategy,
                        saved_bytes=s_bytes, baseline_saved_bytes=b_bytes, ratio=s_bytes / b_bytes,
                        grad_cosine=grad_cosine(base, model), loss=s_loss, baseline_loss=b_loss,
@@ -97,7 +103,8 @@ def main() -> None:
             )
     meta = dict(machine=platform.processor() or platform.machine(), cores=os.cpu_count(),
                 threads=1, torch=torch.__version__, command=" ".join(["python", *sys.argv]),
-                d=a.d, layers=a.layers, batch=a.batch, seq=a.seq, vocab=a.vocab)  # fmt: skip
+                d=a.d, layers=a.layers, batch=a.batch, seq=a.seq, vocab=a.vocab,
+                load_avg=load_average())  # fmt: skip
     import transformers
 
     meta["transformers"] = transformers.__version__

@@ -5,16 +5,22 @@
     PYTHONPATH=src python benchmarks/bench_inv_act.py memory     # llama-20m, gpt2-124m, HF BERT
     PYTHONPATH=src python benchmarks/bench_inv_act.py training --runs DIR...  # metrics.jsonl diff
 
-Each part writes ``benchmarks/results/inv_act_<part>.json`` (machine, versions, command line);
-``accuracy`` also writes ``inv_act_error.png``.
+Each part writes ``benchmarks/results/inv_act_<part>.json`` (machine, versions, command line,
+load average; ``--results-dir`` elsewhere); ``accuracy`` also writes ``inv_act_error.png``.
+
+Step-time ratios (``timing``, ``memory``) come from interleaved rounds in one process (every
+compared point once per round, ``slimact.timing``): the median of per-round ratios, with its
+spread in ``*_ratio_spread``. Smoke (``--results-dir`` goes before the part)::
+
+    python benchmarks/bench_inv_act.py --results-dir /tmp/inv_act timing --smoke --reps 2
+    python benchmarks/bench_inv_act.py --results-dir /tmp/inv_act memory --models llama-tiny \
+        bert-base --batch 1 --seq 8 --steps 2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -23,13 +29,14 @@ import torch.nn as nn
 from slimact.envinfo import machine_info
 from slimact.ops import inv_act_approx as ap
 from slimact.ops.inv_act import act_ref, inv_act
+from slimact.timing import interleaved, load_average
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _meta() -> dict:
-    """Machine, versions, git commit and command (shared by every benchmark)."""
-    return machine_info()
+    """Machine, versions, git commit, command and load average (shared by every benchmark)."""
+    return machine_info() | {"load_avg": load_average()}
 
 
 def _write(part: str, data: dict) -> Path:
@@ -122,16 +129,6 @@ def _plot(x, curves) -> None:
 
 
 # ----------------------------------------------------------------------------- timing
-def _median_time(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 class _MLP(nn.Module):
     def __init__(self, d, h, act, glu=False):
         super().__init__()
@@ -146,6 +143,9 @@ class _MLP(nn.Module):
 def timing(args) -> dict:
     torch.set_num_threads(args.threads)
     d, n = 256, 2048  # paper A.3: n = 2^15, d = 2^10 on an A100; scaled down for 1 CPU thread
+    plain = 1 << 20
+    if args.smoke:  # shapes only: proves the script runs, measures nothing
+        d, n, plain = 32, 64, 1 << 12
     acts = {
         "torch": nn.GELU(),
         "invact-newton": lambda t: inv_act(t, "gelu", mode="newton"),
@@ -160,8 +160,8 @@ def timing(args) -> dict:
     }
     out = []
     for bname, make in blocks.items():
-        x = torch.randn(1 << 20 if bname.startswith("plain") else (n, d), requires_grad=True)
-        times = {}
+        x = torch.randn(plain if bname.startswith("plain") else (n, d), requires_grad=True)
+        steps = {}
         for aname, a in acts.items():
             torch.manual_seed(0)
             mod = make(a)
@@ -169,12 +169,29 @@ def timing(args) -> dict:
             def step(mod=mod, x=x):
                 mod(x).sum().backward()
 
-            times[aname] = _median_time(step, args.reps)
-        row = {"block": bname, **{k: v * 1e3 for k, v in times.items()}}
-        row.update({f"{k}_ratio": v / times["torch"] for k, v in times.items() if k != "torch"})
+            steps[aname] = step
+        # one call of every activation per round (torch, newton, paper, lsb, torch, ...)
+        t = interleaved(steps, rounds=args.reps, warmup=1)
+        row = {"block": bname, **{k: t.median_s(k) * 1e3 for k in steps}}
+        for k in steps:
+            if k != "torch":
+                r = t.ratio(k, "torch")
+                row[f"{k}_ratio"] = r.median
+                row[f"{k}_ratio_spread"] = r.to_dict()
+        row["load_avg"] = [t.load_before, t.load_after]
         out.append(row)
         print(row)
-    return _write("timing", {"unit": "ms per forward+backward", "d": d, "n": n, "rows": out})
+    return _write(
+        "timing",
+        {
+            "unit": "ms per forward+backward (median of interleaved rounds)",
+            "ratio": "median of per-round t(act) / t(torch) over --reps interleaved rounds",
+            "rounds": args.reps,
+            "d": d,
+            "n": n,
+            "rows": out,
+        },
+    )
 
 
 class _Lam(nn.Module):
@@ -187,7 +204,7 @@ class _Lam(nn.Module):
 
 
 # ----------------------------------------------------------------------------- memory
-def _bert_compare(strategy: str, batch: int, seq: int) -> dict:
+def _bert_compare(strategy: str, batch: int, seq: int, steps: int) -> dict:
     import transformers
 
     import slimact
@@ -195,29 +212,43 @@ def _bert_compare(strategy: str, batch: int, seq: int) -> dict:
 
     cfg = transformers.BertConfig()  # bert-base: 12 x 768, 3072 GELU, random init
 
-    def run(model, ids):
+    def step_fn(model, ids):
+        def step():
+            torch.manual_seed(1)  # identical dropout masks
+            model.zero_grad(set_to_none=True)
+            model(input_ids=ids).last_hidden_state.float().pow(2).mean().backward()
+
+        return step
+
+    def measured(model, ids):
+        """Saved bytes of one metered step; its gradients, kept for grad_cosine."""
         model.train()
-        torch.manual_seed(1)  # identical dropout masks
+        torch.manual_seed(1)
         model.zero_grad(set_to_none=True)
         with slimact.measure(model, n_tokens=ids.numel()) as m:
             out = model(input_ids=ids)
         out.last_hidden_state.float().pow(2).mean().backward()
-        t0 = time.perf_counter()
-        torch.manual_seed(1)
         grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-        model(input_ids=ids).last_hidden_state.float().pow(2).mean().backward()
-        dt = time.perf_counter() - t0
+        return m.report.total_bytes, grads
+
+    def restore(model, grads):
         for k, p in model.named_parameters():
             p.grad = grads.get(k)
-        return m.report.total_bytes, dt
 
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     base = transformers.BertModel(cfg)
-    b_bytes, b_t = run(base, ids)
+    b_bytes, b_grads = measured(base, ids)
     torch.manual_seed(0)
     model = slimact.apply(transformers.BertModel(cfg), strategy)
-    s_bytes, s_t = run(model, ids)
+    s_bytes, s_grads = measured(model, ids)
+    # baseline, strategy, baseline, ... in one process: the ratio is the median of per-round ratios
+    t = interleaved(
+        {"baseline": step_fn(base, ids), "strategy": step_fn(model, ids)}, rounds=steps, warmup=1
+    )
+    restore(base, b_grads)
+    restore(model, s_grads)
+    ratio = t.ratio("strategy", "baseline")
     skipped = [(c.path, c.detail) for c in slimact.applied(model) if c.skipped]
     return {
         "model": "hf-bert-base (random init)",
@@ -228,7 +259,11 @@ def _bert_compare(strategy: str, batch: int, seq: int) -> dict:
         "baseline_saved_bytes": b_bytes,
         "ratio": s_bytes / b_bytes,
         "grad_cosine": grad_cosine(base, model),
-        "step_time_ratio": s_t / b_t,
+        "step_time_s": t.median_s("strategy"),
+        "baseline_step_time_s": t.median_s("baseline"),
+        "step_time_ratio": ratio.median,
+        "step_time_ratio_spread": ratio.to_dict(),
+        "timing": t.to_dict(),
         "skipped": skipped,
     }
 
@@ -241,7 +276,7 @@ def memory(args) -> dict:
     for model in args.models:
         for strategy in ("invact", "invact-act"):
             if model == "bert-base":
-                r = _bert_compare(strategy, args.batch, args.seq)
+                r = _bert_compare(strategy, args.batch, args.seq, args.steps)
             else:
                 r = compare(
                     CompareConfig(
@@ -258,6 +293,7 @@ def memory(args) -> dict:
                         k: r[k]
                         for k in ("model", "strategy", "ratio", "grad_cosine", "step_time_ratio")
                     }
+                    | {"spread": r["step_time_ratio_spread"]}
                 )
             )
             rows.append(r)
@@ -298,21 +334,25 @@ def training(args) -> dict:
 
 
 def main() -> None:
+    global RESULTS
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="part", required=True)
     sub.add_parser("accuracy")
     t = sub.add_parser("timing")
     t.add_argument("--threads", type=int, default=1)
-    t.add_argument("--reps", type=int, default=7)
+    t.add_argument("--reps", type=int, default=7, help="interleaved timing rounds")
+    t.add_argument("--smoke", action="store_true", help="tiny shapes: check the script runs")
     m = sub.add_parser("memory")
     m.add_argument("--models", nargs="+", default=["llama-20m", "gpt2-124m", "bert-base"])
     m.add_argument("--batch", type=int, default=4)
     m.add_argument("--seq", type=int, default=128)
-    m.add_argument("--steps", type=int, default=2)
+    m.add_argument("--steps", type=int, default=2, help="interleaved timing rounds")
     m.add_argument("--threads", type=int, default=1)
     tr = sub.add_parser("training")
     tr.add_argument("--runs", nargs="+", required=True, help="run dirs; the first is the reference")
+    p.add_argument("--results-dir", type=Path, default=RESULTS, help="where the JSON files go")
     args = p.parse_args()
+    RESULTS = args.results_dir
     {"accuracy": accuracy, "timing": timing, "memory": memory, "training": training}[args.part](
         args
     )

@@ -9,6 +9,17 @@
 Each part merges its section into benchmarks/results/planner.json (machine, torch, threads and
 the command recorded per section) and rewrites planner.md; text below the marker line
 ``<!-- reading -->`` in planner.md is kept. One torch thread unless --threads says otherwise.
+
+Step times are taken in interleaved rounds in one process (``slimact.timing``: every compared
+model once per round): ``honesty`` times the baseline and the three budgets' models together,
+``anchors`` the baseline, auto, recompute-k and compiled models of one budget together. Ratios and
+added seconds are medians of per-round values, with their min-max spread (``*_spread``); each
+section's ``env`` records the load average. ``--results-dir`` writes elsewhere. Smoke::
+
+    python benchmarks/bench_planner.py --part honesty --model llama-tiny --batch 1 --seq 16 \
+        --budgets 25% --rounds 2 --results-dir /tmp/planner
+    python benchmarks/bench_planner.py --part anchors --model llama-tiny --batch 1 --seq 16 \
+        --budgets 25% --rounds 2 --results-dir /tmp/planner [--no-compile]
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from slimact.models import build_model, count_params
 from slimact.planner import plan_for, profile_model
 from slimact.planner.milp import Problem, solve_plan
 from slimact.planner.plan import ROOT
+from slimact.timing import RatioStats, interleaved, load_average
 from slimact.utils import fmt_bytes, seed_everything
 
 RESULTS = Path(__file__).parent / "results"
@@ -36,8 +48,8 @@ MARK = "<!-- reading -->"
 
 
 def env(args) -> dict:
-    """Machine, versions, git commit and command (shared by every benchmark)."""
-    return machine_info() | {"date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    """Machine, versions, git commit, command, date and load average (shared by every benchmark)."""
+    return machine_info() | {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_avg": load_average()}
 
 
 def tokens(vocab: int, b: int, s: int, seed: int):
@@ -50,20 +62,19 @@ def fresh(name: str, seed: int = 0, **over):
     return build_model(name, **over)
 
 
-def measure_step(model, x, y, steps: int = 3) -> tuple[int, float]:
-    """(saved bytes of the first step, median step time of ``steps`` after one warm-up)."""
-    model.zero_grad(set_to_none=True)
-    with slimact.measure(model) as m:
-        out = model(x, targets=y)
-    out.loss.backward()
-    times = []
-    for i in range(steps + 1):
+def step_fn(model, x, y):
+    """One forward+backward of ``model`` (gradients freed first): a point to time."""
+
+    def step() -> None:
         model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
         model(x, targets=y).loss.backward()
-        if i:
-            times.append(time.perf_counter() - t0)
-    return m.report.total_bytes, statistics.median(times)
+
+    return step
+
+
+def timed(models: dict, x, y, rounds: int):
+    """``slimact.timing.interleaved`` over ``models``: one step of each per round, one warm-up."""
+    return interleaved({k: step_fn(m, x, y) for k, m in models.items()}, rounds=rounds, warmup=1)
 
 
 def replicate(prof, n_blocks: int):
@@ -89,13 +100,19 @@ def _speed_rows(prof) -> list[dict]:
             len(g.rc) + len(g.rf) + sum(len(o) + 1 for o in g.options.values()) for g in prob.groups
         )
         for frac in (0.1, 0.25, 0.5):
-            times = []
-            for _ in range(3):
-                res = prob.solve(frac * prob.baseline_bytes)
-                times.append(res.solve_s)
-            rows.append({"layers": layers, "budget": frac, "variables": n_vars,
-                         "solve_s_median": statistics.median(times), "status": res.status,
-                         "predicted_ratio": res.bytes / prob.baseline_bytes})  # fmt: skip
+            rows.append({"layers": layers, "budget": frac, "variables": n_vars, "prob": prob,
+                         "times": []})  # fmt: skip
+    # three rounds, every (layers, budget) problem solved once per round: the load hits them
+    # alike (absolute solve times; no ratio between them is reported)
+    for _ in range(3):
+        for row in rows:
+            prob = row["prob"]
+            res = prob.solve(row["budget"] * prob.baseline_bytes)
+            row["times"].append(res.solve_s)
+            row.update(status=res.status, predicted_ratio=res.bytes / prob.baseline_bytes)
+    for row in rows:
+        del row["prob"]
+        row["solve_s_median"] = statistics.median(row.pop("times"))
     return rows
 
 
@@ -119,53 +136,68 @@ def part_speed(args) -> dict:
     print(json.dumps(out["a"]), flush=True)
     m = fresh("llama-20m")
     x, y = tokens(m.config.vocab_size, 4, 256, 0)
-    prof = replicate(_llama20m_profile(args, m, x, y), 32)
+    prof = replicate(_profile(args, m, x, y), 32)
     out["b"] = {"what": "llama-20m block (all codecs), batch 4 x seq 256, x32",
                 "rows": _speed_rows(prof)}  # fmt: skip
     return out
 
 
-def _llama20m_profile(args, model, x, y):
+def _profile(args, model, x, y):
     from slimact.planner.profile import cached_profile
 
-    return cached_profile(model, x, y, cache_dir=args.cache or None, name="LlamaModel-d512-L6",
+    c = model.config  # llama-20m: "LlamaModel-d512-L6", the name its cached profiles have
+    name = f"{type(model).__name__}-d{c.d_model}-L{c.n_layers}"
+    return cached_profile(model, x, y, cache_dir=args.cache or None, name=name,
                           codecs=None, repeats=3, reform=True)  # fmt: skip
 
 
 def part_honesty(args) -> dict:
-    """llama-20m: predicted vs measured saved bytes at 10/25/50%, and per-layer freedom."""
-    b, s = args.batch, args.seq
-    base_model = fresh("llama-20m")
+    """Predicted vs measured saved bytes at each budget (10/25/50%), and per-layer freedom.
+
+    The baseline and every budget's model are built first, then timed together in interleaved
+    rounds: measured added seconds and step-time ratios are medians of per-round values."""
+    b, s, name = args.batch, args.seq, args.model
+    base_model = fresh(name)
     x, y = tokens(base_model.config.vocab_size, b, s, 0)
     x2, y2 = tokens(base_model.config.vocab_size, b, s, 1)
-    base_bytes, base_t = measure_step(base_model, x, y)
+    base_bytes = saved_bytes(base_model, x, y)
     t0 = time.perf_counter()
-    plan25 = plan_for(fresh("llama-20m"), b, s, "25%", seed=0, cache=args.cache)
+    plan25 = plan_for(fresh(name), b, s, "25%", seed=0, cache=args.cache)
     plan_s = time.perf_counter() - t0
-    rows = []
-    for budget in ("10%", "25%", "50%"):
-        model = fresh("llama-20m")
+    rows, models = [], {"baseline": base_model}
+    for budget in args.budgets.split(","):
+        model = fresh(name)
         plan = plan_for(model, b, s, budget, seed=0, cache=args.cache)
         slimact.apply(model, plan)
-        got, t = measure_step(model, x, y)
+        got = saved_bytes(model, x, y)
         with slimact.measure(model) as m:
             model(x2, targets=y2).loss.backward()
         got2 = m.report.total_bytes
+        models[budget] = model
         rows.append({
             "budget": budget, "budget_bytes": plan.budget_bytes,
             "predicted_bytes": plan.predicted_bytes, "measured_bytes": got,
             "measured_other_batch": got2, "within_budget": got <= plan.budget_bytes,
             "prediction_error": (got - plan.predicted_bytes) / plan.predicted_bytes,
             "ratio": got / base_bytes, "predicted_added_s": plan.predicted_time_s,
-            "step_s": t, "baseline_step_s": base_t, "measured_added_s": t - base_t,
             "solve_s": plan.solve_s,
             "recompute": sorted({p or "(block)" for lp in plan.layers for p in lp.recompute}),
             "reform": sorted({p for lp in plan.layers for p in lp.reform}),
             "codecs": sorted({c for lp in plan.layers for c, _ in lp.codecs}),
         })  # fmt: skip
-        print(json.dumps(rows[-1]), flush=True)
+    t = timed(models, x, y, args.rounds)
+    for row in rows:
+        k = row["budget"]
+        added = RatioStats.of([a - z for a, z in zip(t.times[k], t.times["baseline"])])
+        ratio = t.ratio(k, "baseline")
+        row.update({
+            "step_s": t.median_s(k), "baseline_step_s": t.median_s("baseline"),
+            "measured_added_s": added.median, "measured_added_s_spread": added.to_dict(),
+            "step_time_ratio": ratio.median, "step_time_ratio_spread": ratio.to_dict(),
+        })  # fmt: skip
+        print(json.dumps(row), flush=True)
     freedom = []
-    prof = _llama20m_profile(args, fresh("llama-20m"), x, y)
+    prof = _profile(args, fresh(name), x, y)
     for frac in (0.05, 0.1, 0.15, 0.25, 0.35, 0.5, 0.7):
         row = {"budget": frac}
         for layers in ("uniform", "ends", "each"):
@@ -173,8 +205,9 @@ def part_honesty(args) -> dict:
             res = prob.solve(frac * prob.baseline_bytes)
             row[layers] = res.time_s if res.status == "optimal" else None
         freedom.append(row)
-    return {"model": "llama-20m", "batch": b, "seq": s, "baseline_bytes": base_bytes,
+    return {"model": name, "batch": b, "seq": s, "baseline_bytes": base_bytes,
             "plan_s_first (profile+solve)": plan_s, "rows": rows, "per_layer_freedom": freedom,
+            "rounds": args.rounds, "timing_load_avg": [t.load_before, t.load_after],
             "table_25": plan25.table()}  # fmt: skip
 
 
@@ -184,20 +217,6 @@ def saved_bytes(model, x, y) -> int:
         out = model(x, targets=y)
     out.loss.backward()
     return m.report.total_bytes
-
-
-def interleaved(models: dict, x, y, rounds: int) -> dict[str, float]:
-    """Median step time of each model, timed in rounds (one step of each per round), so that
-    the machine's changing load hits every model alike."""
-    times: dict[str, list[float]] = {k: [] for k in models}
-    for r in range(rounds + 1):
-        for k, m in models.items():
-            m.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
-            m(x, targets=y).loss.backward()
-            if r:
-                times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def compiled(model, x, y, budget: float):
@@ -222,46 +241,53 @@ def part_anchors(args) -> dict:
     For each budget: auto's plan is applied and measured; ``recompute`` checkpoints the first k
     blocks, k the smallest with bytes <= auto's; torch.compile's ``activation_memory_budget`` is
     set to auto's bytes / the compiled graph's bytes at budget 1 (once more if it overshoots).
-    Then all four (eager baseline, auto, recompute-k, compiled) are timed in interleaved rounds."""
-    b, s = args.batch, args.seq
-    base = fresh("llama-20m")
+    Then all four (eager baseline, auto, recompute-k, compiled) are timed in interleaved rounds.
+
+    Budgets are not interleaved with each other: the compiled model of one budget cannot coexist
+    with another's (``activation_memory_budget`` is a global read when dynamo compiles, and dynamo
+    caches per code object, so ``compiled`` resets dynamo for each budget). Each budget's row is
+    its own interleaved set, with its own eager baseline; no ratio across rows is reported."""
+    b, s, name = args.batch, args.seq, args.model
+    base = fresh(name)
     x, y = tokens(base.config.vocab_size, b, s, 0)
     base_bytes = saved_bytes(base, x, y)
     n_layers = base.config.n_layers
     rec = []
     for k in range(n_layers + 1):
-        m = slimact.apply(fresh("llama-20m"), "recompute", filter_fn=by_blocks(k))
+        m = slimact.apply(fresh(name), "recompute", filter_fn=by_blocks(k))
         rec.append((k, saved_bytes(m, x, y)))
-    full = None if args.no_compile else compiled(fresh("llama-20m"), x, y, 1.0)[1]
+    full = None if args.no_compile else compiled(fresh(name), x, y, 1.0)[1]
     rows = []
     for budget in args.budgets.split(","):
-        auto = fresh("llama-20m")
+        auto = fresh(name)
         plan = plan_for(auto, b, s, budget, seed=0, cache=args.cache)
         slimact.apply(auto, plan)
         a_bytes = saved_bytes(auto, x, y)
         k, _ = next(((k, kb) for k, kb in rec if kb <= a_bytes), rec[-1])
-        recm = slimact.apply(fresh("llama-20m"), "recompute", filter_fn=by_blocks(k))
+        recm = slimact.apply(fresh(name), "recompute", filter_fn=by_blocks(k))
         models = {"baseline": base, "auto": auto, "recompute": recm}
         row = {"budget": budget, "auto_bytes": a_bytes, "recompute_blocks": k,
                "recompute_bytes": saved_bytes(recm, x, y)}  # fmt: skip
         if full is not None:
             frac = min(1.0, a_bytes / full)
-            cm, c_bytes, c_s = compiled(fresh("llama-20m"), x, y, frac)
+            cm, c_bytes, c_s = compiled(fresh(name), x, y, frac)
             if c_bytes > a_bytes:
                 frac *= a_bytes / c_bytes
-                cm, c_bytes, c_s = compiled(fresh("llama-20m"), x, y, frac)
+                cm, c_bytes, c_s = compiled(fresh(name), x, y, frac)
             models["compile"] = cm
             row.update(compile_budget=frac, compile_bytes=c_bytes, compile_s=c_s,
                        compile_full_bytes=full)  # fmt: skip
-        t = interleaved(models, x, y, args.rounds)
-        row.update({f"{k}_step_s": v for k, v in t.items()})
-        row["baseline_step_s"] = t["baseline"]
-        row["auto_vs_recompute"] = t["auto"] / t["recompute"]
-        if "compile" in t:
-            row["auto_vs_compile"] = t["auto"] / t["compile"]
+        t = timed(models, x, y, args.rounds)
+        row.update({f"{k}_step_s": t.median_s(k) for k in models})
+        for other in ("recompute", "compile"):
+            if other in models:  # median of per-round t(auto) / t(other)
+                r = t.ratio("auto", other)
+                row[f"auto_vs_{other}"] = r.median
+                row[f"auto_vs_{other}_spread"] = r.to_dict()
+        row["timing_load_avg"] = [t.load_before, t.load_after]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    return {"model": "llama-20m", "batch": b, "seq": s, "baseline_bytes": base_bytes,
+    return {"model": name, "batch": b, "seq": s, "baseline_bytes": base_bytes,
             "rounds": args.rounds, "recompute_k_bytes": rec, "rows": rows,
             "auto_compiled": "not run: auto installs saved-tensor hooks and patches module "
             "forwards at run time; compiling it is untested"}  # fmt: skip
@@ -303,13 +329,25 @@ def part_table3(args) -> dict:
 # -- report -------------------------------------------------------------------------------------
 
 
+def _spread(x: dict, key: str, fmt: str = ".2f") -> str:
+    """``1.07 (0.98-1.15)``: a median of per-round values with its min-max, where recorded
+    (sections written before the interleaved rounds have no spread)."""
+    sp = x.get(f"{key}_spread")
+    if not sp:
+        return "-" if x.get(key) is None else format(x[key], fmt)
+    return f"{format(sp['median'], fmt)} ({format(sp['min'], fmt)}-{format(sp['max'], fmt)})"
+
+
 def report(data: dict) -> str:
     lines = ["# Planner benchmarks (issue 7)", ""]
     for part, sec in data.items():
         e = sec.get("env", {})
+        cores = e.get("cores", e.get("cpu_count"))  # older sections: cores / threads
+        threads = e.get("threads", e.get("torch_threads"))
+        load = f", load average {e['load_avg']:.2f}" if e.get("load_avg") is not None else ""
         lines += [f"## {part}", "", f"`{e.get('command')}`  ", f"{e.get('machine')}, "
-                  f"{e.get('cores')} cores, {e.get('threads')} torch thread(s), torch "
-                  f"{e.get('torch')}, {e.get('date')}", ""]  # fmt: skip
+                  f"{cores} cores, {threads} torch thread(s), torch "
+                  f"{e.get('torch')}, {e.get('date')}{load}", ""]  # fmt: skip
         r = sec["result"]
         if part == "speed":
             for key in ("a", "b"):
@@ -322,8 +360,8 @@ def report(data: dict) -> str:
         elif part == "honesty":
             lines += [
                 "| budget | budget bytes | predicted | measured | error | within | other "
-                "batch | ratio | predicted +s | measured +s |",
-                "|" + "---|" * 10,
+                "batch | ratio | predicted +s | measured +s | step-time ratio |",
+                "|" + "---|" * 11,
             ]
             for x in r["rows"]:
                 lines.append(
@@ -331,8 +369,17 @@ def report(data: dict) -> str:
                     f"{fmt_bytes(x['predicted_bytes'])} | {fmt_bytes(x['measured_bytes'])} | "
                     f"{x['prediction_error']:+.2%} | {x['within_budget']} | "
                     f"{fmt_bytes(x['measured_other_batch'])} | {x['ratio']:.3f} | "
-                    f"{x['predicted_added_s']:.3f} | {x['measured_added_s']:.3f} |"
+                    f"{x['predicted_added_s']:.3f} | {_spread(x, 'measured_added_s', '.3f')} | "
+                    f"{_spread(x, 'step_time_ratio')} |"
                 )
+            if r.get("rounds"):
+                lines += ["", f"Measured +s and step-time ratio vs the baseline: medians of "
+                          f"per-round values over {r['rounds']} interleaved rounds of the "
+                          "baseline and every budget's model (min-max)."]  # fmt: skip
+            else:
+                lines += ["", "Measured +s: each model timed after the other (recorded before "
+                          "interleaved rounds), so it compares the machine's load too; no "
+                          "spread."]  # fmt: skip
             lines += ["", "Per-layer freedom (predicted added seconds per step):", "",
                       "| budget | uniform | ends | each |", "|---|---|---|---|"]  # fmt: skip
             for x in r["per_layer_freedom"]:
@@ -346,15 +393,19 @@ def report(data: dict) -> str:
             for x in r["rows"]:
                 c = (f"{x['compile_budget']:.3f} | {fmt_bytes(x['compile_bytes'])} | "
                      f"{x['compile_step_s']:.3f}") if "compile_bytes" in x else "- | - | -"  # fmt: skip
-                ac = f"{x['auto_vs_compile']:.2f}" if "auto_vs_compile" in x else "-"
+                ac = _spread(x, "auto_vs_compile")
                 lines.append(
                     f"| {x['budget']} | {x['baseline_step_s']:.3f} | {fmt_bytes(x['auto_bytes'])}"
                     f" | {x['auto_step_s']:.3f} | {x['recompute_blocks']} | "
                     f"{fmt_bytes(x['recompute_bytes'])} | {x['recompute_step_s']:.3f} | {c} | "
-                    f"{x['auto_vs_recompute']:.2f} | {ac} |"
+                    f"{_spread(x, 'auto_vs_recompute')} | {ac} |"
                 )
-            lines += ["", f"Step times: medians of {r.get('rounds')} interleaved rounds, eager "
-                      f"unless 'compile'. auto under torch.compile: {r['auto_compiled']}"]  # fmt: skip
+            lines += ["", f"Step times: medians of {r.get('rounds')} interleaved rounds of the "
+                      "models of one budget (baseline, auto, recompute-k and, where run, compile), "
+                      "eager unless 'compile'; auto/recompute and "
+                      "auto/compile: medians of per-round ratios (min-max, where recorded). "
+                      "Budgets are not interleaved with each other (each compiles anew). "
+                      f"auto under torch.compile: {r['auto_compiled']}"]  # fmt: skip
         elif part == "table3":
             lines += [
                 f"{r['model']} at seq {r['seq']}, {fmt_bytes(r['device_bytes'])} device, "
@@ -370,6 +421,7 @@ def report(data: dict) -> str:
 
 
 def main() -> None:
+    global RESULTS, JSON_PATH, MD_PATH
     p = argparse.ArgumentParser()
     p.add_argument("--part", required=True, choices=["speed", "honesty", "anchors", "table3",
                                                      "report"])  # fmt: skip
@@ -379,12 +431,16 @@ def main() -> None:
     p.add_argument("--budgets", default="10%,25%,50%")
     p.add_argument("--cache", default="")
     p.add_argument("--no-compile", action="store_true")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (anchors)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+    p.add_argument("--model", default="llama-20m", help="honesty and anchors (llama family)")
+    p.add_argument("--results-dir", type=Path, default=RESULTS, help="planner.{json,md} go here")
     p.add_argument("--t3-model", default="llama-350m")
     p.add_argument("--t3-seq", type=int, default=1024)
     p.add_argument("--device-gib", type=int, default=24)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    RESULTS = args.results_dir
+    JSON_PATH, MD_PATH = RESULTS / "planner.json", RESULTS / "planner.md"
     RESULTS.mkdir(parents=True, exist_ok=True)
     data = json.loads(JSON_PATH.read_text()) if JSON_PATH.exists() else {}
     if args.part != "report":

@@ -10,6 +10,19 @@ version, thread count and the command line) and ``report`` writes ``prac.md`` an
 ``prac_loss_<model>_b<B>s<S>.png``. Training runs use ``slimact.train.train`` on the embedded corpus; their lazy
 update interval is scaled to the run (T1 = T2 = ``--interval``, default 20 of 300 steps, where the
 paper uses 500 of 10K+): runs are named ``<strategy>-t<T1>-<T2>[-rsvd][-all]``.
+
+Speed comparisons are taken in interleaved rounds in one process (``slimact.timing``): ``memory``
+through ``slimact.compare`` (baseline, strategy, baseline, ...), ``svd`` with exact and every
+randomized variant once per round; both report the median of per-round ratios with its min-max
+spread (``*_spread``), and every record carries the load average. The training runs' tokens/s
+come from separate runs one after the other, not interleaved: not a speed comparison.
+``--results-dir`` (before the subcommand) writes elsewhere. Smoke::
+
+    python benchmarks/bench_prac.py --results-dir /tmp/prac memory --model llama-tiny \
+        --strategies prac --batch 1 --seq 16 --steps 2
+    python benchmarks/bench_prac.py --results-dir /tmp/prac svd --model llama-tiny --layer 1 \
+        --batch 1 --seq 16 --rounds 2
+    python benchmarks/bench_prac.py --results-dir /tmp/prac report
 """
 
 from __future__ import annotations
@@ -26,16 +39,18 @@ from pathlib import Path
 import torch
 
 from slimact.envinfo import machine_info
+from slimact.timing import interleaved, load_average
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
 JSON_PATH = RESULTS / "prac.json"
 RUNS = RESULTS / "prac_runs"
+NITERS = (0, 1, 2, 4)
 
 
 def machine() -> dict:
-    """Machine, versions, git commit and command (shared by every benchmark)."""
-    return machine_info()
+    """Machine, versions, git commit, command and load average (shared by every benchmark)."""
+    return machine_info() | {"load_avg": load_average()}
 
 
 def merge(section: str, key: str, value: dict) -> None:
@@ -121,11 +136,14 @@ def cmd_train(args: argparse.Namespace) -> None:
             "final_val_loss": curve[-1][1],
             "final_train_loss": history[-1]["loss"],
             "saved_bytes_first_step": history[0].get("saved_bytes"),
+            # median of this run's logged steps; runs go one after the other (not interleaved)
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in history[1:]),
             "wall_s": None if args.from_run else wall,
             "val_curve": curve,
             "train_curve": train_curve,
-            "run_dir": str(out.relative_to(ROOT.parent)),
+            "run_dir": str(
+                out.relative_to(ROOT.parent) if out.is_relative_to(ROOT.parent) else out
+            ),
         },
     )
     print(json.dumps({"strategy": name, "final_val_loss": curve[-1][1], "wall_s": wall}))
@@ -150,9 +168,10 @@ def cmd_memory(args: argparse.Namespace) -> None:
         )
         keep = (
             "saved_bytes baseline_saved_bytes ratio step_time_s baseline_step_time_s "
-            "step_time_ratio grad_cosine loss baseline_loss params"
+            "step_time_ratio step_time_ratio_spread grad_cosine loss baseline_loss params"
         ).split()
         row = {k: res[k] for k in keep}
+        row["timing_load_avg"] = [res["timing"]["load_before"], res["timing"]["load_after"]]
         row.update(batch=args.batch, seq=args.seq, tokens=args.batch * args.seq)
         merge("memory", f"{args.model}/{strategy}/b{args.batch}s{args.seq}", row)
         print(json.dumps({"model": args.model, "strategy": strategy, **row}))
@@ -189,16 +208,6 @@ def cmd_ratio(args: argparse.Namespace) -> None:
         print(json.dumps({"model": args.model, "batch": b, "seq": s, **row}))
 
 
-def _time(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def cmd_svd(args: argparse.Namespace) -> None:
     """Exact SVD vs randomized range finder for Q1 on real llama-20m activations."""
     import slimact
@@ -210,7 +219,9 @@ def cmd_svd(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     model = build_model(args.model, vocab_size=args.vocab)
     x = torch.randint(0, model.config.vocab_size, (args.batch, args.seq))
-    want = {"layers.2.self_attn.q_proj:linear#0", "layers.2.mlp.down_proj:linear#0"}
+    want = {
+        f"layers.{args.layer}.{s}" for s in ("self_attn.q_proj:linear#0", "mlp.down_proj:linear#0")
+    }
     acts: dict[str, torch.Tensor] = {}
 
     def grab(site: str, t: torch.Tensor):
@@ -227,22 +238,43 @@ def cmd_svd(args: argparse.Namespace) -> None:
         exact = principal_basis_ref(a, r1)
         best = float((a @ exact).square().sum())
         tail = float(a.square().sum()) - best
+        # exact and every randomized variant once per round (exact, niter0, niter1, ...)
+        points = {"exact": functools.partial(principal_basis_ref, a, r1)}
+        for niter in NITERS:
+            gen = torch.Generator().manual_seed(0)
+            points[f"niter{niter}"] = functools.partial(
+                randomized_basis_ref, a, r1, gen, niter=niter
+            )
+        t = interleaved(points, rounds=args.rounds, warmup=1)
         row = {
             "shape": list(a.shape),
             "r1": r1,
-            "exact_s": _time(functools.partial(principal_basis_ref, a, r1), 3),
+            "exact_s": t.median_s("exact"),
+            "rounds": args.rounds,
+            "timing_load_avg": [t.load_before, t.load_after],
         }
-        for niter in (0, 1, 2, 4):
+        for niter in NITERS:
             gen = torch.Generator().manual_seed(0)
             q = randomized_basis_ref(a, r1, gen, niter=niter)
             got = float((a @ q).square().sum())
+            ratio = t.ratio(f"niter{niter}", "exact")
             row[f"randomized_niter{niter}"] = {
-                "s": _time(functools.partial(randomized_basis_ref, a, r1, gen, niter=niter), 3),
+                "s": t.median_s(f"niter{niter}"),
+                "s_vs_exact": ratio.median,
+                "s_vs_exact_spread": ratio.to_dict(),
                 "captured_energy_vs_exact": got / best,
                 "tail_energy_vs_exact": (float(a.square().sum()) - got) / tail,
             }
         merge("svd", f"{args.model}/{site}/b{args.batch}s{args.seq}", row)
         print(json.dumps({"site": site, **row}))
+
+
+def _spread(r: dict, key: str) -> str:
+    """``1.07 (0.98-1.15)``: the median of per-round ratios and its min-max, where recorded."""
+    sp = r.get(f"{key}_spread")
+    if not sp:  # recorded before the interleaved rounds: a ratio of medians, no spread
+        return "–" if r.get(key) is None else f"{r[key]:.2f}"
+    return f"{sp['median']:.2f} ({sp['min']:.2f}-{sp['max']:.2f})"
 
 
 def _plot(runs: dict, title: str, path: Path) -> None:
@@ -286,6 +318,10 @@ def write_report() -> None:
         lines += [
             "## Saved activations, gradients, step time (`compare`, fp32, 1 thread)",
             "",
+            "Step-time ratio: strategy / baseline, median of per-round ratios over interleaved "
+            "rounds (min-max); a value without a spread was recorded before interleaving (one "
+            "model timed after the other).",
+            "",
             "| model | strategy | B×S | saved | baseline | ratio | grad_cosine | step-time ratio |",
             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
         ]
@@ -294,7 +330,7 @@ def write_report() -> None:
             lines.append(
                 f"| {model} | {strategy} | {r['batch']}×{r['seq']} | {r['saved_bytes'] / 2**20:.1f} MiB"
                 f" | {r['baseline_saved_bytes'] / 2**20:.1f} MiB | {r['ratio']:.3f} "
-                f"| {r['grad_cosine']:.3f} | {r['step_time_ratio']:.2f} |"
+                f"| {r['grad_cosine']:.3f} | {_spread(r, 'step_time_ratio')} |"
             )
         lines.append("")
     ratio = data.get("ratio", {})
@@ -329,6 +365,8 @@ def write_report() -> None:
             "| run | T1 | T2 | Q1 by | sites | final val loss | vs none | tokens/s | saved (1st step) |",
             "| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |",
         ]
+        notes_tps = "tokens/s: median of each run's logged steps; the runs went one after the "
+        notes_tps += "other, not interleaved, so the column is not a speed comparison."
         for name, r in sorted(runs.items(), key=lambda kv: (kv[0] != "none", kv[0])):
             rel = f"{(r['final_val_loss'] / base - 1) * 100:+.2f}%" if base else "–"
             prac = name != "none"
@@ -341,22 +379,27 @@ def write_report() -> None:
             )
         png = f"prac_loss_{model}_{bs}.png"
         _plot(runs, f"{model} {shape}", RESULTS / png)
-        lines += ["", f"![loss curves, {model} {shape}]({png})", ""]
+        lines += ["", notes_tps, "", f"![loss curves, {model} {shape}]({png})", ""]
     svd = data.get("svd", {})
     if svd:
         lines += [
             "## Q1: exact SVD vs randomized range finder (real activations, 1 thread)",
             "",
-            "| site | X shape | r1 | exact (s) | niter | randomized (s) | energy vs exact "
-            "| tail vs exact |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "Times: medians over rounds in which exact and every randomized variant ran once "
+            "each; time vs exact: median of per-round ratios (min-max). Rows without it were "
+            "timed one after the other (recorded before interleaving).",
+            "",
+            "| site | X shape | r1 | exact (s) | niter | randomized (s) | time vs exact "
+            "| energy vs exact | tail vs exact |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for key, r in svd.items():
             for niter in (0, 1, 2, 4):
                 q = r[f"randomized_niter{niter}"]
                 lines.append(
                     f"| {key.split('/')[1]} | {r['shape']} | {r['r1']} | {r['exact_s']:.3f} "
-                    f"| {niter} | {q['s']:.3f} | {q['captured_energy_vs_exact']:.4f} "
+                    f"| {niter} | {q['s']:.3f} | {_spread(q, 's_vs_exact')} "
+                    f"| {q['captured_energy_vs_exact']:.4f} "
                     f"| {q['tail_energy_vs_exact']:.4f} |"
                 )
         lines.append("")
@@ -385,7 +428,8 @@ def write_report() -> None:
     lines += [
         "## Reproduce",
         "",
-        f"Machine: {m['processor']}, {m['cores']} cores (shared), torch {m['torch']}, "
+        f"Machine: {m['processor']}, {m.get('cores', m.get('cpu_count'))} cores (shared), "
+        f"torch {m['torch']}, "
         f"Python {m['python']}.",
         "",
         "```",
@@ -440,6 +484,7 @@ def cmd_subspace(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    global RESULTS, JSON_PATH, RUNS
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     common = argparse.ArgumentParser(add_help=False)
@@ -468,7 +513,7 @@ def main() -> None:
     m.add_argument("--strategies", nargs="+", default=["prac", "pac", "rac"])
     m.add_argument("--batch", type=int, default=16)
     m.add_argument("--seq", type=int, default=256)
-    m.add_argument("--steps", type=int, default=1)
+    m.add_argument("--steps", type=int, default=1, help="interleaved timing rounds")
     m.add_argument("--warmup", type=int, default=1)
     r = sub.add_parser("ratio", parents=[common])
     r.add_argument("--shapes", nargs="+", default=["4x128", "4x256", "8x256", "16x256", "32x256"])
@@ -476,6 +521,8 @@ def main() -> None:
     s = sub.add_parser("svd", parents=[common])
     s.add_argument("--batch", type=int, default=16)
     s.add_argument("--seq", type=int, default=256)
+    s.add_argument("--layer", type=int, default=2, help="the block whose activations are used")
+    s.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
     q = sub.add_parser("subspace", parents=[common])
     q.add_argument("--shapes", nargs="+", default=["4x96", "16x256"])
     q.add_argument("--layer", type=int, default=2)
@@ -491,7 +538,13 @@ def main() -> None:
         ],
     )
     sub.add_parser("report")
+    p.add_argument("--results-dir", type=Path, default=RESULTS, help="where prac.* go")
     args = p.parse_args()
+    RESULTS, JSON_PATH, RUNS = (
+        args.results_dir,
+        args.results_dir / "prac.json",
+        args.results_dir / "prac_runs",
+    )
     if args.cmd == "report":
         write_report()
         return
