@@ -108,6 +108,7 @@ def test_pareto_front_pure_function():
     assert pareto_front([(1.0, 1.0)]) == [0]
 
 
+@pytest.mark.slow
 def test_report_tables_plots_and_benchmarks_section(tmp_path):
     res = tmp_path / "results" / "bench"
     res.mkdir(parents=True)

@@ -101,6 +101,7 @@ def test_param_counts_match_table5(name, paper_m):
     assert count_params(name) / 1e6 == pytest.approx(paper_m, rel=0.02)
 
 
+@pytest.mark.slow
 def test_sizes_ranks_and_both_sigma_defaults():
     expect = {"cola-60m": (128, 512, True), "cola-130m": (256, 768, True),
               "cola-350m": (256, 1024, False), "cola-1b": (512, 2048, False),

@@ -12,7 +12,13 @@ from slimact.ops.inv_act import _inv_act_fwd_op, inv_act, inv_act_op
 dynamo = pytest.importorskip("torch._dynamo")
 
 B, S = 2, 32
-COMPILED = ("none", "recompute", "invact", "invact+recompute")
+# one strategy compiles in the default run; the others (25-70 s each on 2 cores) are `slow`
+COMPILED = (
+    pytest.param("none", marks=pytest.mark.slow),
+    "recompute",
+    pytest.param("invact", marks=pytest.mark.slow),
+    pytest.param("invact+recompute", marks=pytest.mark.slow),
+)
 
 
 def _batch():
@@ -58,6 +64,7 @@ def test_compiled_blocks_match_eager_without_graph_breaks(strategy):
     assert hf.patched_modules(model) == []
 
 
+@pytest.mark.slow
 def test_invact_saves_less_than_baseline_when_compiled():
     torch.set_num_threads(1)
     sizes = {}

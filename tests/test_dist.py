@@ -144,6 +144,7 @@ def test_dist_mode_validated():
         TrainConfig(model="llama-tiny", dist="horovod")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_torchrun_train_rank0_logs_and_checkpoint_loads(tmp_path, mode):
     out = tmp_path / "run"

@@ -16,7 +16,7 @@ def test_quick_start_has_two_commands():
     cmds = _quick_start_commands()
     assert len(cmds) == 2 and all("\n" not in c for c in cmds)
     assert "torch==2.13.0" in cmds[0] and "slimact train" in cmds[0]
-    assert "pytest" in cmds[1]
+    assert "pytest" in cmds[1] and '-m "not slow"' in cmds[1], "slow tests stay out of CI"
     venv = "python -m venv .venv && . .venv/bin/activate && "
     for c in cmds:  # a fresh, empty environment: an undeclared dependency fails the command
         assert c.startswith(venv), c
