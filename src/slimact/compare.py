@@ -205,6 +205,7 @@ def compare(cfg: CompareConfig) -> dict:
         "saved_bytes": report.total_bytes,
         "baseline_saved_bytes": base_report.total_bytes,
         "ratio": report.total_bytes / base_report.total_bytes,
+        "param_cast_bytes": report.param_cast_bytes,  # autocast weight copies, not in saved_bytes
         "block_saved_bytes": report.block_bytes,
         "baseline_block_saved_bytes": base_report.block_bytes,
         "bytes_per_token_per_block": report.bytes_per_token_per_block(),

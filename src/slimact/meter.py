@@ -51,6 +51,8 @@ class MemoryReport:
     n_blocks: int = 0
     step_time_s: float | None = None
     peak_allocated_bytes: int | None = None
+    param_cast_bytes: int = 0  # autocast's parameter copies saved for backward: not activations
+    param_casts: int = 0  # how many such saves (a cast saved by several ops counts each time)
 
     @property
     def per_block(self) -> dict[str, int]:
@@ -85,6 +87,8 @@ class MemoryReport:
             "bytes_per_token_per_block": self.bytes_per_token_per_block(),
             "step_time_s": self.step_time_s,
             "peak_allocated_bytes": self.peak_allocated_bytes,
+            "param_cast_bytes": self.param_cast_bytes,
+            "param_casts": self.param_casts,
             "per_block": self.per_block,
             "sites": [asdict(s) for s in self.sites],
         }
@@ -102,6 +106,9 @@ class MemoryReport:
         for b, n in self.per_block.items():
             lines.append(f"{b:<58} {'':<10} {'':<20} {n:>12,}")
         lines.append(f"{'TOTAL':<58} {'':<10} {'':<20} {self.total_bytes:>12,}")
+        if self.param_casts:
+            label = f"(+ parameter casts, not activations: {self.param_casts} saves)"
+            lines.append(f"{label:<58} {'':<10} {'':<20} {self.param_cast_bytes:>12,}")
         return "\n".join(lines)
 
 
@@ -113,7 +120,18 @@ class Meter:
         self._by_storage: dict[tuple[str, int], SiteRecord] = {}
         self._records: dict[str, SiteRecord] = {}
         self._alive: list[torch.Tensor] = []  # keeps storages alive so pointers stay unique
+        self._cast_storages: set[tuple[str, int]] = set()
         self.report = MemoryReport(n_blocks=len(self._blocks))
+
+    def param_cast(self, module: str, op: str, t: torch.Tensor) -> None:
+        """A cast of a parameter was saved (``sites.listening_casts``): counted apart."""
+        self.report.param_casts += 1
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        if storage.nbytes() and key not in self._cast_storages:
+            self._cast_storages.add(key)
+            self._alive.append(t)
+            self.report.param_cast_bytes += storage.nbytes()
 
     def __call__(self, ev: sites.SavedEvent) -> None:
         rec = self._records.get(ev.site)
@@ -157,7 +175,7 @@ def measure(model: nn.Module | None = None, n_tokens: int | None = None) -> Iter
     meter = Meter(model)
     meter.report.n_tokens = n_tokens
     try:
-        with sites.tracking(model), sites.listening(meter):
+        with sites.tracking(model), sites.listening(meter), sites.listening_casts(meter.param_cast):
             yield meter
     finally:
         meter.release()

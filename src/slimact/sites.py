@@ -9,7 +9,12 @@ input shape, so a plan made while profiling applies unchanged while training.
 One :class:`SiteRouter` per thread owns the single ``torch.autograd.graph.saved_tensors_hooks``
 pair slimact installs. Its pack hook
 
-1. skips parameters and buffers (they are not activations),
+1. skips parameters and buffers (they are not activations) and *parameter casts*: under
+   ``torch.autocast`` each op first casts its parameters (a linear's weight) to the low
+   precision and saves that copy; it is a function of the weights, not of the batch, so it gets
+   no site name and no ordinal (names, and so codec choices and plans, are the same with and
+   without autocast), never reaches a policy, and is reported to *cast listeners* (the meter
+   counts it apart from activations),
 2. names the site,
 3. asks the active *policy* what to do with the tensor (keep it, or store it through a codec),
 4. tells every *listener* (the meter) what is actually stored, in bytes of unique storages.
@@ -58,6 +63,7 @@ class SavedEvent:
 
 
 Listener = Callable[[SavedEvent], None]
+CastListener = Callable[[str, str, torch.Tensor], None]  # (module, op, cast) of a parameter
 Policy = Callable[[str, torch.Tensor], "Stored | None"]
 
 
@@ -67,9 +73,11 @@ class _State(threading.local):
     stack: list[str] = field(default_factory=list)
     counters: dict[str, Counter] = field(default_factory=dict)
     op: str | None = None
+    op_args: tuple = ()
     roles: list[str] = field(default_factory=list)
     excluded: set[int] = field(default_factory=set)
     listeners: list[Listener] = field(default_factory=list)
+    cast_listeners: list[CastListener] = field(default_factory=list)
     policies: list[Policy] = field(default_factory=list)
 
 
@@ -105,6 +113,43 @@ def _is_excluded(t: torch.Tensor) -> bool:
         return False
 
 
+def _is_param(t: torch.Tensor) -> bool:
+    return isinstance(t, nn.Parameter) or _is_excluded(t)
+
+
+def is_param_cast(t: torch.Tensor) -> bool:
+    """Whether ``t`` (or the tensor it views) is a dtype cast of a parameter, not an activation.
+
+    Under ``torch.autocast`` a linear saves its input and its weight *cast to the low precision*
+    (often as a transposed view). A trainable parameter's cast has ``grad_fn`` ``ToCopyBackward0``
+    whose only input is the parameter's ``AccumulateGrad``. A frozen parameter's cast has no
+    ``grad_fn``; it is recognised as a low-precision tensor equal to a parameter argument of the
+    same shape of the running op (only tensors without autograd history are compared).
+    """
+    base = t._base if t._base is not None else t
+    fn = base.grad_fn
+    if fn is not None:
+        if type(fn).__name__ != "ToCopyBackward0":
+            return False
+        nxt = fn.next_functions
+        acc = nxt[0][0] if nxt else None
+        var = getattr(acc, "variable", None)
+        return isinstance(var, torch.Tensor) and _is_param(var)
+    if base.requires_grad or not base.is_floating_point() or not _state.op_args:
+        return False
+    for a in _state.op_args:
+        if (
+            isinstance(a, torch.Tensor)
+            and a.dtype != base.dtype
+            and a.shape == base.shape
+            and a.device == base.device
+            and _is_param(a)
+            and torch.equal(a.to(base.dtype), base)
+        ):
+            return True
+    return False
+
+
 class _Unpacker:
     __slots__ = ("stored",)
 
@@ -114,6 +159,10 @@ class _Unpacker:
 
 def _pack(t: torch.Tensor) -> Any:
     if _is_excluded(t):
+        return t
+    if is_param_cast(t):
+        for listener in list(_state.cast_listeners):
+            listener(current_module(), _state.op or "saved", t)
         return t
     op = _state.roles[-1] if _state.roles else (_state.op or "saved")
     site, module = _next_site(op)
@@ -177,13 +226,14 @@ class _OpTracker(TorchFunctionMode):
     """Records which Python-level torch function is running, so saves can name their op."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        outer = _state.op
+        outer, outer_args = _state.op, _state.op_args
         if outer is None:
             _state.op = getattr(func, "__name__", None) or str(func)
+            _state.op_args = (*args, *(kwargs or {}).values())  # parameter casts: is_param_cast
         try:
             return func(*args, **(kwargs or {}))
         finally:
-            _state.op = outer
+            _state.op, _state.op_args = outer, outer_args
 
 
 def _is_block_container(m: nn.Module) -> bool:
@@ -278,6 +328,16 @@ def listening(listener: Listener) -> Iterator[None]:
         yield
     finally:
         _state.listeners.remove(listener)
+
+
+@contextmanager
+def listening_casts(listener: CastListener) -> Iterator[None]:
+    """Tell ``listener(module, op, tensor)`` about every parameter cast saved (see ``_pack``)."""
+    _state.cast_listeners.append(listener)
+    try:
+        yield
+    finally:
+        _state.cast_listeners.remove(listener)
 
 
 @contextmanager

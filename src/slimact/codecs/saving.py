@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.nn as nn
@@ -53,7 +54,11 @@ class CodecStored:
 
     def _decode(self) -> torch.Tensor:
         """The decoded tensor in the encoded (memory-order) layout, cached across sharers."""
-        y = self._decoded if self._decoded is not None else self.codec.decode(self.packed)
+        if self._decoded is not None:
+            y = self._decoded
+        else:
+            with exact(self.packed.device):
+                y = self.codec.decode(self.packed)
         self._served = (self._served + 1) % self.refs
         self._decoded = y if self._served else None
         return y
@@ -113,6 +118,14 @@ Assign = Callable[[str, torch.Tensor], "Codec | None"]
 def codec_label(config: CodecConfig) -> str:
     """The report label of a codec config (see ``codec_name``)."""
     return codec_name(config)
+
+
+def exact(device: torch.device) -> AbstractContextManager:
+    """Autocast off while a codec encodes or decodes: the codec chooses its own precision (PRAC's
+    bases are fp32; under autocast its matmuls would silently run, and keep state, in bf16)."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return nullcontext()
 
 
 def dense_order(t: torch.Tensor) -> tuple[int, ...] | None:
@@ -202,7 +215,8 @@ class CodecPolicy:
             x = t.permute(order)
             perm = tuple(sorted(range(t.dim()), key=order.__getitem__))
         try:
-            stored = CodecStored(codec, codec.encode(x), perm)
+            with exact(x.device):
+                stored = CodecStored(codec, codec.encode(x), perm)
         except (ValueError, TypeError) as e:
             raise type(e)(f"site {site}: {e}") from e
         entry = (weakref.ref(base), weakref.ref(stored))
