@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from slimact import sites
+from slimact.patching import override_forward, run_all
 
 Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -72,19 +73,12 @@ def torch_checkpoint(model: nn.Module, forward: Forward) -> Prepared:
     blocks = sites.block_paths(model)
     if not blocks:
         raise ValueError("anchor torch-checkpoint: the model has no repeated blocks")
-    for path in blocks:
-        block = modules[path]
-        block.forward = functools.partial(_checkpointed, block.forward)
-
-    def restore() -> None:
-        for path in blocks:
-            modules[path].__dict__.pop("forward", None)
-
+    undos = [override_forward(modules[path], _checkpointed)[1] for path in blocks]
     return Prepared(
         model,
         forward,
         note=f"torch.utils.checkpoint (non-reentrant) on each of {len(blocks)} blocks",
-        restore=restore,
+        restore=functools.partial(run_all, *undos),
     )
 
 

@@ -37,6 +37,10 @@ class OffloadCodec(Codec):
         super().__init__(config)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles make their own side streams (a CUDA stream does not pickle)."""
+        return {**self.__dict__, "_streams": {}}
+
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device=device)

@@ -20,7 +20,6 @@ forward, so saves inside checkpointed regions stay under the checkpoint's own ho
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -30,6 +29,7 @@ import torch.nn as nn
 
 from slimact import sites
 from slimact.codecs.base import Codec, CodecConfig, Packed, codec_name
+from slimact.patching import override_forward
 from slimact.strategies.registry import AppliedChange
 
 
@@ -161,6 +161,10 @@ class CodecPolicy:
         self._cache.clear()
         self._raw.clear()
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles start with empty per-forward caches (weak references do not copy)."""
+        return {**self.__dict__, "_cache": {}, "_raw": {}}
+
     @staticmethod
     def _key(t: torch.Tensor) -> tuple:
         return (
@@ -226,31 +230,21 @@ class CodecPolicy:
         return stored
 
 
+def _policy_forward(inner: Callable, model: nn.Module, policy: Callable, *args, **kwargs):
+    with sites.tracking(model), sites.policy(policy):
+        if hasattr(policy, "reset"):
+            policy.reset()
+        return inner(*args, **kwargs)
+
+
 def install_policy(model: nn.Module, policy: Callable) -> AppliedChange:
     """Route ``model``'s saves through ``policy`` on every forward; returns an undoable change.
 
     The root's forward is wrapped on the instance (module paths and state_dict unchanged), so the
     router and the policy are entered and left by ``with`` blocks, also when the forward raises
     (forward hooks cannot do that: an ``always_call`` hook that removes hooks while PyTorch
-    iterates them after an exception replaces the real error).
+    iterates them after an exception replaces the real error). The wrap is a
+    ``patching.ForwardOverride``: a deep copy or a pickle of the model carries its own policy.
     """
-    had_own = "forward" in model.__dict__
-    inner = model.forward
-
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        with sites.tracking(model), sites.policy(policy):
-            if hasattr(policy, "reset"):
-                policy.reset()
-            return inner(*args, **kwargs)
-
-    model.forward = forward
-
-    def undo() -> None:
-        if model.__dict__.get("forward") is forward:
-            if had_own:
-                model.forward = inner
-            else:
-                del model.forward
-
+    _, undo = override_forward(model, _policy_forward, model, policy)
     return AppliedChange(path="", action="codec-policy", undo=undo)

@@ -45,6 +45,7 @@ from torch.utils.checkpoint import (
 
 from slimact import sites
 from slimact.cola.layers import CoLALinear, activation_fn
+from slimact.patching import override_forward, run_all
 
 _aten = torch.ops.aten
 _MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default}
@@ -206,6 +207,10 @@ _LLAMA = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn
 _GPT2 = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
+def _colam_forward(inner, fwd, block, preserve_rng, *args, **kwargs):
+    return fwd(block, preserve_rng, *args, **kwargs)
+
+
 def _family(block: nn.Module) -> tuple[str | None, str]:
     """('llama' | 'gpt2' | None, reason when None)."""
     if hasattr(block, "self_attn") and hasattr(block, "input_layernorm"):
@@ -234,19 +239,13 @@ def colam_block(block: nn.Module, preserve_rng_state: bool = True) -> Callable[[
     if "forward" in block.__dict__:
         raise ValueError("block forward is already patched (another strategy is applied)")
     fwd = _llama_forward if fam == "llama" else _gpt2_forward
-    block.forward = functools.partial(fwd, block, preserve_rng_state)
-    handles = []
+    _, undo = override_forward(block, _colam_forward, fwd, block, preserve_rng_state)
+    removes = []
     for m in block.modules():
         if isinstance(m, CoLALinear):
-            handles.append(m.cola_a.register_forward_pre_hook(_down_pre_hook))
-            handles.append(m.cola_a.register_forward_hook(_down_post_hook, always_call=True))
-
-    def undo() -> None:
-        block.__dict__.pop("forward", None)
-        for h in handles:
-            h.remove()
-
-    return undo
+            removes.append(m.cola_a.register_forward_pre_hook(_down_pre_hook).remove)
+            removes.append(m.cola_a.register_forward_hook(_down_post_hook, always_call=True).remove)
+    return functools.partial(run_all, undo, *removes)  # picklable; copies undo the copy
 
 
 def unsupported_reason(block: nn.Module) -> str:

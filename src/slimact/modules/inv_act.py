@@ -87,6 +87,10 @@ class NormInvertibility:
         self.fallbacks = 0
         self.last_dtype: torch.dtype | None = None
 
+    def __getstate__(self) -> dict:
+        """A copy's weights live elsewhere: the cache key (data pointers) must not carry over."""
+        return {**self.__dict__, "_key": None}
+
     def check(self, weight, bias, dtype) -> bool:
         self.last_dtype = dtype
         key = tuple(

@@ -25,7 +25,6 @@ carried over; the RNG state is restored afterwards (``profile_model`` forks it).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -38,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from slimact import sites
 from slimact.codecs.base import Codec
 from slimact.codecs.saving import CodecPolicy
+from slimact.patching import override_forward
 from slimact.planner.plan import Plan, abs_path, abs_site
 from slimact.planner.profile import build_codec
 from slimact.strategies.registry import AppliedChange
@@ -131,9 +131,8 @@ class PlanRuntime:
                     raise ValueError(
                         f"plan recomputes {full!r}, which is not a module of the model"
                     )
-                m = modules[full]
-                m.forward = functools.partial(_checkpointed, m.forward)
-                self._undo.append(functools.partial(m.__dict__.pop, "forward", None))
+                _, undo = override_forward(modules[full], _checkpointed)
+                self._undo.append(undo)
                 changes.append(AppliedChange(full, "recompute"))
             targets.update(abs_path(p, lp.block) for p in lp.reform)
         if targets:

@@ -16,7 +16,6 @@ cola`` state what they run. On a full-rank model it raises and says how to get a
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -74,7 +73,7 @@ def _apply_colam(
         if filter_fn is not None and not filter_fn(block, path):
             changes.append(AppliedChange(path, "cola-m", "filtered out", skipped=True))
             continue
-        if isinstance(block.__dict__.get("forward"), functools.partial):
+        if "forward" in block.__dict__:
             changes.append(AppliedChange(path, "cola-m", "forward already patched", skipped=True))
             continue
         why = unsupported_reason(block)

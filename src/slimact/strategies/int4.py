@@ -33,6 +33,7 @@ groups for comparison. Ablations: ``int4-plain`` (adacc.txt "w/o outlier": per-g
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,7 @@ import torch.nn as nn
 from slimact.codecs.base import Codec, CodecConfig, get_codec
 from slimact.codecs.bits import is_binary, two_valued
 from slimact.codecs.saving import CodecPolicy, dense_order, install_policy
+from slimact.patching import pop_attr, run_all
 from slimact.strategies.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
 
 ROLES = ("act", "qkv", "scores", "mask")
@@ -179,14 +181,9 @@ def apply_int4(
     change.action = config.name
     change.detail = ", ".join(f"{r}={getattr(config, r)}" for r in ROLES)
     model.__dict__["_slimact_int4_assign"] = assign
-    remove_policy = change.undo
-
-    def undo() -> None:
-        if remove_policy is not None:
-            remove_policy()
-        model.__dict__.pop("_slimact_int4_assign", None)
-
-    change.undo = undo
+    change.undo = functools.partial(
+        run_all, change.undo, functools.partial(pop_attr, model, "_slimact_int4_assign")
+    )  # picklable, and deep copies undo the copy (see slimact.patching)
     return [change]
 
 

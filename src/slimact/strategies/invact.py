@@ -21,7 +21,8 @@ a mask and hands the Linear a new tensor) — is skipped with that reason: swapp
 y instead of x, no saving. Where no dummy input can be made the swap is applied and the change
 says "unverified".
 
-The swap patches the instance ``forward`` (module class, paths, state_dict unchanged);
+The swap patches the instance ``forward`` with a ``patching.ForwardOverride`` (module class,
+paths, state_dict unchanged; copies and pickles of the model carry their own swap);
 ``slimact.revert`` restores it. Norm weights are re-checked at run time (see ``inv_norm``).
 """
 
@@ -39,6 +40,7 @@ from slimact.modules.inv_act import NormInvertibility
 from slimact.ops.inv_act import VARIANTS, act_ref, inv_act
 from slimact.ops.inv_act_approx import KINDS, MODES
 from slimact.ops.inv_norm import inv_layer_norm, inv_rms_norm, invertible, rms_norm_ref
+from slimact.patching import override_forward, pop_attr, run_all
 from slimact.strategies.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
 
 _ACT_NAME = re.compile(r"gelu|silu|swish|act", re.IGNORECASE)
@@ -185,17 +187,13 @@ def _probe(model: nn.Module, paths: list[str]) -> dict[str, list[str]] | None:
     return consumers
 
 
-def _patch(module: nn.Module, forward, action: str, path: str, detail: str) -> AppliedChange:
-    module.forward = forward
-
-    def undo() -> None:
-        module.__dict__.pop("forward", None)
-        module.__dict__.pop("_slimact_inv", None)
-
+def _patch(module: nn.Module, wrapper, args: tuple, action: str, path: str, detail: str):
+    _, undo = override_forward(module, wrapper, *args)
+    undo = functools.partial(run_all, undo, functools.partial(pop_attr, module, "_slimact_inv"))
     return AppliedChange(path, action, detail, undo=undo)
 
 
-def _act_forward(kind, mode, variant, backend, x):
+def _act_forward(inner, kind, mode, variant, backend, x):
     return inv_act(x, kind, mode=mode, variant=variant, backend=backend)
 
 
@@ -219,12 +217,12 @@ def _refresh_norm_checks(norms, root, args):
             inv.fallbacks = calls
 
 
-def _rms_forward(module, eps, x):
+def _rms_forward(inner, module, eps, x):
     ok = _norm_ok(module, None, x)
     return inv_rms_norm(x, module.weight, eps, check=not ok)
 
 
-def _ln_forward(module, x):
+def _ln_forward(inner, module, x):
     ok = _norm_ok(module, module.bias, x)
     return inv_layer_norm(
         x,
@@ -305,7 +303,7 @@ def apply_invact(
             else "unverified (no dummy input to probe the consumer)"
         )
         if what == "act":
-            fwd = functools.partial(_act_forward, kind, config.mode, config.variant, config.backend)
+            fwd = (_act_forward, (kind, config.mode, config.variant, config.backend))
         else:
             m._slimact_inv = NormInvertibility(config.max_bias_ratio)
             w, b = getattr(m, "weight", None), getattr(m, "bias", None)
@@ -313,11 +311,8 @@ def apply_invact(
             reason = invertible(w, b if kind == "layer" else None, dtype, config.max_bias_ratio)
             if reason is not None:
                 detail += f"; falls back to saving x while {reason}"
-            if kind == "rms":
-                fwd = functools.partial(_rms_forward, m, _rms_eps(m))
-            else:
-                fwd = functools.partial(_ln_forward, m)
-        changes.append(_patch(m, fwd, action, path, detail))
+            fwd = (_rms_forward, (m, _rms_eps(m))) if kind == "rms" else (_ln_forward, (m,))
+        changes.append(_patch(m, *fwd, action, path, detail))
     norms = [
         modules[p]
         for p, (what, _) in plan.items()

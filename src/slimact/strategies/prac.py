@@ -67,6 +67,7 @@ from slimact.codecs.prac import (
 from slimact.codecs.saving import CodecPolicy, install_policy
 from slimact.models.common import RMSNorm
 from slimact.ops.rms_norm import rms_norm
+from slimact.patching import override_forward, pop_attr, run_all
 from slimact.strategies.invact import _rms_eps, classify_norm
 from slimact.strategies.registry import (
     AppliedChange,
@@ -409,13 +410,10 @@ def apply_prac(
     state = PracState(model, config, filter_fn)
     change = install_policy(model, PracPolicy(state))
     registry["prac"] = state
-    undo_policy = change.undo
-
-    def undo() -> None:
-        undo_policy()
-        model.__dict__.get(STATE_KEY, {}).pop("prac", None)
-
-    change.undo, change.action = undo, config.name
+    change.undo = functools.partial(
+        run_all, change.undo, functools.partial(pop_attr, model, STATE_KEY, "prac")
+    )  # picklable, and deep copies undo the copy (see slimact.patching)
+    change.action = config.name
     change.detail = (
         f"linear ranks {config.linear}, nonlinear {config.nonlinear} (of n), "
         f"T1={config.t1} T2={config.t2}, svd={config.svd}"
@@ -448,6 +446,10 @@ def apply_prac(
     return changes
 
 
+def _fused_rms_forward(inner, module: nn.Module, eps: float | None, x: torch.Tensor):
+    return rms_norm(x, module.weight, eps=eps)
+
+
 def _fuse_rms_norms(
     model: nn.Module, config: PracConfig, filter_fn: FilterFn | None
 ) -> list[AppliedChange]:
@@ -460,11 +462,7 @@ def _fuse_rms_norms(
         kind, _ = classify_norm(m, w.device if isinstance(w, torch.Tensor) else torch.device("cpu"))
         if kind != "rms":
             continue
-        m.forward = functools.partial(rms_norm, weight=m.weight, eps=_rms_eps(m))
-
-        def undo(m: nn.Module = m) -> None:
-            m.__dict__.pop("forward", None)
-
+        _, undo = override_forward(m, _fused_rms_forward, m, _rms_eps(m))
         changes.append(
             AppliedChange(path, config.name, "RMSNorm saves (x, rstd), not (x, x̂)", undo=undo)
         )

@@ -5,12 +5,12 @@ Each repeated block (a child of a ``ModuleList``/``Sequential``) runs under
 the block is re-run in backward. What stays stored per block is the block input, which the
 checkpoint saves through autograd (so the meter sees it); ``sites.hold`` names that site
 ``<block>:checkpoint_input#0`` so reports read plainly.
-The forward is patched on the instance, so module paths and the state_dict are unchanged.
+The forward is patched on the instance (a ``patching.ForwardOverride``, so copies and pickles of
+the model checkpoint their own blocks), so module paths and the state_dict are unchanged.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from slimact import sites
+from slimact.patching import override_forward, overrides
 from slimact.strategies.registry import AppliedChange, FilterFn, StrategyConfig
 
 
@@ -39,12 +40,7 @@ def _checkpointed_forward(orig, preserve_rng: bool, *args, **kwargs):
 
 def checkpoint_module(module: nn.Module, preserve_rng_state: bool = True) -> AppliedChange:
     """Patch one module's forward to run under non-reentrant checkpointing."""
-    orig = module.forward
-    module.forward = functools.partial(_checkpointed_forward, orig, preserve_rng_state)
-
-    def undo() -> None:
-        module.__dict__.pop("forward", None)
-
+    _, undo = override_forward(module, _checkpointed_forward, preserve_rng_state)
     return AppliedChange(path="", action="recompute", undo=undo)
 
 
@@ -58,8 +54,12 @@ def apply_recompute(
         if filter_fn is not None and not filter_fn(block, path):
             changes.append(AppliedChange(path, "recompute", "filtered out", skipped=True))
             continue
-        if isinstance(getattr(block, "forward", None), functools.partial):
+        if any(o.wrapper is _checkpointed_forward for o in overrides(block)):
             changes.append(AppliedChange(path, "recompute", "already checkpointed", skipped=True))
+            continue
+        if "forward" in block.__dict__:
+            why = "forward already patched (e.g. by cola-m)"
+            changes.append(AppliedChange(path, "recompute", why, skipped=True))
             continue
         change = checkpoint_module(block, config.preserve_rng_state)
         change.path = path
