@@ -17,9 +17,12 @@ import torch.nn.functional as F
 
 @dataclass
 class CausalLMOutput:
-    """What every slimact model returns: logits (B, S, V) and the mean next-token loss."""
+    """What every slimact model returns: logits (B, S, V) and the mean next-token loss.
 
-    logits: torch.Tensor
+    ``logits`` is None when the ``chunked-ce`` strategy computed the loss without them (a
+    forward with targets and grad enabled); call without targets or under no_grad for logits."""
+
+    logits: torch.Tensor | None
     loss: torch.Tensor | None = None
 
 
