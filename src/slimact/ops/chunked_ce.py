@@ -21,10 +21,13 @@ dropped, so only a C × V buffer is ever live. Two ways to get G in backward wit
   62.5 MiB for a 32,000 × 512 head (a quarter of the 250 MiB of logits it replaces at 8 × 256
   tokens), and it grows with V·D, not with the batch.
 
-Measured on llama-20m at V = 32,000, 8 × 256 tokens, fp32, CPU 1 thread (``slimact memory``,
-see the strategy ``chunked-ce``): recompute stores 0.67× the baseline's bytes with the head at
-1.6% of its baseline bytes, precompute 0.75× and 26%; precompute is faster (the extra matmul is
-~1/3 of the head's time). The default is ``"recompute"``: the head's memory is the point.
+Measured on llama-20m at V = 32,000, 8 × 256 tokens, fp32, CPU 1 thread (meter, one step):
+baseline 797.5 MB saved, its head (lm_head + loss) 266.4 MB; recompute 535.3 MB (0.671×), head
+4.2 MB (1.6%: h + targets + lse); precompute 600.8 MB (0.753×), head 69.7 MB (26%: dh + dW).
+``slimact memory --strategy chunked-ce``: peak over a step 0.51× the baseline's, step time
+1.08× (median of 5 interleaved rounds, spread 1.01–1.86 at load 5.6–6.2 on 2 cores; the extra
+matmul is ~15% of this model's FLOPs). The default is ``"recompute"``: the head's memory is the
+point; ``"precompute"`` trades 62.5 MiB (V·D·4) for the matmul.
 
 Numerics: the matmuls run in the inputs' dtype (bf16/fp16 keep their tensor-core speed, as
 ``F.linear`` would), z is upcast to fp32 for lse, loss and G, as ``causal_lm_loss`` does; G is cast
