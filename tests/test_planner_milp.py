@@ -154,13 +154,25 @@ def test_parse_budget():
     assert parse_budget("25%", 1000) == 250
     assert parse_budget("1GiB", 0, 2**29) == 2**29
     assert parse_budget("1.5MB", 0) == 1_500_000
-    assert parse_budget(4096, 0) == 4096
-    for bad in ("25", "abc", "0%", "150%", "-1GiB", "3 parsecs"):
-        if bad == "25":
-            assert parse_budget(bad, 0) == 25  # plain bytes
-            continue
+    assert parse_budget("1234B", 0) == parse_budget("1234b", 0) == 1234
+    assert parse_budget(4096, 0) == 4096  # an int from Python is bytes
+    for bad in ("abc", "0%", "150%", "-1GiB", "3 parsecs", 0.25, None, True):
         with pytest.raises(ValueError, match="budget"):
             parse_budget(bad, 100)
+
+
+@pytest.mark.parametrize("bare", ["25", " 25 ", "6e9", "0.5"])
+def test_bare_number_budget_has_no_unit(bare):
+    with pytest.raises(ValueError, match="has no unit: use '.*%' of the baseline or a size"):
+        parse_budget(bare, 1000)
+
+
+def test_int_budget_round_trips_through_the_plan():
+    prof = synthetic(3)
+    floor = Problem(prof).min_bytes().bytes
+    plan = solve_plan(prof, floor, include_static=False)
+    assert plan.budget == f"{floor}B"  # re-solvable from the plan (the evolver does that)
+    assert parse_budget(plan.budget, prof.baseline_bytes) == floor
 
 
 def test_infeasible_budget_names_the_smallest_feasible():

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import json
+import os
+import warnings
+
 import pytest
 import torch
 
 import slimact
 from slimact.codecs import get_codec
 from slimact.planner.plan import ROOT, Profile
-from slimact.planner.profile import cached_profile, profile_model, static_memory
+from slimact.planner.profile import (
+    cache_path,
+    cached_profile,
+    profile_key,
+    profile_model,
+    static_memory,
+)
 
 CODECS = ("int4", "int8", "int4-outlier", "bits")
 
@@ -103,6 +113,81 @@ def test_cache_roundtrip(tmp_path, tiny):
         model.layers[0].mlp.up_proj.weight.mul_(1.0001)  # other weights: another cache entry
     c = cached_profile(model, x, cache_dir=tmp_path, name="tiny", **kw)
     assert c.meta["cache_hit"] is False
+
+
+def _key(model, x, targets=None, **kw):
+    return json.dumps(profile_key(model, x, targets, name="m", **kw), sort_keys=True)
+
+
+def test_cache_key_covers_everything_that_changes_the_saves(monkeypatch):
+    torch.manual_seed(0)
+    model = slimact.build_model("llama-tiny")
+    x = torch.randint(0, 257, (2, 32))
+    kw = dict(codecs=("int8",), repeats=1, reform=False)
+    base = _key(model, x, **kw)
+    assert _key(model, x, **kw) == base  # deterministic
+    variants = {}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        variants["autocast bf16"] = _key(model, x, **kw)
+    with torch.autocast("cpu", dtype=torch.float16):
+        variants["autocast fp16"] = _key(model, x, **kw)
+    variants["batch"] = _key(model, x[:1], **kw)
+    variants["seq"] = _key(model, x[:, :16], **kw)
+    variants["targets"] = _key(model, x, x[:, :16], **kw)
+    variants["codecs"] = _key(model, x, **{**kw, "codecs": ("int4",)})
+    variants["reform (actions)"] = _key(model, x, **{**kw, "reform": True})
+    variants["eval mode"] = _key(model.eval(), x, **kw)
+    model.train()
+    other = slimact.build_model("gpt2-tiny")
+    variants["structure"] = _key(other, x, **kw)
+    with torch.no_grad():
+        model.norm.weight.add_(1.0)
+    variants["weights"] = _key(model, x, **kw)
+    variants["dtype"] = _key(model.to(torch.bfloat16), x, **kw)
+    model.float()
+    monkeypatch.setattr(torch, "__version__", "0.0.0-other")
+    variants["torch version"] = _key(model, x, **kw)
+    for what, key in variants.items():
+        assert key != base, f"changing the {what} keeps the cache key"
+    assert len(set(variants.values())) == len(variants)
+
+
+def test_unwritable_cache_falls_back_with_one_warning(tmp_path):
+    torch.manual_seed(0)
+    model = slimact.build_model("llama-tiny")
+    x = torch.randint(0, 257, (1, 8))
+    kw = dict(codecs=("int8",), repeats=1, reform=False, per_block=False)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")  # a file where the cache directory should be: even root cannot write
+    ro = tmp_path / "read-only"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        for cache in (blocker / "profiles", ro):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                a = cached_profile(model, x, cache_dir=cache, name="t", **kw)
+                b = cached_profile(model, x[:, :4], cache_dir=cache, name="t", **kw)
+            msgs = [str(w.message) for w in caught if "not writable" in str(w.message)]
+            if cache == ro and os.access(ro, os.W_OK):  # root ignores the mode bits
+                continue
+            assert len(msgs) == 1 and str(cache) in msgs[0]
+            assert a.meta["cache"] is None and b.meta["cache_hit"] is False
+            assert a.baseline_bytes > b.baseline_bytes > 0
+    finally:
+        ro.chmod(0o700)
+
+
+def test_corrupt_cache_entry_is_profiled_again(tmp_path):
+    torch.manual_seed(0)
+    model = slimact.build_model("llama-tiny")
+    x = torch.randint(0, 257, (1, 8))
+    kw = dict(codecs=("int8",), repeats=1, reform=False, per_block=False)
+    path = cache_path(tmp_path, profile_key(model, x, name="t", **kw))
+    path.write_text("{not json")
+    with pytest.warns(UserWarning, match="unreadable profile cache"):
+        prof = cached_profile(model, x, cache_dir=tmp_path, name="t", **kw)
+    assert prof.meta["cache_hit"] is False and Profile.load(path).baseline_bytes > 0
 
 
 def test_gpt2_profile():

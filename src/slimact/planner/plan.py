@@ -19,8 +19,9 @@ included), plus predicted bytes and added time. ``Plan`` is a ``StrategyConfig``
 into a ``Plan``; a budget below the smallest feasible one is an error naming that budget.
 
 Budgets (``parse_budget``): ``"25%"`` is a fraction of the baseline activation bytes (the meter's
-total); an absolute size (``"6GiB"``, ``"512MB"``, a byte count) is *device memory*, static memory
-(parameters + gradients + optimizer states) included, as adacc.txt Eq. 7 has it.
+total); an absolute size (``"6GiB"``, ``"512MB"``, ``"1234B"``, or a Python ``int`` of bytes) is
+*device memory*, static memory (parameters + gradients + optimizer states) included, as adacc.txt
+Eq. 7 has it. A bare number in a string (``"25"``) is an error: it has no unit.
 """
 
 from __future__ import annotations
@@ -36,6 +37,18 @@ from slimact.strategies.registry import StrategyConfig
 from slimact.utils import fmt_bytes
 
 ROOT = "(root)"
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 @dataclass
@@ -120,10 +133,7 @@ class Profile:
         return asdict(self)
 
     def save(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(f"{path}.tmp")
-        tmp.write_text(json.dumps(self.to_dict()))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(self.to_dict()))
 
     @classmethod
     def from_dict(cls, d: dict) -> Profile:
@@ -186,25 +196,32 @@ def site_module(site: str) -> str:
 # budgets
 
 _UNITS = {
-    "": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }  # fmt: skip
 _BUDGET = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z%]*)\s*$", re.IGNORECASE)
 
 
-def parse_budget(text: str | int | float, baseline_bytes: int, static_bytes: int = 0) -> int:
+def parse_budget(text: str | int, baseline_bytes: int, static_bytes: int = 0) -> int:
     """Activation bytes allowed by a budget: ``"25%"`` of ``baseline_bytes``, or an absolute
-    device-memory size (``"6GiB"``, ``"800MB"``, ``123456``) minus ``static_bytes``."""
-    if isinstance(text, bool) or text is None:
-        raise ValueError(f"budget must be like '25%' or '6GiB', got {text!r}")
-    if isinstance(text, (int, float)):
-        value, unit = float(text), ""
+    device-memory size (``"6GiB"``, ``"800MB"``, ``"123456B"``, or a Python ``int`` of bytes)
+    minus ``static_bytes``. A number without a unit in a string (``"25"``) is refused: it
+    reads as 25 % as easily as 25 bytes."""
+    if isinstance(text, bool) or not isinstance(text, (str, int)):
+        raise ValueError(f"budget must be like '25%' or '6GiB' (or an int of bytes), got {text!r}")
+    if isinstance(text, int):
+        value, unit = float(text), "b"
     else:
-        m = _BUDGET.match(str(text))
+        m = _BUDGET.match(text)
+        if m and not m.group(2):
+            raise ValueError(
+                f"budget {text!r} has no unit: use '{m.group(1)}%' of the baseline or a size "
+                f"such as '{m.group(1)}MiB' / '6GiB'"
+            )
         if not m or m.group(2).lower() not in (*_UNITS, "%"):
             raise ValueError(
                 f"budget {text!r} is not understood; use a percentage of the baseline activation "
-                f"memory ('25%') or a size ('6GiB', '512MB', bytes)"
+                f"memory ('25%') or a size ('6GiB', '512MB', '123456B')"
             )
         value, unit = float(m.group(1)), m.group(2).lower()
     if unit == "%":
@@ -217,7 +234,12 @@ def parse_budget(text: str | int | float, baseline_bytes: int, static_bytes: int
     return total - static_bytes
 
 
-def is_relative(budget: str | int | float) -> bool:
+def budget_text(budget: str | int) -> str:
+    """The budget as a string ``parse_budget`` reads back the same (an int: ``"<n>B"``)."""
+    return f"{budget}B" if isinstance(budget, int) and not isinstance(budget, bool) else str(budget)
+
+
+def is_relative(budget: str | int) -> bool:
     return isinstance(budget, str) and budget.strip().endswith("%")
 
 
@@ -294,8 +316,7 @@ class Plan(StrategyConfig):
         return json.dumps(self.to_dict(), indent=indent)
 
     def save(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(self.to_json())
+        write_atomic(path, self.to_json())
 
     @classmethod
     def from_dict(cls, d: dict) -> Plan:
@@ -365,7 +386,7 @@ class Plan(StrategyConfig):
 
 def solve_plan(
     profile: Profile,
-    budget: str | int | float,
+    budget: str | int,
     *,
     layers: str = "ends",
     codecs: tuple[str, ...] | None = None,
@@ -375,7 +396,7 @@ def solve_plan(
     max_rel_err: float | None = None,
     include_static: bool = True,
 ) -> Plan:
-    """Solve the MILP for ``budget`` (``"25%"``, ``"6GiB"``, bytes) and return the ``Plan``.
+    """Solve the MILP for ``budget`` (``"25%"``, ``"6GiB"``, an int of bytes) and return the ``Plan``.
 
     A budget below the smallest feasible one raises ``ValueError`` naming that smallest budget.
     """
@@ -403,7 +424,7 @@ def solve_plan(
 
 
 def make_plan(
-    problem: Any, res: Any, budget: str | int | float, allowed: int, static: int, floor: int
+    problem: Any, res: Any, budget: str | int, allowed: int, static: int, floor: int
 ) -> Plan:
     prof = problem.profile
     layers = []
@@ -454,9 +475,10 @@ def make_plan(
                 )  # fmt: skip
             )
     return Plan(
-        model=prof.model, batch=prof.batch, seq=prof.seq, dtype=prof.dtype, budget=str(budget),
+        model=prof.model, batch=prof.batch, seq=prof.seq, dtype=prof.dtype, budget=budget_text(budget),
         budget_bytes=int(allowed), baseline_bytes=prof.baseline_bytes, static_bytes=static,
         predicted_bytes=int(res.bytes), predicted_time_s=res.time_s, min_feasible_bytes=floor,
         solve_s=res.solve_s, layers=tuple(layers),
-        meta=(("status", res.status), ("quality", res.quality), ("device", prof.device)),
+        meta=(("status", res.status), ("quality", res.quality), ("device", prof.device),
+              ("autocast", prof.meta.get("autocast"))),
     )  # fmt: skip

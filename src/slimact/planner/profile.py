@@ -27,8 +27,9 @@ expensive measurements run on one block per kind (the first) and are shared by i
 
 Outside the blocks (embedding, final norm, head, loss) is profiled the same way as a kind
 ``(root)`` with one instance whose module paths are absolute. Timings are medians over
-``repeats`` after one warm-up. ``cached_profile`` stores the result as JSON, keyed by model
-structure, a weight fingerprint, batch shape, dtype, device, codec list and torch version.
+``repeats`` after one warm-up. ``cached_profile`` stores the result as JSON, keyed by
+``profile_key``: model structure, a weight fingerprint, parameter dtypes, train mode, batch
+shape, device, autocast state and dtype, codec list and options, torch version.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import math
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -304,6 +306,8 @@ def profile_model(
             "threads": torch.get_num_threads(),
             "repeats": repeats,
             "codecs": codecs,
+            "autocast": autocast_state(input_ids.device),
+            "training": bool(model.training),
             "profile_s": time.perf_counter() - t_start,
         },
     )
@@ -514,6 +518,68 @@ class _Profiler:
             kp.reforms.append(r)
 
 
+PROFILE_FORMAT = 2  # bumped when what a profile records changes: old cache entries miss
+_unwritable: set[str] = set()  # cache directories already warned about (one warning each)
+
+
+def autocast_state(device: torch.device | str) -> str | None:
+    """``"bfloat16"`` if autocast is on for ``device``'s type (the dtype it casts to), else None."""
+    dev = torch.device(device).type
+    if not torch.is_autocast_enabled(dev):
+        return None
+    return str(torch.get_autocast_dtype(dev)).replace("torch.", "")
+
+
+def profile_key(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    targets: torch.Tensor | None = None,
+    *,
+    name: str = "",
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """Everything that changes what a profile measures, as a JSON-able dict (the cache key).
+
+    Model structure and weights, parameter and buffer dtypes, train/eval mode, the batch's
+    shapes, dtype and device, the autocast state of that device type (on/off and its dtype),
+    the candidate codecs and other ``profile_model`` options, torch's version and the profile
+    format."""
+    codecs = tuple(kwargs.pop("codecs", None) or codec_names())
+    tensors = [*model.parameters(), *model.buffers()]
+    return {
+        "format": PROFILE_FORMAT,
+        "name": name or type(model).__name__,
+        "structure": kind_signature(model),
+        "weights": model_fingerprint(model),
+        "dtypes": sorted({str(t.dtype).replace("torch.", "") for t in tensors}),
+        "training": bool(model.training),
+        "input": [list(input_ids.shape), str(input_ids.dtype)],
+        "targets": None if targets is None else [list(targets.shape), str(targets.dtype)],
+        "device": str(input_ids.device),
+        "autocast": autocast_state(input_ids.device),
+        "codecs": list(codecs),
+        "options": sorted((k, str(v)) for k, v in kwargs.items()),
+        "torch": torch.__version__,
+    }
+
+
+def cache_path(cache_dir: str | Path | None, key: dict[str, Any]) -> Path:
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return Path(cache_dir or default_cache_dir()) / f"{key['name'] or 'model'}-{digest}.json"
+
+
+def _warn_uncached(directory: Path, error: BaseException) -> None:
+    if str(directory) in _unwritable:
+        return
+    _unwritable.add(str(directory))
+    warnings.warn(
+        f"slimact: the profile cache {directory} is not writable ({error}); profiling without "
+        f"a cache (pass cache=None / --cache none to silence this, or another directory)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def cached_profile(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -521,32 +587,29 @@ def cached_profile(
     *,
     cache_dir: str | Path | None = None,
     name: str = "",
+    refresh: bool = False,
     **kwargs: Any,
 ) -> Profile:
-    """``profile_model`` with a JSON cache (``cache_dir=None``: ``default_cache_dir()``)."""
-    codecs = tuple(kwargs.get("codecs") or codec_names())
-    key = json.dumps(
-        [
-            name or type(model).__name__,
-            kind_signature(model),
-            model_fingerprint(model),
-            list(input_ids.shape),
-            str(next(model.parameters()).dtype),
-            str(input_ids.device),
-            codecs,
-            torch.__version__,
-            sorted((k, str(v)) for k, v in kwargs.items() if k != "codecs"),
-        ]
-    )
-    digest = hashlib.sha1(key.encode()).hexdigest()[:20]
-    path = Path(cache_dir or default_cache_dir()) / f"{name or 'model'}-{digest}.json"
-    if path.exists():
-        prof = Profile.load(path)
-        prof.meta["cache"] = str(path)
-        prof.meta["cache_hit"] = True
-        return prof
+    """``profile_model`` with a JSON cache (``cache_dir=None``: ``default_cache_dir()``) keyed by
+    ``profile_key``. ``refresh``: profile again and overwrite the entry. An unreadable entry is
+    profiled again; an unwritable directory is warned about once and the profile not cached."""
+    key = profile_key(model, input_ids, targets, name=name, **kwargs)
+    path = cache_path(cache_dir, key)
+    if path.exists() and not refresh:
+        try:
+            prof = Profile.load(path)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            warnings.warn(f"slimact: ignoring unreadable profile cache {path}: {e}", stacklevel=2)
+        else:
+            prof.meta["cache"] = str(path)
+            prof.meta["cache_hit"] = True
+            return prof
     prof = profile_model(model, input_ids, targets, name=name, **kwargs)
-    prof.meta["cache"] = str(path)
-    prof.save(path)
+    try:
+        prof.save(path)
+        prof.meta["cache"] = str(path)
+    except OSError as e:
+        _warn_uncached(path.parent, e)
+        prof.meta["cache"] = None
     prof.meta["cache_hit"] = False
     return prof
