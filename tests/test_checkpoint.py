@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -22,12 +23,16 @@ from slimact.train import (
 )
 from slimact.train.checkpoint import (
     CONFIG_FILE,
+    MANIFEST_FILE,
     MODEL_FILE,
     STATE_FILE,
+    CheckpointError,
     prune_checkpoints,
     rng_state,
     set_rng_state,
+    verify_checkpoint,
 )
+from slimact.train.resume import PLAN_FILE, PLANNER_FILE
 
 TEXT = "".join(f"class Thing{i}:\n    value = {i * 31 % 97}\n\n" for i in range(400))
 
@@ -55,12 +60,21 @@ def losses(run_dir) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir)]
 
 
+AUTO = "auto@25%,codecs=int4/int8/int4-outlier,repeats=1,reform=0"
+
+
 @pytest.mark.parametrize(
     "extra",
-    [{}, {"grad_accum": 2, "strategy": "recompute", "warmup": 2}, {"strategy": "prac"}],
-    ids=["plain", "accum-recompute", "prac-state"],
+    [
+        {},
+        {"grad_accum": 2, "strategy": "recompute", "warmup": 2},
+        {"strategy": "prac"},
+        {"strategy": AUTO, "baseline": "off"},
+    ],
+    ids=["plain", "accum-recompute", "prac-state", "auto-plan"],
 )
-def test_resume_is_bitwise_exact(tmp_path, data, extra):
+def test_resume_is_bitwise_exact(tmp_path, data, extra, monkeypatch):
+    monkeypatch.setenv("SLIMACT_CACHE_DIR", str(tmp_path / "profiles"))
     straight = train(cfg(data, tmp_path / "straight", **extra))
     first = train(cfg(data, tmp_path / "split", stop_at=3, **extra))
     assert first.steps == 3 and latest_checkpoint(tmp_path / "split").name == "ckpt-3"
@@ -73,6 +87,24 @@ def test_resume_is_bitwise_exact(tmp_path, data, extra):
     a = torch.load(tmp_path / "straight" / "ckpt-6" / STATE_FILE, weights_only=True)
     b = torch.load(tmp_path / "split" / "ckpt-6" / STATE_FILE, weights_only=True)
     assert a["loader"] == b["loader"]
+    x = (tmp_path / "straight" / "ckpt-6" / MODEL_FILE).read_bytes()
+    assert x == (tmp_path / "split" / "ckpt-6" / MODEL_FILE).read_bytes()
+    if (tmp_path / "straight" / "ckpt-6" / PLAN_FILE).exists():  # the plan in force at the end
+        plans = [
+            json.loads((tmp_path / run / "ckpt-6" / PLAN_FILE).read_text())
+            for run in ("straight", "split")
+        ]
+        for p in plans:  # the solver's wall time is no part of the plan's decisions
+            p.pop("solve_s", None)
+        assert plans[0] == plans[1]
+    if extra.get("strategy") == AUTO:  # resumed with the checkpoint's plan: nothing re-profiled
+        assert len(list((tmp_path / "profiles").rglob("*.json"))) == 1
+        saved = json.loads((tmp_path / "split" / "ckpt-3" / PLAN_FILE).read_text())
+        state = json.loads((tmp_path / "split" / "ckpt-3" / PLANNER_FILE).read_text())
+        assert saved["layers"] and state["profile"] and state["evolver"]["cap"] == 64
+        assert [r.get("budget_check") for r in read_metrics(tmp_path / "split")][0][0][
+            "action"
+        ] == "ok"
 
 
 def test_resume_after_crash_redoes_logged_steps(tmp_path, data):
@@ -89,7 +121,11 @@ def test_resume_after_crash_redoes_logged_steps(tmp_path, data):
 def test_checkpoint_layout_and_weights_only_state(tmp_path, data):
     result = train(cfg(data, tmp_path / "r", steps=2))
     ckpt = tmp_path / "r" / "ckpt-2"
-    assert {p.name for p in ckpt.iterdir()} == {MODEL_FILE, STATE_FILE, CONFIG_FILE}
+    assert {p.name for p in ckpt.iterdir()} == {MODEL_FILE, STATE_FILE, CONFIG_FILE, MANIFEST_FILE}
+    manifest = json.loads((ckpt / MANIFEST_FILE).read_text())
+    assert set(manifest["files"]) == {MODEL_FILE, STATE_FILE, CONFIG_FILE}
+    for name, rec in manifest["files"].items():
+        assert rec["sha256"] == hashlib.sha256((ckpt / name).read_bytes()).hexdigest()
     state = torch.load(ckpt / STATE_FILE, weights_only=True)
     assert state["step"] == 2 and set(state["rng"]) >= {"python", "numpy", "torch"}
     assert state["loader"]["position"] >= 0 and state["schedule"]["total_steps"] == 2
@@ -111,10 +147,49 @@ def test_keep_last_and_incomplete_checkpoints(tmp_path, data):
         prune_checkpoints(run, 0)
 
 
-def test_resume_without_checkpoint_starts_fresh(tmp_path, data):
-    a = train(cfg(data, tmp_path / "a", steps=3))
-    b = train(cfg(data, tmp_path / "b", steps=3, resume=True))
-    assert b.resumed_from is None and losses(b.run_dir) == losses(a.run_dir)
+def test_resume_without_checkpoint_is_an_error_and_overwrites_nothing(tmp_path, data):
+    with pytest.raises(CheckpointError, match="holds no checkpoint"):
+        train(cfg(data, tmp_path / "empty", steps=3, resume=True))
+    run = tmp_path / "r"
+    train(cfg(data, run, steps=3, ckpt_every=0))
+    metrics = (run / "metrics.jsonl").read_text()
+    shutil.rmtree(run / "ckpt-3")  # the run's metrics remain, its checkpoint is gone
+    with pytest.raises(CheckpointError, match=f"{run}.*no checkpoint"):
+        train(cfg(data, run, steps=3, resume=True))
+    assert (run / "metrics.jsonl").read_text() == metrics and not list_checkpoints(run)
+    with pytest.raises(ValueError, match="resume must be False, True"):
+        train(cfg(data, run, steps=3, resume="newest"))
+
+
+def _damage(ckpt, how):
+    if how == "missing":
+        (ckpt / STATE_FILE).unlink()
+        return STATE_FILE
+    blob = bytearray((ckpt / MODEL_FILE).read_bytes())
+    blob[-1] ^= 0xFF  # one flipped bit pattern in the weights: same size, other checksum
+    (ckpt / MODEL_FILE).write_bytes(bytes(blob))
+    return MODEL_FILE
+
+
+@pytest.mark.parametrize("how", ["missing", "corrupt"])
+def test_damaged_checkpoint_stops_resume_unless_latest_valid(tmp_path, data, how):
+    straight = losses(train(cfg(data, tmp_path / "a")).run_dir)
+    run = tmp_path / "b"
+    train(cfg(data, run, ckpt_every=3, keep_last=5))
+    name = _damage(run / "ckpt-6", how)
+    metrics = (run / "metrics.jsonl").read_text()
+    word = "missing" if how == "missing" else "corrupt"
+    with pytest.raises(
+        CheckpointError, match=f"{run / 'ckpt-6'} is .*{word}.*{name}.*latest-valid"
+    ):
+        train(cfg(data, run, ckpt_every=3, keep_last=5, resume=True))
+    assert (run / "metrics.jsonl").read_text() == metrics  # nothing overwritten
+    with pytest.raises(CheckpointError, match=str(run / "ckpt-6")):
+        verify_checkpoint(run / "ckpt-6")
+    with pytest.warns(UserWarning, match=f"skipping checkpoint {run / 'ckpt-6'}"):
+        resumed = train(cfg(data, run, ckpt_every=3, keep_last=5, resume="latest-valid"))
+    assert resumed.resumed_from == 3 and losses(run) == straight
+    assert (run / "ckpt-6.invalid").is_dir() and latest_checkpoint(run).name == "ckpt-6"
 
 
 def test_resume_of_finished_run_is_a_no_op(tmp_path, data):

@@ -158,6 +158,20 @@ def test_cli_parses_every_flag(tmp_path):
     assert cfg.data == str(tmp_path) and cfg.out == str(tmp_path / "o")
 
 
+@pytest.mark.parametrize(
+    "argv, resume",
+    [([], False), (["--resume"], True), (["--resume", "latest-valid"], "latest-valid")],
+)
+def test_cli_resume_modes(argv, resume):
+    assert config_from_args(parse(["--model", "llama-tiny", "--seq", "16", *argv])).resume == resume
+
+
+def test_cli_resume_bad_mode(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--resume", "newest"])
+    assert "newest" in capsys.readouterr().err
+
+
 def test_cli_train_run(tmp_path, text_file, capsys):
     out = tmp_path / "cli-run"
     rc = main(

@@ -16,6 +16,14 @@ back-off, 1, 2, 4, ... ``cap``, then every ``cap`` steps (``backoff_steps``), an
 3. every check is logged (``events``; ``log_path``: one JSON line each): step, drift, whether a
    new plan was applied, the changed sites/modules, and the new predicted bytes and time.
 
+``BudgetCheck`` (installed by the ``auto`` and ``plan`` strategies) checks the first training
+forward's *measured* stored bytes (the meter's count, ``slimact.meter.Meter`` listening to the
+router) against the plan's budget. A plan solved under other conditions (another batch shape,
+parameter dtype or autocast state) or more than ``tolerance`` (2%) over its budget is re-planned
+before the next forward: the model is profiled again under the current conditions (cache
+bypassed) and the MILP re-solved. If the re-planned plan still misses, or nothing can re-plan
+(a loaded ``Plan``), a ``BudgetWarning`` names the budget, the measured bytes and the gap.
+
 Training-loop hook (3 lines)::
 
     evolver = PlanEvolver.for_model(model, log_path=run_dir / "plan_changes.jsonl")
@@ -26,16 +34,26 @@ Training-loop hook (3 lines)::
 from __future__ import annotations
 
 import json
+import threading
+import warnings
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from slimact import sites
+from slimact.meter import Meter
 from slimact.planner.apply import PlanRuntime, runtime_of
 from slimact.planner.milp import solve_plan
-from slimact.planner.plan import Plan, abs_site
-from slimact.planner.profile import _payload_bytes, build_codec, run_policy
+from slimact.planner.plan import Plan, abs_site, is_relative
+from slimact.planner.profile import _payload_bytes, autocast_state, build_codec, run_policy
+from slimact.utils import fmt_bytes
+
+CHECK_KEY = "_slimact_budget_check"
+PLANNER_THREAD = "slimact-planner"  # the worker thread slimact.planner.apply profiles in
 
 
 def backoff_steps(cap: int, limit: int) -> list[int]:
@@ -85,6 +103,7 @@ class PlanEvolver:
         self.events: list[dict[str, Any]] = []
         self._rows: dict[tuple[int, str, int], dict[str, int]] = {}
         self._sites: dict[str, tuple[int, str, int]] = {}
+        self._indexed: Any = None  # the profile ``_sites`` indexes (a re-plan replaces it)
         self._armed = False
         self._arm(1)
 
@@ -101,7 +120,7 @@ class PlanEvolver:
         self.rt.observer = self._observe if self._armed else None
 
     def _index(self) -> None:
-        prof = self.rt.profile
+        prof = self._indexed = self.rt.profile
         self._sites = {
             abs_site(x, b): (ki, b, s.id)
             for ki, kind in enumerate(prof.kinds)
@@ -115,7 +134,7 @@ class PlanEvolver:
     def _observe(self, site: str, t: torch.Tensor) -> None:
         if self.rt.profile is None:
             return
-        if not self._sites:
+        if not self._sites or self._indexed is not self.rt.profile:
             self._index()
         key = self._sites.get(site)
         if key is None or key in self._rows:
@@ -191,3 +210,203 @@ class PlanEvolver:
             with self.log_path.open("a") as f:
                 f.write(json.dumps(event) + "\n")
         return event
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state (the profile it re-solves from is the runtime's: save it apart)."""
+        return {"cap": self.cap, "threshold": self.threshold, "events": list(self.events)}
+
+    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        """Restore after optimizer step ``step``: the next sampled step is as if never stopped."""
+        if (state["cap"], state["threshold"]) != (self.cap, self.threshold):
+            raise ValueError(
+                f"evolver state has cap={state['cap']}, threshold={state['threshold']}; "
+                f"this evolver has cap={self.cap}, threshold={self.threshold}"
+            )
+        self.events = list(state["events"])
+        self._sites = {}
+        self._arm(step + 1)
+
+
+class BudgetWarning(RuntimeWarning):
+    """The measured stored bytes of a planned model exceed its budget (see ``BudgetCheck``)."""
+
+
+def _batch_of(args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    ids = args[0] if args else kwargs.get("input_ids")
+    tgt = kwargs.get("targets", args[1] if len(args) > 1 else None)
+    return ids, tgt if isinstance(tgt, torch.Tensor) else None
+
+
+class BudgetCheck:
+    """Measures the first training forward under a plan and compares it with the budget.
+
+    Phases: ``measure`` (the first grad-enabled forward under a plan; may trigger a re-plan),
+    ``replan`` (done at the next forward, before the runtime enters its policy), ``verify``
+    (measure once more; warn if still over), ``done``. ``events`` lists every verdict:
+    ``action`` is ``ok``, ``replan`` or ``warn``. ``replanner(input_ids, targets)`` returns
+    (plan, profile) and must not read a cache; without one (a loaded ``Plan``) it only warns.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        tolerance: float = 0.02,
+        replanner: Callable[..., Any] | None = None,
+    ) -> None:
+        rt = runtime_of(model)
+        if rt is None:
+            raise ValueError("model has no slimact plan; apply 'auto@<budget>' or a Plan first")
+        if not tolerance >= 0:
+            raise ValueError(f"tolerance must be >= 0, got {tolerance!r}")
+        self.model, self.rt = model, rt
+        self.tolerance = tolerance
+        self.replanner = replanner
+        self.phase = "measure"
+        self.events: list[dict[str, Any]] = []
+        self._open: list[tuple[ExitStack, Meter, dict[str, Any]] | None] = []
+        self._hooks = [  # pre runs before the runtime's, so a new plan is in place for its policy
+            model.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True),
+            model.register_forward_hook(self._post, always_call=True),
+        ]
+        model.__dict__[CHECK_KEY] = self
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self.model.__dict__.pop(CHECK_KEY, None)
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        ids, tgt = _batch_of(args, kwargs)
+        if (
+            self.phase == "done"
+            or threading.current_thread().name == PLANNER_THREAD
+            or not torch.is_grad_enabled()
+            or not isinstance(ids, torch.Tensor)
+        ):
+            self._open.append(None)
+            return
+        if self.phase == "replan":
+            self._replan(ids, tgt)
+            if self.phase == "done":  # re-planning failed (and said so): nothing to verify
+                self._open.append(None)
+                return
+        meter = Meter(self.model)
+        stack = ExitStack()
+        stack.enter_context(sites.listening(meter))
+        self._open.append((stack, meter, self._conditions(ids)))
+
+    def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        entry = self._open.pop() if self._open else None
+        if entry is None:
+            return
+        stack, meter, cond = entry
+        stack.close()
+        measured = int(meter.report.total_bytes)
+        meter.release()
+        if self.rt.plan is not None and self.rt.plan.layers:
+            self._judge(measured, cond)
+
+    # -- verdicts -------------------------------------------------------------------------------
+    def _conditions(self, ids: torch.Tensor) -> dict[str, Any]:
+        param = next(self.model.parameters(), None)
+        return {
+            "batch": int(ids.shape[0]),
+            "seq": int(ids.shape[-1]),
+            "dtype": str(param.dtype).replace("torch.", "") if param is not None else "",
+            "autocast": autocast_state(ids.device),
+        }
+
+    def _stale(self, cond: dict[str, Any]) -> list[str]:
+        """How the conditions of this forward differ from those the plan was solved under."""
+        plan = self.rt.plan
+        meta = dict(plan.meta)
+        prof = self.rt.profile
+        if "autocast" not in meta and prof is not None:
+            meta["autocast"] = prof.meta.get("autocast")
+        then = {"batch": plan.batch, "seq": plan.seq, "dtype": plan.dtype}
+        if "autocast" in meta:
+            then["autocast"] = meta["autocast"]
+        return [f"{k} {then[k]} -> {cond[k]}" for k in then if then[k] != cond[k]]
+
+    def _judge(self, measured: int, cond: dict[str, Any]) -> None:
+        plan = self.rt.plan
+        limit = int(plan.budget_bytes)
+        gap = measured - limit
+        over = measured > limit * (1 + self.tolerance)
+        stale = self._stale(cond)
+        relative_stale = bool(stale) and is_relative(plan.budget)
+        event: dict[str, Any] = {
+            "check": self.phase,
+            "budget": plan.budget,
+            "budget_bytes": limit,
+            "predicted_bytes": int(plan.predicted_bytes),
+            "measured_bytes": measured,
+            "gap_bytes": gap,
+            "stale": stale,
+        }
+        can_replan = self.replanner is not None or self.rt.planner is not None
+        if self.phase == "measure" and (over or relative_stale) and can_replan:
+            event["action"], self.phase = "replan", "replan"
+        elif over or relative_stale:
+            event["action"], self.phase = "warn", "done"
+            warnings.warn(self._message(event), BudgetWarning, stacklevel=2)
+        else:
+            event["action"], self.phase = "ok", "done"
+        self.events.append(event)
+
+    def _message(self, ev: dict[str, Any]) -> str:
+        limit, measured, gap = ev["budget_bytes"], ev["measured_bytes"], ev["gap_bytes"]
+        share = f" ({gap / limit:+.1%})" if limit > 0 else ""
+        head = (
+            f"slimact: the first step stored {fmt_bytes(measured)} ({measured} B) of activations; "
+            f"the plan's budget {ev['budget']!r} allows {fmt_bytes(limit)} ({limit} B): "
+            f"{'over' if gap > 0 else 'under'} by {fmt_bytes(abs(gap))}{share}"
+        )
+        if ev["stale"]:
+            head += f"; the plan was solved under other conditions ({', '.join(ev['stale'])})"
+        if ev["check"] == "verify":
+            return head + ", even after re-planning under the current conditions"
+        if ev.get("error"):
+            return head + f"; re-planning failed: {ev['error']}"
+        return head + "; nothing can re-plan a loaded Plan: solve it for these conditions"
+
+    def _replan(self, ids: torch.Tensor, tgt: torch.Tensor | None) -> None:
+        """Profile again under this forward's conditions (no patches, no cache) and re-solve."""
+        rt, old = self.rt, self.rt.plan
+        planner, saved = self.replanner or rt.planner, rt.planner
+        rt.planner = planner
+        try:
+            rt.set_plan(Plan())  # profile the bare model, not the old plan's patches
+            new = rt.plan_now(ids, tgt)
+        except ValueError as e:  # e.g. the budget is infeasible under these conditions
+            rt.set_plan(old)
+            self.events[-1]["error"] = str(e)
+            warnings.warn(self._message(self.events[-1]), BudgetWarning, stacklevel=3)
+            self.phase = "done"
+            return
+        finally:
+            rt.planner = saved
+        rt.set_plan(new)
+        self.events[-1].update(
+            changed=[list(c) for c in plan_diff(old, new)],
+            new_budget_bytes=int(new.budget_bytes),
+            new_predicted_bytes=int(new.predicted_bytes),
+        )
+        self.phase = "verify"
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"phase": self.phase, "events": list(self.events)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A resumed run measures its first step again but re-plans only if the interrupted
+        run had not got that far (a restored plan stays, so the run stays bit-exact)."""
+        self.events = list(state["events"])
+        self.phase = "verify" if state["phase"] == "done" else state["phase"]
+
+
+def budget_check_of(model: nn.Module) -> BudgetCheck | None:
+    return model.__dict__.get(CHECK_KEY)

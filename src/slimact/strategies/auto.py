@@ -10,6 +10,15 @@ and ``seq`` it plans on the first training forward, on that very batch (see
 AdamW states) included. Strategy names ``auto@10%``, ``auto@25%``, ``auto@50%`` are registered
 for command lines; ``AutoConfig.from_spec("auto@30%")`` parses any ``auto@<budget>``.
 
+Specs take options after the budget: ``auto@25%,codecs=int4/int8,repeats=1,layers=uniform``
+(fields ``layers``, ``codecs`` (``/``-separated), ``repeats``, ``reform``, ``recompute``,
+``max_rel_err`` (``none`` for no cap), ``cache`` (``none``: no cache)).
+
+Both strategies install a ``BudgetCheck`` (``slimact.planner.adaptive``): the first training
+forward's measured stored bytes are compared with the budget; a plan solved under other
+conditions or more than 2% over is re-planned (``auto``: profiled again, cache bypassed), and a
+miss that remains is a loud ``BudgetWarning`` naming the budget, the bytes and the gap.
+
 ``slimact.apply(model, plan)`` with a ``Plan`` (``slimact.planner.Plan.load(path)``) applies it
 as solved; the registered name ``plan`` itself carries no plan and refuses to apply.
 """
@@ -22,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from slimact.planner.adaptive import BudgetCheck
 from slimact.planner.apply import install
 from slimact.planner.milp import LAYER_MODES, solve_plan
 from slimact.planner.plan import Plan, parse_budget
@@ -80,9 +90,49 @@ class AutoConfig(StrategyConfig):
 
     @classmethod
     def from_spec(cls, spec: str, **overrides) -> AutoConfig:
-        """``"auto@25%"`` or ``"25%"`` -> ``AutoConfig(budget="25%", **overrides)``."""
-        budget = spec.split("@", 1)[1] if "@" in spec else spec
-        return cls(budget=budget.strip(), **overrides)
+        """``"auto@25%"`` or ``"25%"`` -> ``AutoConfig(budget="25%", **overrides)``; options may
+        follow the budget: ``"auto@25%,codecs=int4/int8,repeats=1"`` (see the module docstring)."""
+        body = spec.split("@", 1)[1] if "@" in spec else spec
+        budget, *items = [part.strip() for part in body.split(",")]
+        kwargs: dict = {}
+        for item in filter(None, items):
+            key, sep, value = (x.strip() for x in item.partition("="))
+            conv = _SPEC_FIELDS.get(key)
+            if not sep or conv is None:
+                raise ValueError(
+                    f"strategy spec {spec!r}: {item!r} must be key=value with key one of "
+                    f"{', '.join(_SPEC_FIELDS)}"
+                )
+            try:
+                kwargs[key] = conv(value)
+            except ValueError:
+                raise ValueError(
+                    f"strategy spec {spec!r}: bad value for {key}: {value!r}"
+                ) from None
+        return cls(budget=budget, **{**kwargs, **overrides})
+
+
+def _flag(text: str) -> bool:
+    low = text.lower()
+    if low not in ("1", "0", "true", "false", "yes", "no"):
+        raise ValueError(text)
+    return low in ("1", "true", "yes")
+
+
+def _none_or(conv):  # type: ignore[no-untyped-def]
+    return lambda text: None if text.lower() == "none" else conv(text)
+
+
+_SPEC_FIELDS = {
+    "layers": str,
+    "codecs": lambda text: tuple(c.strip() for c in text.split("/") if c.strip()),
+    "repeats": int,
+    "reform": _flag,
+    "recompute": _flag,
+    "max_rel_err": _none_or(float),
+    "max_quality": _none_or(float),
+    "cache": _none_or(str),
+}
 
 
 def solve_options(config: AutoConfig) -> dict:
@@ -99,9 +149,10 @@ def plan_model(
     input_ids: torch.Tensor,
     targets=None,
     return_profile: bool = False,
+    refresh: bool = False,
 ):
     """Profile ``model`` on ``input_ids`` (cached if configured) and solve for the budget;
-    ``return_profile``: return (plan, profile)."""
+    ``return_profile``: return (plan, profile); ``refresh``: profile again, whatever is cached."""
     name = type(model).__name__
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "d_model"):
@@ -110,7 +161,9 @@ def plan_model(
     if config.cache is None:
         prof = profile_model(model, input_ids, targets, **kw)
     else:
-        prof = cached_profile(model, input_ids, targets, cache_dir=config.cache or None, **kw)
+        prof = cached_profile(
+            model, input_ids, targets, cache_dir=config.cache or None, refresh=refresh, **kw
+        )
     plan = solve_plan(prof, config.budget, **solve_options(config))
     return (plan, prof) if return_profile else plan
 
@@ -132,9 +185,10 @@ def apply_auto(
     if filter_fn is not None:
         raise ValueError("strategy 'auto' plans the whole model; filter_fn is not supported")
     planner = functools.partial(plan_model, model, config, return_profile=True)
+    replanner = functools.partial(planner, refresh=True)
     opts = solve_options(config)
     if config.batch is None:
-        return install(model, planner=planner, solve_options=opts)
+        return _checked(model, install(model, planner=planner, solve_options=opts), replanner)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if not isinstance(vocab, int):
         raise ValueError("AutoConfig(batch, seq) needs model.config.vocab_size to draw tokens")
@@ -147,7 +201,16 @@ def apply_auto(
         plan, prof = planner(ids[:, :-1], ids[:, 1:])
     finally:
         model.train(was)
-    return install(model, plan=plan, planner=planner, profile=prof, solve_options=opts)
+    changes = install(model, plan=plan, planner=planner, profile=prof, solve_options=opts)
+    return _checked(model, changes, replanner)
+
+
+def _checked(model: nn.Module, changes: list[AppliedChange], replanner=None):  # type: ignore[no-untyped-def]
+    """Add the first-step ``BudgetCheck`` (undone before the runtime by ``slimact.revert``)."""
+    check = BudgetCheck(model, replanner=replanner)
+    what = "re-plans if over" if replanner is not None else "warns if over"
+    head = AppliedChange("", "budget-check", f"first step vs budget; {what}", undo=check.remove)
+    return [*changes, head]
 
 
 def apply_plan(model: nn.Module, plan: Plan, filter_fn: FilterFn | None = None):
@@ -156,7 +219,7 @@ def apply_plan(model: nn.Module, plan: Plan, filter_fn: FilterFn | None = None):
             "strategy 'plan' needs a solved Plan: slimact.apply(model, Plan.load(path)) or "
             "slimact.planner.plan_for(...); the bare name carries no plan"
         )
-    return install(model, plan=plan, filter_fn=filter_fn)
+    return _checked(model, install(model, plan=plan, filter_fn=filter_fn))
 
 
 register_strategy(

@@ -6,20 +6,26 @@ Each checkpoint directory holds
 - ``state.pt``: optimizer state, schedule, step, loader position and the RNG states of Python,
   NumPy, torch CPU and (if present) CUDA. It holds only tensors and primitive containers, so it
   loads with ``torch.load(..., weights_only=True)``;
-- ``config.json``: the ``TrainConfig`` that produced it.
+- ``config.json``: the ``TrainConfig`` that produced it;
+- extra JSON files a run adds (``plan.json``, ``planner.json`` under strategy ``auto``);
+- ``manifest.json``, written last: the sha256 and size of every other file.
 
 A checkpoint is written into a hidden temporary directory which is then renamed with
 ``os.replace``, so ``ckpt-<step>`` either exists complete or not at all; ``latest_checkpoint``
-also requires all three files. ``prune_checkpoints`` keeps the newest ``keep_last``.
+also requires the three files. ``verify_checkpoint`` (run by ``load_checkpoint``) checks every
+file against the manifest and raises ``CheckpointError`` naming the checkpoint and the file when
+one is missing or corrupt. ``prune_checkpoints`` keeps the newest ``keep_last``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +37,8 @@ from safetensors.torch import load_model, save_model
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"
 CONFIG_FILE = "config.json"
+MANIFEST_FILE = "manifest.json"
+REQUIRED_FILES = (MODEL_FILE, STATE_FILE, CONFIG_FILE)
 _CKPT_RE = re.compile(r"^ckpt-(\d+)$")
 _TMP_PREFIX = ".tmp-ckpt-"
 
@@ -78,10 +86,63 @@ def checkpoint_step(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete or corrupt; the message names its path."""
+
+
 def is_complete(path: Path) -> bool:
-    return path.is_dir() and all(
-        (path / f).is_file() for f in (MODEL_FILE, STATE_FILE, CONFIG_FILE)
-    )
+    return path.is_dir() and all((path / f).is_file() for f in REQUIRED_FILES)
+
+
+def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
+    """Every ``ckpt-<step>`` directory in ``run_dir``, complete or not, oldest first."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = [p for p in run_dir.iterdir() if p.is_dir() and checkpoint_step(p) is not None]
+    return sorted(found, key=lambda p: checkpoint_step(p) or 0)
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Raise ``CheckpointError`` unless every file of ``path`` is present and matches the
+    manifest (size and sha256). A checkpoint without a manifest (written by an older slimact)
+    is accepted with a warning when its three files are there."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
+    manifest_path = path / MANIFEST_FILE
+    if not manifest_path.is_file():
+        if missing:
+            raise CheckpointError(f"checkpoint {path} is incomplete: missing {', '.join(missing)}")
+        warnings.warn(
+            f"checkpoint {path} has no {MANIFEST_FILE} (older slimact): its files are not verified",
+            stacklevel=2,
+        )
+        return
+    try:
+        files = json.loads(manifest_path.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        msg = f"checkpoint {path} is corrupt: unreadable {MANIFEST_FILE} ({e})"
+        raise CheckpointError(msg) from None
+    missing += [f for f in files if f not in missing and not (path / f).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is incomplete: missing {', '.join(missing)}")
+    for name, want in files.items():
+        size = (path / name).stat().st_size
+        if size != want["bytes"] or file_digest(path / name) != want["sha256"]:
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: {name} does not match its checksum in "
+                f"{MANIFEST_FILE} ({size} bytes, {want['bytes']} recorded)"
+            )
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -119,9 +180,17 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     state: dict[str, Any],
     config: dict[str, Any],
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
     """Atomically write ``run_dir/ckpt-<step>``; ``state`` is extra resumable state (schedule,
-    loader, metrics) stored next to the optimizer, step and RNG states."""
+    loader, metrics) stored next to the optimizer, step and RNG states; ``extra_files`` maps
+    file names to text (JSON) stored beside them. The manifest of checksums is written last."""
+    extra_files = dict(extra_files or {})
+    clash = sorted(set(extra_files) & {*REQUIRED_FILES, MANIFEST_FILE})
+    if clash or any("/" in n or n.startswith(".") for n in extra_files):
+        raise ValueError(
+            f"extra checkpoint file names must be plain and new, got {sorted(extra_files)}"
+        )
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     final = run_dir / f"ckpt-{step}"
@@ -141,10 +210,14 @@ def save_checkpoint(
             torch.save(payload, fh)
             fh.flush()
             os.fsync(fh.fileno())
-        with (tmp / CONFIG_FILE).open("w") as fh:
-            json.dump(config, fh, indent=2, sort_keys=True)
-            fh.flush()
-            os.fsync(fh.fileno())
+        _write_text(tmp / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True))
+        for name, text in extra_files.items():
+            _write_text(tmp / name, text)
+        files = {
+            f.name: {"sha256": file_digest(f), "bytes": f.stat().st_size}
+            for f in sorted(tmp.iterdir())
+        }
+        _write_text(tmp / MANIFEST_FILE, json.dumps({"step": int(step), "files": files}, indent=1))
         if final.exists():  # re-saving a step: move the old copy aside, then swap
             old = run_dir / f"{_TMP_PREFIX}old-{step}-{os.getpid()}"
             os.replace(final, old)
@@ -159,17 +232,31 @@ def save_checkpoint(
     return final
 
 
+def _write_text(path: Path, text: str) -> None:
+    with path.open("w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
 def load_checkpoint(
-    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Load weights (and optimizer state) in place; return the rest of the state dict.
 
-    RNG states are returned under ``"rng"``, not applied: call :func:`set_rng_state` when the run
-    is otherwise ready, so that nothing consumes random numbers after the restore.
+    ``verify``: check every file against the manifest first (``verify_checkpoint``). RNG states
+    are returned under ``"rng"``, not applied: call :func:`set_rng_state` when the run is
+    otherwise ready, so that nothing consumes random numbers after the restore.
     """
     path = Path(path)
-    if not is_complete(path):
-        raise FileNotFoundError(
+    if verify:
+        verify_checkpoint(path)
+    elif not is_complete(path):
+        raise CheckpointError(
             f"checkpoint {path} is incomplete: needs {MODEL_FILE}, {STATE_FILE} and {CONFIG_FILE}"
         )
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -188,8 +275,18 @@ def load_checkpoint(
 
 
 def load_config_dict(path: str | Path) -> dict[str, Any]:
-    with (Path(path) / CONFIG_FILE).open() as fh:
-        return json.load(fh)
+    return read_json(path, CONFIG_FILE)
+
+
+def read_json(path: str | Path, name: str) -> Any:
+    """JSON file ``name`` of checkpoint ``path``; None if the checkpoint has no such file."""
+    f = Path(path) / name
+    if not f.is_file():
+        return None
+    try:
+        return json.loads(f.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {path} is corrupt: {name} is not JSON ({e})") from None
 
 
 def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:

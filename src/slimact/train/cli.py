@@ -51,7 +51,15 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     a("--seed", type=int, default=d["seed"], help="seed for init and data order")
     a("--data", default=None, help=".txt/.jsonl file or directory (default: stdlib sources)")
     a("--out", default=None, help="run dir (default runs/<model>-<strategy>-<seed>)")
-    a("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    a(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        choices=("latest", "latest-valid"),
+        help="continue from the latest checkpoint in --out (it must verify); latest-valid: from "
+        "the newest one that verifies, skipping damaged ones",
+    )
     a("--keep-last", type=int, default=d["keep_last"], help="checkpoints to keep")
     a("--ckpt-every", type=int, default=d["ckpt_every"], help="checkpoint every N steps (0: end)")
     a("--stop-at", type=int, default=None, help="stop (with a checkpoint) after this step")

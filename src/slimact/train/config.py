@@ -69,7 +69,7 @@ class TrainConfig:
     seed: int = 0
     data: str | None = None
     out: str | None = None
-    resume: bool = False
+    resume: bool | str = False  # True/'latest', or 'latest-valid' (see slimact.train.resume)
     keep_last: int = 2
     ckpt_every: int = 100
     threads: int | None = None
@@ -144,6 +144,11 @@ class TrainConfig:
         need(
             self.stop_at is None or (is_int(self.stop_at) and 1 <= self.stop_at <= self.steps),
             f"stop_at must be in [1, steps={self.steps}] (or unset), got {self.stop_at}",
+        )
+        need(
+            self.resume in (False, True, "latest", "latest-valid"),
+            "resume must be False, True (the latest checkpoint) or one of ('latest', "
+            f"'latest-valid'), got {self.resume!r}",
         )
         need(
             self.dist in DIST_MODES,

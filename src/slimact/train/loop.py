@@ -14,9 +14,10 @@ metrics and checkpoints (full, unsharded ``model.safetensors``: a checkpoint loa
 single-process model and resumes under any world size that divides the batch).
 
 Everything that decides the trajectory (weights, optimizer, schedule step, loader position, RNG
-states) goes into checkpoints, so on CPU a resumed run repeats the uninterrupted run's losses
-bit-for-bit. Ctrl-C finishes the current step, writes a checkpoint and stops (a second Ctrl-C
-aborts at once).
+states, the plan under ``auto`` and its evolver's state) goes into checkpoints, so on CPU a
+resumed run repeats the uninterrupted run's losses bit-for-bit; which checkpoint ``resume``
+picks, and what a damaged one does, is ``slimact.train.resume``'s. Ctrl-C finishes the current
+step, writes a checkpoint and stops (a second Ctrl-C aborts at once).
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,7 +39,8 @@ import slimact
 from slimact import dist as sdist
 from slimact.data import BatchLoader, ByteTokenizer, fixed_batches, load_data
 from slimact.models import build_model, count_params
-from slimact.timing import RatioStats, load_average
+from slimact.planner.adaptive import PlanEvolver, budget_check_of
+from slimact.timing import load_average
 from slimact.train.baseline import (
     WARMUP_ROUNDS,
     BaselineTwin,
@@ -49,17 +49,17 @@ from slimact.train.baseline import (
     ratio_over_rounds,
     rng_snapshot,
 )
-from slimact.train.checkpoint import (
-    latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    load_config_dict,
-    prune_checkpoints,
-    save_checkpoint,
-    set_rng_state,
-)
+from slimact.train.checkpoint import set_rng_state
 from slimact.train.config import TrainConfig
 from slimact.train.logger import MetricsLog
+from slimact.train.result import SideBySide, TrainResult
+from slimact.train.resume import (
+    PLAN_LOG,
+    RunCheckpoints,
+    find_resume,
+    planner_files,
+    restore_planner,
+)
 from slimact.train.schedule import WarmupCosine
 from slimact.train.steps import (
     Batch,
@@ -73,46 +73,6 @@ from slimact.train.steps import (
 from slimact.utils import fmt_bytes
 
 __all__ = ["TrainResult", "autocast_for", "evaluate", "make_optimizer", "perplexity", "train"]
-
-
-@dataclass(frozen=True)
-class SideBySide:
-    """Strategy and baseline on the same batches (``--baseline``): first-step bytes and peak,
-    interleaved fwd+bwd step times, losses."""
-
-    mode: str
-    saved_bytes: int
-    peak_bytes: int
-    step_time_s: float | None
-    first_loss: float
-    final_train_loss: float | None
-    final_val_loss: float | None
-    step_time_ratio: RatioStats | None
-    rounds: int
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    """What a run achieved; ``history`` holds the metrics.jsonl records (all steps of the run)."""
-
-    config: TrainConfig
-    run_dir: Path
-    device: str
-    params: int
-    steps: int
-    final_train_loss: float | None
-    final_val_loss: float | None
-    final_val_ppl: float | None
-    tokens_per_s: float
-    saved_bytes: int | None
-    history: list[dict[str, Any]]
-    resumed_from: int | None = None
-    interrupted: bool = False
-    peak_bytes: int | None = None
-    first_loss: float | None = None
-    step_time_s: float | None = None  # median fwd+bwd seconds of the timed rounds
-    baseline: SideBySide | None = None
-    load_avg: tuple[float | None, float | None] = (None, None)
 
 
 @contextmanager
@@ -151,25 +111,6 @@ def _build_model(config: TrainConfig, device: str) -> tuple[nn.Module, nn.Module
     return model.to(device), twin
 
 
-def _find_resume(config: TrainConfig) -> Path | None:
-    run_dir = config.run_dir
-    if not config.resume:
-        existing = list_checkpoints(run_dir)
-        if existing:
-            raise ValueError(
-                f"run dir {run_dir} already holds checkpoints (latest {existing[-1].name}); "
-                f"pass --resume to continue that run or choose another --out"
-            )
-        return None
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is not None:
-        saved = TrainConfig.from_dict(load_config_dict(ckpt))
-        diffs = config.mismatches(saved)
-        if diffs:
-            raise ValueError(f"cannot resume from {ckpt}: " + "; ".join(diffs))
-    return ckpt
-
-
 class _NullLog:
     """Metrics sink of ranks other than 0."""
 
@@ -180,23 +121,6 @@ class _NullLog:
 
     def close(self) -> None:
         pass
-
-
-class _OptimState:
-    """Stands in for an optimizer in ``save_checkpoint`` (FSDP2: the gathered full state)."""
-
-    def __init__(self, state: dict[str, Any]) -> None:
-        self.state = state
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.state
-
-
-def _plain_copy(config: TrainConfig, weights: dict[str, torch.Tensor]) -> nn.Module:
-    """An unwrapped CPU model holding ``weights`` (what FSDP2 checkpoints are written from)."""
-    model = build_model(config.model, vocab_size=ByteTokenizer().vocab_size)
-    model.load_state_dict(weights)
-    return model
 
 
 class _Trainer:
@@ -225,7 +149,7 @@ class _Trainer:
         if self.device == "cuda" and self.dist.world_size > 1:
             self.device = f"cuda:{self.dist.local_rank}"
         self.run_dir = config.run_dir
-        self.ckpt = _find_resume(config)
+        self.ckpt, skipped = find_resume(config)
         seed_everything(config.seed)
         self.model, twin = _build_model(config, self.device)
         self.twin = (
@@ -251,10 +175,13 @@ class _Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.saved_bytes: int | None = None
-        self.evolver: Any = None
+        self.evolver: PlanEvolver | None = None
         self._evolver_checked = False
+        self.checks_logged = 0  # budget-check events already in the metrics
+        self.ckpts = RunCheckpoints(config, self.dist, self.model, self.optimizer)
+        self.ckpts.skipped = skipped
         if self.ckpt is not None:
-            state = self._load(self.ckpt)
+            state = self.ckpts.load(self.ckpt)
             if WarmupCosine.from_state_dict(state["schedule"]) != self.schedule:
                 raise ValueError(f"checkpoint {self.ckpt} has a different lr schedule")
             self.loader.load_state_dict(state["loader"])
@@ -263,30 +190,15 @@ class _Trainer:
             stateful = self.model.__dict__.get("_slimact_stateful", {})
             for name, sd in state.get("strategy_state", {}).items():  # e.g. PRAC's subspaces
                 stateful[name].load_state_dict(sd)
+            single = self.dist.world_size == 1  # the evolver runs single-process only
+            self.evolver = restore_planner(self.model, self.ckpt, self.step, self.run_dir, single)
+            self._evolver_checked = self.evolver is not None
+            check = budget_check_of(self.model)
+            self.checks_logged = len(check.events) if check is not None else 0
             set_rng_state(state["rng"])  # last: nothing may draw random numbers after this
         self.log: MetricsLog | _NullLog = _NullLog()
         if self.dist.is_main:
             self.log = MetricsLog(self.run_dir, resume_step=self.step if self.ckpt else None)
-
-    @property
-    def sharded(self) -> bool:
-        return self.config.dist == "fsdp"
-
-    def _load(self, path: Path) -> dict[str, Any]:
-        if not self.sharded:  # DDP shares the bare model's parameters: load in place
-            return load_checkpoint(path, self.model, self.optimizer)
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        plain = build_model(self.config.model, vocab_size=ByteTokenizer().vocab_size)
-        state = load_checkpoint(path, plain)
-        opts = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, plain.state_dict(), options=opts)
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=opts)
-        return state
 
     def _micro_batches(self) -> list[Batch]:
         out = []
@@ -326,18 +238,21 @@ class _Trainer:
         if self.dist.world_size > 1:
             return
         if self.evolver is None and not self._evolver_checked:
-            from slimact.planner import PlanEvolver
-
-            self.evolver = PlanEvolver.for_model(
-                self.model, log_path=self.run_dir / "plan_changes.jsonl"
-            )
+            self.evolver = PlanEvolver.for_model(self.model, log_path=self.run_dir / PLAN_LOG)
             self._evolver_checked = True
         if self.evolver is not None:
             self.evolver.on_step(self.step, self.model)
 
-    def checkpoint(self) -> None:
-        from slimact.dist import barrier
+    def new_budget_checks(self) -> list[dict[str, Any]]:
+        """Budget-check verdicts (``slimact.planner.adaptive.BudgetCheck``) not yet logged."""
+        check = budget_check_of(self.model)
+        if check is None or len(check.events) <= self.checks_logged:
+            return []
+        new = check.events[self.checks_logged :]
+        self.checks_logged = len(check.events)
+        return new
 
+    def checkpoint(self) -> None:
         state = {
             "schedule": self.schedule.state_dict(),
             "loader": self.loader.state_dict(),
@@ -347,31 +262,7 @@ class _Trainer:
                 for name, obj in self.model.__dict__.get("_slimact_stateful", {}).items()
             },
         }
-        model, optimizer = self.model, self.optimizer
-        if self.sharded:  # gather full weights and optimizer state (collectives: every rank)
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                get_model_state_dict,
-                get_optimizer_state_dict,
-            )
-
-            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            weights = get_model_state_dict(self.model, options=opts)
-            optimizer = _OptimState(
-                get_optimizer_state_dict(self.model, self.optimizer, options=opts)
-            )
-            model = _plain_copy(self.config, weights) if self.dist.is_main else None
-        if self.dist.is_main:
-            save_checkpoint(
-                self.run_dir,
-                self.step,
-                model=model,
-                optimizer=optimizer,
-                state=state,
-                config=self.config.to_dict(),
-            )
-            prune_checkpoints(self.run_dir, self.config.keep_last)
-        barrier()
+        self.ckpts.save(self.step, state, planner_files(self.model, self.evolver))
 
     def run(self) -> TrainResult:
         cfg = self.config
@@ -418,6 +309,9 @@ class _Trainer:
                         "tokens_per_s": cfg.tokens_per_step / dt,
                         "saved_bytes": self.saved_bytes,
                     }
+                    checks = self.new_budget_checks()
+                    if checks:
+                        record["budget_check"] = checks
                     twin = self.twin
                     if twin is not None and twin.mode == "train" and twin.losses:
                         record["baseline_loss"] = twin.losses[-1]
