@@ -171,6 +171,10 @@ def test_full_preferred_over_quick_and_subset_over_nothing(tmp_path):
     md = render(results)  # no plot dir: no plots
     assert "## Suite `full`" in md and "## Suite `quick`" not in md
     assert "A `quick` run also exists" in md and "incomplete run" in md
+    newer = _fake("quick")
+    newer["meta"]["start"] = "2099-01-01T00:00:00+00:00"  # a quick run after the full one
+    (tmp_path / "quick.json").write_text(json.dumps(newer))
+    assert shown_suites(load_results(tmp_path)) == (["quick", "full", "gpu"], [])
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="bad.json"):
         load_results(tmp_path)

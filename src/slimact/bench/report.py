@@ -95,9 +95,17 @@ def load_results(results_dir: Path) -> dict[str, dict]:
 
 
 def shown_suites(results: dict[str, dict]) -> tuple[list[str], list[str]]:
-    """(suites shown in full, suites only mentioned): ``full`` hides ``quick``."""
+    """(suites shown in full, suites only mentioned): ``full`` hides an older ``quick``; a
+    ``quick`` run newer than ``full`` (e.g. after a change of the measurement) is shown too."""
     names = sorted(results, key=lambda n: (SUITE_ORDER.index(n) if n in SUITE_ORDER else 99, n))
-    hidden = ["quick"] if "full" in results and "quick" in results else []
+    hidden = []
+    if "full" in results and "quick" in results:
+        start = {n: str(results[n]["meta"].get("start") or "") for n in ("full", "quick")}
+        if start["quick"] <= start["full"]:
+            hidden = ["quick"]
+        else:
+            names.remove("quick")
+            names.insert(names.index("full"), "quick")
     return [n for n in names if n not in hidden], hidden
 
 
@@ -256,6 +264,11 @@ def render(results: dict[str, dict], plot_dir: Path | None = None) -> str:
         lines.append(
             f"A `{h}` run also exists ({m.get('_file')}, {'' if w is None else f'{w / 60:.1f} min, '}"
             f"commit `{m.get('git_commit')}`); `full` is shown instead."
+        )
+    if "full" in shown and "quick" in shown:
+        lines.append(
+            "The `quick` run is newer than the `full` run: both are shown, `quick` first; where "
+            "they differ in method (e.g. the timing scheme) the newer one holds."
         )
     lines += ["", "What the numbers mean:", "", MEANING.rstrip()]
     for n in shown:
