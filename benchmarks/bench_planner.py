@@ -37,8 +37,9 @@ from slimact.codecs import codec_names
 from slimact.envinfo import machine_info
 from slimact.models import build_model, count_params
 from slimact.planner import plan_for, profile_model
-from slimact.planner.milp import Problem, solve_plan
+from slimact.planner.milp import Problem
 from slimact.planner.plan import ROOT
+from slimact.planner.solve import solve_plan
 from slimact.timing import RatioStats, interleaved, load_average
 from slimact.utils import fmt_bytes, seed_everything
 

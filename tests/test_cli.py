@@ -76,8 +76,8 @@ def test_python_dash_m_entry_point():
 
 
 def test_budget_flag_maps_to_auto_spec():
+    from slimact.registry import with_budget
     from slimact.strategies import resolve
-    from slimact.strategies.registry import with_budget
 
     assert with_budget("auto", "30%") == "auto@30%"
     assert with_budget("invact+auto", "6GiB") == "invact+auto@6GiB"

@@ -73,7 +73,7 @@ def test_failed_strategy_import_surfaces_its_own_error_every_time():
         "        import slimact\n"
         "    except ImportError as e:\n"
         "        msgs.append(str(e))\n"
-        "registry = sys.modules['slimact.strategies.registry']\n"  # survives the failed import
+        "registry = sys.modules['slimact.registry']\n"  # survives the failed import
         "print(len(registry._REGISTRY), '|'.join(msgs))\n"
     )
     out = subprocess.run(

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from slimact.planner.milp import Decision, Problem, brute_force, solve_plan
+from slimact.planner.milp import Decision, Problem, brute_force
 from slimact.planner.plan import (
     ROOT,
     CodecStat,
@@ -20,6 +20,7 @@ from slimact.planner.plan import (
     StorageProfile,
     parse_budget,
 )
+from slimact.planner.solve import solve_plan
 
 
 def synthetic(seed: int, n_blocks: int = 2) -> Profile:

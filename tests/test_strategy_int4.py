@@ -6,10 +6,11 @@ import torch.nn.functional as F
 
 import slimact
 from slimact import sites
+from slimact.classify import parse_site, role_of
 from slimact.meter import measure
 from slimact.models import build_model
 from slimact.models.gpt2 import GPT2Config, GPT2Model
-from slimact.strategies.int4 import Int4Config, parse_site, role_of
+from slimact.strategies.int4 import Int4Config
 
 
 def run(model, x, strategy=None):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import slimact
 from slimact.compare import grad_cosine
-from slimact.strategies.invact import InvActConfig, fallback_report
+from slimact.reformulate import InvActConfig, fallback_report
 
 
 def _build(name, **kw):

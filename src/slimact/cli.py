@@ -130,7 +130,7 @@ def _run_memory(args: argparse.Namespace) -> int:
     import torch
 
     from slimact.compare import CompareConfig, compare
-    from slimact.strategies.registry import with_budget
+    from slimact.registry import with_budget
     from slimact.utils import default_device, fmt_bytes
 
     if args.threads:

@@ -44,7 +44,7 @@ import torch.nn as nn
 
 from slimact import sites
 from slimact.meter import MemoryReport, measure
-from slimact.strategies.registry import AppliedChange, StrategyConfig, applied, apply, revert
+from slimact.registry import AppliedChange, StrategyConfig, applied, apply, revert
 
 _ACT_NAME = re.compile(r"gelu|silu|swish|act|relu|tanh|mish", re.IGNORECASE)
 _NORM_NAME = re.compile(r"norm", re.IGNORECASE)

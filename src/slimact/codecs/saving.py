@@ -30,7 +30,7 @@ import torch.nn as nn
 from slimact import sites
 from slimact.codecs.base import Codec, CodecConfig, Packed, codec_name
 from slimact.patching import override_forward
-from slimact.strategies.registry import AppliedChange
+from slimact.registry import AppliedChange
 
 
 class CodecStored:

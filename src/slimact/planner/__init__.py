@@ -7,7 +7,8 @@ adacc.txt §3.3-3.4 extended to every action slimact has (keep, recompute, each 
     print(plan.table()); plan.save("plan.json")
     slimact.apply(model, plan)                             # or slimact.apply(model, "auto@25%")
 
-Modules: ``profile`` (measurements), ``milp`` (the model and its solver), ``plan`` (the JSON data),
+Modules: ``profile`` (measurements), ``milp`` (the model and its solver), ``solve`` (budget -> ``Plan``),
+``plan`` (the JSON data),
 ``apply`` (the runtime that installs a plan), ``adaptive`` (re-planning during training),
 ``cli`` (``slimact plan``).
 """
@@ -19,9 +20,10 @@ import torch.nn as nn
 
 from slimact.planner.adaptive import PlanEvolver, backoff_steps
 from slimact.planner.apply import PlanRuntime, install, runtime_of
-from slimact.planner.milp import Problem, brute_force, solve_plan
+from slimact.planner.milp import Problem, brute_force
 from slimact.planner.plan import LayerPlan, Plan, Profile, parse_budget
 from slimact.planner.profile import cached_profile, profile_model, static_memory
+from slimact.planner.solve import solve_plan
 
 
 def plan_for(

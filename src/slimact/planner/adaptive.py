@@ -45,11 +45,14 @@ import torch
 import torch.nn as nn
 
 from slimact import sites
+from slimact.classify import hidden_channels
+from slimact.codecs.build import build_codec
+from slimact.codecs.outlier import count_outlier_channels
 from slimact.meter import Meter
 from slimact.planner.apply import PlanRuntime, runtime_of
-from slimact.planner.milp import solve_plan
 from slimact.planner.plan import Plan, abs_site, is_relative
-from slimact.planner.profile import _payload_bytes, autocast_state, build_codec, run_policy
+from slimact.planner.profile import _payload_bytes, autocast_state, run_policy
+from slimact.planner.solve import solve_plan
 from slimact.utils import fmt_bytes
 
 CHECK_KEY = "_slimact_budget_check"
@@ -139,9 +142,6 @@ class PlanEvolver:
         key = self._sites.get(site)
         if key is None or key in self._rows:
             return
-        from slimact.codecs.outlier import count_outlier_channels
-        from slimact.strategies.int4 import hidden_channels
-
         kind = self.rt.profile.kinds[key[0]]
         s = kind.storages[key[2]]
         row = {}

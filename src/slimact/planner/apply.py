@@ -8,7 +8,7 @@ between steps (adaptive evolution) and ``slimact.revert`` undoes it all:
   the site role ``checkpoint_input`` (``"<module>:checkpoint_input#k"``), so the meter counts
   them and the codec policy may encode them (a recomputation then starts from the decoded
   input). Nothing is reported with ``sites.hold`` (the save already counts).
-- **reformulate**: ``strategies.invact`` swaps the planned norms/activations (``probe=False``:
+- **reformulate**: ``slimact.reformulate`` swaps the planned norms/activations (``probe=False``:
   the profiler already measured what they save).
 - **codecs**: one ``CodecPolicy`` whose ``assign`` looks every site up in the plan's table
   (absolute site name -> codec); one codec instance per (block, storage), built for the tensor's
@@ -36,11 +36,12 @@ from torch.utils.checkpoint import checkpoint
 
 from slimact import sites
 from slimact.codecs.base import Codec
+from slimact.codecs.build import build_codec
 from slimact.codecs.saving import CodecPolicy
 from slimact.patching import override_forward
 from slimact.planner.plan import Plan, abs_path, abs_site
-from slimact.planner.profile import build_codec
-from slimact.strategies.registry import AppliedChange
+from slimact.reformulate import InvActConfig, apply_invact
+from slimact.registry import AppliedChange
 
 RUNTIME_KEY = "_slimact_plan_runtime"
 _tls = threading.local()
@@ -105,8 +106,6 @@ class PlanRuntime:
     # -- plans --------------------------------------------------------------------------------
     def set_plan(self, plan: Plan, filter_fn: Callable[[nn.Module, str], bool] | None = None):
         """Undo the current plan's patches and install ``plan``'s; returns the change list."""
-        from slimact.strategies.invact import InvActConfig, apply_invact
-
         modules = dict(self.model.named_modules())
         known = {lp.block for lp in plan.layers}
         missing = sorted(b for b in known if b and b not in modules)

@@ -51,9 +51,9 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from slimact.planner.plan import ROOT, KindProfile, Profile, inside, site_module, solve_plan
+from slimact.planner.plan import ROOT, KindProfile, Profile, inside, site_module
 
-__all__ = ["LAYER_MODES", "Decision", "Problem", "Result", "brute_force", "solve_plan"]
+__all__ = ["LAYER_MODES", "Decision", "Problem", "Result", "brute_force"]
 
 LAYER_MODES = ("uniform", "ends", "each")
 EPS_S = 1e-9

@@ -17,7 +17,7 @@ expensive measurements run on one block per kind (the first) and are shared by i
   strategy's roles allow one (``role_of``); elsewhere (logsumexp, norm statistics, ids, loss
   inputs) only codecs whose reconstruction is exact qualify. A stateful codec's first encode (an
   SVD for PRAC) is amortized over its update period ``t1``;
-- **reformulations** (invact): each GELU/SiLU/norm that ``strategies.invact`` can invert is run
+- **reformulations** (invact): each GELU/SiLU/norm that ``slimact.reformulate`` can invert is run
   alone, inverted, under the meter: the sites it no longer saves, the storage its output gains a
   saver for, the bytes of new storages (mask, rstd), and the fwd+bwd time difference;
 - **per block**: payload bytes of the non-stateful codecs and the outlier-channel count of every
@@ -34,7 +34,6 @@ shape, device, autocast state and dtype, codec list and options, torch version.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -49,10 +48,20 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
 from slimact import sites
+from slimact.classify import (
+    classify_activation,
+    classify_norm,
+    hidden_channels,
+    is_activation_leaf,
+    role_of,
+)
 from slimact.codecs.base import Codec, codec_names, get_codec, storage_nbytes
+from slimact.codecs.build import build_codec
+from slimact.codecs.outlier import count_outlier_channels
 from slimact.codecs.saving import CodecPolicy, SharedStored
 from slimact.meter import measure
 from slimact.planner.plan import (
@@ -69,6 +78,7 @@ from slimact.planner.plan import (
     rel_site,
     site_module,
 )
+from slimact.reformulate import InvActConfig, apply_invact
 
 # ---------------------------------------------------------------------------------------------
 # helpers
@@ -92,21 +102,8 @@ def median_time(fn: Callable[[], Any], repeats: int, device: torch.device) -> fl
     return statistics.median(times)
 
 
-def build_codec(name: str, t: torch.Tensor) -> Codec:
-    """Codec ``name`` for tensor ``t``: ``channels`` fields get ``t``'s hidden channel count."""
-    from slimact.strategies.int4 import hidden_channels
-
-    codec = get_codec(name)
-    cfg = codec.config
-    if "channels" in {f.name for f in dataclasses.fields(cfg)} and t.dim() > 0:
-        codec = dataclasses.replace(cfg, channels=hidden_channels(t)).build()
-    return codec
-
-
 def lossy_allowed(site: str, t: torch.Tensor) -> bool:
     """Lossy codecs only where the ``int4`` strategy would compress (``role_of``)."""
-    from slimact.strategies.int4 import role_of
-
     return role_of(site, t, min_numel=1024) is not None
 
 
@@ -249,12 +246,9 @@ def _fwd_bwd(module: nn.Module, args: tuple, kwargs: dict) -> None:
 
 
 def _reform_candidates(block: nn.Module, device: torch.device) -> list[str]:
-    from slimact.strategies.invact import _ACT_NAME, classify_activation, classify_norm
-
     out = []
     for path, m in block.named_modules():
-        leaf = not list(m.children()) and not list(m.parameters(recurse=False))
-        if leaf and not list(m.buffers(recurse=False)) and _ACT_NAME.search(type(m).__name__):
+        if is_activation_leaf(m):
             if classify_activation(m, device)[0] is not None:
                 out.append(path)
         elif path and classify_norm(m, device)[0] is not None:
@@ -397,9 +391,6 @@ class _Profiler:
         return [(n, self.views[n]) for n in names if n in self.views]
 
     def _row(self, s: StorageProfile, b: str, rep: str) -> dict[str, int]:
-        from slimact.codecs.outlier import count_outlier_channels
-        from slimact.strategies.int4 import hidden_channels
-
         vs = self._views(s, b)
         if not s.sites or not vs:
             return {}
@@ -434,8 +425,6 @@ class _Profiler:
             self.by_ptr[t.untyped_storage().data_ptr()] = sid
 
     def _modules(self, kp: KindProfile, rep: str) -> None:
-        from torch.utils.flop_counter import FlopCounterMode
-
         for path, (args, kwargs, _) in list(self.captured.items()):
             if self.region(path) != rep:
                 continue
@@ -469,8 +458,6 @@ class _Profiler:
 
     def _reform(self, kp: KindProfile, rep: str, rel: str) -> None:
         """Invert module ``rel`` alone and see what its saves become."""
-        from slimact.strategies.invact import InvActConfig, apply_invact
-
         path = abs_path(rel, rep)
         if path not in self.captured:
             return

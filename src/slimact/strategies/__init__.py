@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from slimact.strategies.recompute import RecomputeConfig, apply_recompute, checkpoint_module
-from slimact.strategies.registry import (
+from slimact.registry import (
     AppliedChange,
     FilterFn,
     StrategyConfig,
@@ -25,6 +24,7 @@ from slimact.strategies.registry import (
     strategy_names,
     unregister_strategies,
 )
+from slimact.strategies.recompute import RecomputeConfig, apply_recompute, checkpoint_module
 
 
 @dataclass(frozen=True)

@@ -31,12 +31,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from slimact.codecs.base import codec_names
 from slimact.planner.adaptive import BudgetCheck
 from slimact.planner.apply import install
-from slimact.planner.milp import LAYER_MODES, solve_plan
+from slimact.planner.milp import LAYER_MODES
 from slimact.planner.plan import Plan, parse_budget
 from slimact.planner.profile import cached_profile, profile_model
-from slimact.strategies.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
+from slimact.planner.solve import solve_plan
+from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
 
 
 @dataclass(frozen=True)
@@ -69,8 +71,6 @@ class AutoConfig(StrategyConfig):
         if self.layers not in LAYER_MODES:
             raise ValueError(f"AutoConfig.layers must be one of {LAYER_MODES}, got {self.layers!r}")
         if self.codecs is not None:
-            from slimact.codecs import codec_names
-
             object.__setattr__(self, "codecs", tuple(self.codecs))
             bad = [c for c in self.codecs if c not in codec_names()]
             if bad:

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from slimact.ops.chunked_ce import BACKENDS, MODES, chunked_linear_cross_entropy
 from slimact.patching import override_forward, overrides, run_all
-from slimact.strategies.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
+from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
 
 _PROBE_RTOL = {torch.float32: 1e-4, torch.float64: 1e-6}  # else (bf16/fp16) 2e-2
 

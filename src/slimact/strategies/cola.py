@@ -23,7 +23,7 @@ import torch.nn as nn
 from slimact import sites
 from slimact.cola.colam import colam_block, unsupported_reason
 from slimact.cola.layers import CoLALinear
-from slimact.strategies.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
+from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
 
 
 @dataclass(frozen=True)

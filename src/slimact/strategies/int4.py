@@ -39,31 +39,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from slimact.codecs.base import Codec, CodecConfig, get_codec
-from slimact.codecs.bits import is_binary, two_valued
-from slimact.codecs.saving import CodecPolicy, dense_order, install_policy
+from slimact.classify import ROLES, hidden_channels, role_of
+from slimact.codecs.base import Codec, CodecConfig, codec_names, get_codec
+from slimact.codecs.saving import CodecPolicy, install_policy
 from slimact.patching import pop_attr, run_all
-from slimact.strategies.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
-
-ROLES = ("act", "qkv", "scores", "mask")
-ACT_OPS = frozenset(
-    {
-        "linear",
-        "addmm",
-        "layer_norm",
-        "rms_norm",
-        "group_norm",
-        "pow",
-        "mul",
-        "tanh",
-        "gelu",
-        "silu",
-        "relu",
-    }  # addmm: HF GPT-2's Conv1D; tanh: the tanh-GELU written out (HF NewGELU)
-)
-KEEP_OPS = frozenset({"cross_entropy", "nll_loss", "log_softmax", "embedding"})
-MASK_OPS = frozenset({"dropout", "feature_dropout", "scaled_dot_product_attention"})
-ATTN_OPS = frozenset({"scaled_dot_product_attention", "matmul", "bmm", "baddbmm"})
+from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
 
 
 @dataclass(frozen=True)
@@ -79,8 +59,6 @@ class Int4Config(StrategyConfig):
     min_numel: int = 1024
 
     def __post_init__(self) -> None:
-        from slimact.codecs.base import codec_names
-
         for role in ROLES:
             name = getattr(self, role)
             if name not in codec_names():
@@ -93,49 +71,6 @@ class Int4Config(StrategyConfig):
             raise ValueError(f"Int4Config.threshold must be > 0, got {self.threshold!r}")
         if not isinstance(self.min_numel, int) or self.min_numel < 0:
             raise ValueError(f"Int4Config.min_numel must be an int >= 0, got {self.min_numel!r}")
-
-
-def parse_site(site: str) -> tuple[str, str, int]:
-    """``"layers.0.mlp:silu#0"`` -> ``("layers.0.mlp", "silu", 0)``."""
-    module, _, rest = site.rpartition(":")
-    op, _, k = rest.rpartition("#")
-    return module, op, int(k) if k.isdigit() else 0
-
-
-def role_of(site: str, t: torch.Tensor, min_numel: int = 1024) -> str | None:
-    """The role of a saved tensor (``act``/``qkv``/``scores``/``mask``) or None to keep it."""
-    if not t.is_floating_point():
-        if t.dtype == torch.bool or (t.dtype == torch.uint8 and is_binary(t)):
-            return "mask"
-        return None
-    _, op, k = parse_site(site)
-    if not t.requires_grad and op in MASK_OPS and t.numel() >= min_numel:
-        return "mask" if two_valued(t) is not None else None  # CPU dropout noise {0, 1/(1-p)}
-    if not t.requires_grad or t.numel() < min_numel or t.dim() == 0 or t.shape[-1] == 1:
-        return None
-    if op in KEEP_OPS:
-        return None
-    if op in ("softmax", "_softmax"):
-        return "scores"
-    if op in ATTN_OPS:
-        if t.dim() != 4:
-            return "act" if op != "scaled_dot_product_attention" else None
-        if op == "scaled_dot_product_attention":
-            return "qkv" if k < 3 else None  # q, k, v come first; output/logsumexp stay exact
-        return "scores" if t.shape[-1] == t.shape[-2] else "qkv"
-    if op in ACT_OPS or "silu" in op or "gelu" in op:
-        return "act"
-    return None
-
-
-def hidden_channels(t: torch.Tensor) -> int:
-    """Channels of the memory-order view: ``H*Dh`` for a 4-D [B, S, H, Dh]-laid tensor."""
-    order = dense_order(t)
-    if t.dim() == 4 and order == (0, 2, 1, 3):
-        return t.shape[1] * t.shape[3]
-    if order is not None:
-        return t.shape[order[-1]]
-    return t.shape[-1]
 
 
 class Int4Assign:

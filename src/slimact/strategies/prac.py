@@ -55,6 +55,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn as nn
 
+from slimact.classify import classify_norm, rms_eps
 from slimact.codecs.prac import (
     SVD_METHODS,
     PacCodecConfig,
@@ -68,8 +69,7 @@ from slimact.codecs.saving import CodecPolicy, install_policy
 from slimact.models.common import RMSNorm
 from slimact.ops.rms_norm import rms_norm
 from slimact.patching import override_forward, pop_attr, run_all
-from slimact.strategies.invact import _rms_eps, classify_norm
-from slimact.strategies.registry import (
+from slimact.registry import (
     AppliedChange,
     FilterFn,
     StrategyConfig,
@@ -462,7 +462,7 @@ def _fuse_rms_norms(
         kind, _ = classify_norm(m, w.device if isinstance(w, torch.Tensor) else torch.device("cpu"))
         if kind != "rms":
             continue
-        _, undo = override_forward(m, _fused_rms_forward, m, _rms_eps(m))
+        _, undo = override_forward(m, _fused_rms_forward, m, rms_eps(m))
         changes.append(
             AppliedChange(path, config.name, "RMSNorm saves (x, rstd), not (x, x̂)", undo=undo)
         )

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from slimact import sites
 from slimact.patching import override_forward, overrides
-from slimact.strategies.registry import AppliedChange, FilterFn, StrategyConfig
+from slimact.registry import AppliedChange, FilterFn, StrategyConfig
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from slimact.strategies.registry import with_budget
+from slimact.registry import with_budget
 from slimact.train.config import BASELINES, DEVICES, DIST_MODES, TrainConfig
 from slimact.train.loop import TrainResult, train
 from slimact.utils import fmt_bytes

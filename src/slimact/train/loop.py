@@ -70,7 +70,7 @@ from slimact.train.steps import (
     make_optimizer,
     perplexity,
 )
-from slimact.utils import fmt_bytes
+from slimact.utils import fmt_bytes, seed_everything
 
 __all__ = ["TrainResult", "autocast_for", "evaluate", "make_optimizer", "perplexity", "train"]
 
@@ -127,8 +127,6 @@ class _Trainer:
     """State of one invocation; ``run`` does the steps."""
 
     def __init__(self, config: TrainConfig) -> None:
-        from slimact.utils import seed_everything
-
         self.config = config
         if config.threads is not None:
             torch.set_num_threads(config.threads)
@@ -398,9 +396,7 @@ def train(config: TrainConfig) -> TrainResult:
     """Run (or resume) the training described by ``config``; see the module docstring."""
     if config.dist == "none":
         return _Trainer(config).run()
-    from slimact.dist import teardown
-
     try:
         return _Trainer(config).run()
     finally:
-        teardown()
+        sdist.teardown()

@@ -1,0 +1,150 @@
+"""Site and module classification: what a saved tensor is, what a module computes.
+
+One place for the questions every strategy and the planner ask:
+
+* a **site** ``"<module path>:<op>#k"`` (``slimact.sites``) names the k-th tensor ``op`` saved
+  inside a module; ``parse_site`` splits it, ``role_of(site, t)`` says what the tensor is for a
+  lossy codec: ``act`` (inputs of linears, norms, activations), ``qkv`` (attention operands),
+  ``scores`` (softmax outputs, [.., S, S] operands), ``mask`` (dropout masks, 0/1 tensors), or
+  None (keep exact: statistics, losses, ids, constants, tensors below ``min_numel``);
+  ``hidden_channels(t)`` is the channel count of its memory-order view (per-channel codecs);
+* a **module** is an activation the inverted ops can replace (``is_activation_leaf`` by name and
+  shape of the module, ``classify_activation`` by behaviour on a probe grid: gelu, gelu_tanh or
+  silu), or a norm they can invert (``classify_norm``: LayerNorm, or an RMSNorm whose forward is
+  ``w * x * rsqrt(mean(x^2) + eps)``).
+
+Everything here is pure inspection: nothing is patched, nothing registered.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn as nn
+
+from slimact.codecs.bits import is_binary, two_valued
+from slimact.codecs.saving import dense_order
+from slimact.ops.inv_act import act_ref
+from slimact.ops.inv_act_approx import KINDS
+from slimact.ops.inv_norm import rms_norm_ref
+
+ROLES = ("act", "qkv", "scores", "mask")
+ACT_OPS = frozenset(
+    {
+        "linear",
+        "addmm",
+        "layer_norm",
+        "rms_norm",
+        "group_norm",
+        "pow",
+        "mul",
+        "tanh",
+        "gelu",
+        "silu",
+        "relu",
+    }  # addmm: HF GPT-2's Conv1D; tanh: the tanh-GELU written out (HF NewGELU)
+)
+KEEP_OPS = frozenset({"cross_entropy", "nll_loss", "log_softmax", "embedding"})
+MASK_OPS = frozenset({"dropout", "feature_dropout", "scaled_dot_product_attention"})
+ATTN_OPS = frozenset({"scaled_dot_product_attention", "matmul", "bmm", "baddbmm"})
+ACT_NAME = re.compile(r"gelu|silu|swish|act", re.IGNORECASE)
+MATCH_TOL = 1e-5  # max |diff| on the probe grid to accept an activation as kind k
+
+
+def parse_site(site: str) -> tuple[str, str, int]:
+    """``"layers.0.mlp:silu#0"`` -> ``("layers.0.mlp", "silu", 0)``."""
+    module, _, rest = site.rpartition(":")
+    op, _, k = rest.rpartition("#")
+    return module, op, int(k) if k.isdigit() else 0
+
+
+def role_of(site: str, t: torch.Tensor, min_numel: int = 1024) -> str | None:
+    """The role of a saved tensor (``act``/``qkv``/``scores``/``mask``) or None to keep it."""
+    if not t.is_floating_point():
+        if t.dtype == torch.bool or (t.dtype == torch.uint8 and is_binary(t)):
+            return "mask"
+        return None
+    _, op, k = parse_site(site)
+    if not t.requires_grad and op in MASK_OPS and t.numel() >= min_numel:
+        return "mask" if two_valued(t) is not None else None  # CPU dropout noise {0, 1/(1-p)}
+    if not t.requires_grad or t.numel() < min_numel or t.dim() == 0 or t.shape[-1] == 1:
+        return None
+    if op in KEEP_OPS:
+        return None
+    if op in ("softmax", "_softmax"):
+        return "scores"
+    if op in ATTN_OPS:
+        if t.dim() != 4:
+            return "act" if op != "scaled_dot_product_attention" else None
+        if op == "scaled_dot_product_attention":
+            return "qkv" if k < 3 else None  # q, k, v come first; output/logsumexp stay exact
+        return "scores" if t.shape[-1] == t.shape[-2] else "qkv"
+    if op in ACT_OPS or "silu" in op or "gelu" in op:
+        return "act"
+    return None
+
+
+def hidden_channels(t: torch.Tensor) -> int:
+    """Channels of the memory-order view: ``H*Dh`` for a 4-D [B, S, H, Dh]-laid tensor."""
+    order = dense_order(t)
+    if t.dim() == 4 and order == (0, 2, 1, 3):
+        return t.shape[1] * t.shape[3]
+    if order is not None:
+        return t.shape[order[-1]]
+    return t.shape[-1]
+
+
+def is_activation_leaf(module: nn.Module) -> bool:
+    """A parameterless, bufferless leaf whose class name mentions gelu/silu/swish/act."""
+    return (
+        not list(module.children())
+        and not list(module.parameters(recurse=False))
+        and not list(module.buffers(recurse=False))
+        and bool(ACT_NAME.search(type(module).__name__))
+    )
+
+
+def classify_activation(module: nn.Module, device: torch.device) -> tuple[str | None, float]:
+    """(kind, max |diff|) of the best-matching kind on a probe grid, kind None if none match."""
+    z = torch.linspace(-8.0, 8.0, 641, device=device)
+    try:
+        with torch.no_grad():
+            out = module(z.clone())
+    except Exception:  # not an elementwise activation we can call on a vector
+        return None, float("inf")
+    if not isinstance(out, torch.Tensor) or out.shape != z.shape:
+        return None, float("inf")
+    best, err = None, float("inf")
+    for kind in KINDS:
+        e = float((out.float() - act_ref(z, kind)).abs().max())
+        if e < err:
+            best, err = kind, e
+    return (best if err <= MATCH_TOL else None), err
+
+
+def rms_eps(module: nn.Module) -> float | None:
+    for name in ("eps", "variance_epsilon"):
+        v = getattr(module, name, None)
+        if isinstance(v, float):
+            return v
+    return None
+
+
+def classify_norm(module: nn.Module, device: torch.device) -> tuple[str | None, str]:
+    """('layer' | 'rms' | None, why-not)."""
+    if isinstance(module, nn.LayerNorm):
+        return "layer", ""
+    if "rmsnorm" not in type(module).__name__.lower():
+        return None, ""
+    params = dict(module.named_parameters(recurse=False))
+    w = params.get("weight")
+    eps = rms_eps(module)
+    if set(params) != {"weight"} or w is None or w.dim() != 1 or eps is None:
+        return None, "RMSNorm without a single 1-D weight and a float eps"
+    x = torch.randn(4, w.shape[0], generator=torch.Generator().manual_seed(0)).to(device, w.dtype)
+    with torch.no_grad():
+        got, want = module(x), rms_norm_ref(x, w, eps)
+    if not torch.allclose(got.float(), want.float(), rtol=1e-5, atol=1e-6):
+        return None, "forward differs from w * x * rsqrt(mean(x^2) + eps) (e.g. a 1+w scale)"
+    return "rms", ""

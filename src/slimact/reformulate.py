@@ -1,0 +1,290 @@
+"""The ``reformulate`` action: swap activations (and norms) for inverted ops that save outputs.
+
+``apply_invact(model, InvActConfig, filter_fn)`` is the one implementation of the action, used by
+the ``invact`` strategies (``slimact.strategies.invact``) and by the plan runtime
+(``slimact.planner.apply``) for a plan's ``reform`` rows.
+
+The inverted ops (invact.txt): every GELU (erf or tanh form) and SiLU — ``nn.GELU``, ``nn.SiLU``
+and transformers' ``GELUActivation``, ``NewGELUActivation``, ``FastGELUActivation``,
+``GELUTanh``/``PytorchGELUTanh``, ``SiLUActivation`` … — saves ``y`` + 1 bit instead of ``x``;
+with ``norms`` the inverted RMSNorm / LayerNorm (``slimact.ops.inv_norm``) save ``y`` + rstd
+instead of ``x`` (and ``x̂``).
+
+Candidates are recognised by behaviour, not by class (``slimact.classify``): an activation
+candidate is a parameterless leaf module whose class name mentions gelu/silu/swish/act, and its
+kind is whichever of {gelu, gelu_tanh, silu} its output matches on a probe grid (QuickGELU, Mish,
+ReLU² … match none and are reported as skipped). A norm candidate is an ``nn.LayerNorm`` or a
+``*RMSNorm`` with one 1-D weight whose output equals ``w ⊙ x·rsqrt(mean(x²)+eps)`` (Gemma's
+``1+w`` does not).
+
+The saving exists only if the next op saves the same output tensor (paper §5). ``probe=True``
+checks that on the real graph: one forward on a tiny dummy batch (slimact models: token ids;
+Hugging Face models: ``model.dummy_inputs``), in training mode, RNG state preserved, under the
+site router, recording which sites save each candidate's output storage. A candidate whose output
+no other op saves — e.g. a norm or activation followed by dropout in training mode (dropout saves
+a mask and hands the Linear a new tensor) — is skipped with that reason: swapping it would keep
+y instead of x, no saving. Where no dummy input can be made the swap is applied and the change
+says "unverified".
+
+The swap patches the instance ``forward`` with a ``patching.ForwardOverride`` (module class,
+paths, state_dict unchanged; copies and pickles of the model carry their own swap);
+``slimact.revert`` restores it. Norm weights are re-checked at run time (see ``inv_norm``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from slimact import sites
+from slimact.classify import classify_activation, classify_norm, is_activation_leaf, rms_eps
+from slimact.modules.inv_act import NormInvertibility
+from slimact.ops.inv_act import VARIANTS, inv_act
+from slimact.ops.inv_act_approx import KINDS, MODES
+from slimact.ops.inv_norm import inv_layer_norm, inv_rms_norm, invertible
+from slimact.patching import override_forward, pop_attr, run_all
+from slimact.registry import AppliedChange, FilterFn, StrategyConfig
+
+
+@dataclass(frozen=True)
+class InvActConfig(StrategyConfig):
+    """``mode``: f'(f⁻¹) evaluation ('newton' | 'paper'); ``variant``: 'bitmask' | 'lsb';
+    ``ops``: activation kinds to swap; ``norms``: also invert RMSNorm/LayerNorm;
+    ``probe``: verify on a dummy forward that the next op saves the output."""
+
+    mode: str = "newton"
+    variant: str = "bitmask"
+    ops: tuple[str, ...] = KINDS
+    norms: bool = True
+    max_bias_ratio: float = 4.0
+    probe: bool = True
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        bad = [k for k in self.ops if k not in KINDS]
+        if bad or not isinstance(self.ops, tuple):
+            raise ValueError(f"ops must be a tuple drawn from {KINDS}, got {self.ops!r}")
+        if not self.max_bias_ratio > 0:
+            raise ValueError(f"max_bias_ratio must be > 0, got {self.max_bias_ratio}")
+        if self.backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {self.backend!r}")
+
+
+def _device(model: nn.Module) -> torch.device:
+    for t in (*model.parameters(), *model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _dummy_call(model: nn.Module):
+    """A zero-argument callable running a tiny forward, or None."""
+    dev = _device(model)
+    dummy = getattr(model, "dummy_inputs", None)
+    if isinstance(dummy, dict) and dummy:
+        inputs = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in dummy.items()}
+        return lambda: model(**inputs)
+    cfg = getattr(model, "config", None)
+    vocab, max_len = getattr(cfg, "vocab_size", None), getattr(cfg, "max_seq_len", None)
+    if isinstance(vocab, int) and isinstance(max_len, int):
+        ids = torch.arange(min(16, max_len), device=dev).remainder(vocab).view(1, -1)
+        return lambda: model(ids)
+    return None
+
+
+def probe_consumers(model: nn.Module, paths: list[str]) -> dict[str, list[str]] | None:
+    """For each path: the sites outside that module that save its output (None: can't probe).
+
+    RNG state (dropout masks, random dummy inputs) and every module's training flag are restored.
+    """
+    with torch.random.fork_rng(devices=[]):
+        return _probe(model, paths)
+
+
+def _probe(model: nn.Module, paths: list[str]) -> dict[str, list[str]] | None:
+    call = _dummy_call(model)
+    if call is None:
+        return None
+    modules = dict(model.named_modules())
+    outputs: dict[int, str] = {}  # storage pointer -> candidate path
+    keep: list[torch.Tensor] = []
+    consumers: dict[str, list[str]] = {p: [] for p in paths}
+
+    def hook_for(path):
+        def hook(mod, args, out):
+            if isinstance(out, torch.Tensor):
+                keep.append(out)
+                outputs[out.untyped_storage().data_ptr()] = path
+
+        return hook
+
+    def listen(ev: sites.SavedEvent) -> None:
+        owner = outputs.get(ev.tensor.untyped_storage().data_ptr())
+        if owner is not None and not (ev.module == owner or ev.module.startswith(owner + ".")):
+            consumers[owner].append(ev.site)
+
+    flags = {m: m.training for m in model.modules()}
+    handles = [modules[p].register_forward_hook(hook_for(p)) for p in paths]
+    try:
+        model.train()
+        with torch.enable_grad(), sites.tracking(model), sites.listening(listen):
+            call()
+    finally:
+        for h in handles:
+            h.remove()
+        for m, flag in flags.items():
+            m.training = flag
+        keep.clear()
+    return consumers
+
+
+def _patch(module: nn.Module, wrapper, args: tuple, action: str, path: str, detail: str):
+    _, undo = override_forward(module, wrapper, *args)
+    undo = functools.partial(run_all, undo, functools.partial(pop_attr, module, "_slimact_inv"))
+    return AppliedChange(path, action, detail, undo=undo)
+
+
+def _act_forward(inner, kind, mode, variant, backend, x):
+    return inv_act(x, kind, mode=mode, variant=variant, backend=backend)
+
+
+def _norm_ok(module, bias, x) -> bool:
+    """Eager: (re)check y / w invertibility (cached per weight version). Under torch.compile the
+    check (host syncs, data_ptr keys) cannot run in the graph: the root pre-hook
+    ``_refresh_norm_checks`` ran it eagerly before this forward and dynamo guards on the cached
+    verdict, so a flip recompiles instead of breaking the graph."""
+    inv = module._slimact_inv
+    if torch.compiler.is_compiling():
+        return inv.reason is None
+    return inv.check(module.weight, bias, x.dtype)
+
+
+def _refresh_norm_checks(norms, root, args):
+    for m in norms:
+        inv = m.__dict__.get("_slimact_inv")
+        if inv is not None and getattr(m, "weight", None) is not None:
+            calls = inv.fallbacks  # the norm's own forward counts its fallback, not this re-check
+            inv.check(m.weight, getattr(m, "bias", None), inv.last_dtype or m.weight.dtype)
+            inv.fallbacks = calls
+
+
+def _rms_forward(inner, module, eps, x):
+    ok = _norm_ok(module, None, x)
+    return inv_rms_norm(x, module.weight, eps, check=not ok)
+
+
+def _ln_forward(inner, module, x):
+    ok = _norm_ok(module, module.bias, x)
+    return inv_layer_norm(
+        x,
+        module.normalized_shape,
+        module.weight,
+        module.bias,
+        module.eps,
+        max_bias_ratio=module._slimact_inv.max_bias_ratio,
+        check=not ok,
+    )
+
+
+def apply_invact(
+    model: nn.Module, config: InvActConfig, filter_fn: FilterFn | None = None
+) -> list[AppliedChange]:
+    dev = _device(model)
+    changes: list[AppliedChange] = []
+    plan: dict[str, tuple[str, str]] = {}  # path -> ("act", kind) | ("norm", "rms"/"layer")
+    for path, m in model.named_modules():
+        if not path:
+            continue
+        is_leaf_act = is_activation_leaf(m)
+        if is_leaf_act:
+            kind, err = classify_activation(m, dev)
+            if kind is None:
+                changes.append(
+                    AppliedChange(
+                        path,
+                        "invact",
+                        f"{type(m).__name__} is not GELU/tanh-GELU/"
+                        f"SiLU (closest max |diff| {err:.2g})",
+                        skipped=True,
+                    )
+                )
+            elif kind not in config.ops:
+                changes.append(AppliedChange(path, "invact", f"{kind} not in ops", skipped=True))
+            else:
+                plan[path] = ("act", kind)
+            continue
+        if config.norms:
+            norm, why = classify_norm(m, dev)
+            if norm is not None:
+                plan[path] = ("norm", norm)
+            elif why:
+                changes.append(AppliedChange(path, "invnorm", why, skipped=True))
+    modules = dict(model.named_modules())
+    for path in list(plan):
+        m = modules[path]
+        if filter_fn is not None and not filter_fn(m, path):
+            changes.append(AppliedChange(path, "invact", "filtered out", skipped=True))
+            del plan[path]
+        elif "forward" in m.__dict__:
+            changes.append(AppliedChange(path, "invact", "forward already patched", skipped=True))
+            del plan[path]
+    consumers = probe_consumers(model, list(plan)) if (config.probe and plan) else None
+    for path, (what, kind) in plan.items():
+        m = modules[path]
+        action = f"invact:{kind}" if what == "act" else f"invnorm:{kind}"
+        if consumers is not None and not consumers[path]:
+            changes.append(
+                AppliedChange(
+                    path,
+                    action,
+                    "output is not saved by the next op (e.g. dropout "
+                    "follows): inverting would keep y instead of x, no saving",
+                    skipped=True,
+                )
+            )
+            continue
+        detail = (
+            f"saved by {consumers[path][0]}"
+            if consumers is not None
+            else "unverified (no dummy input to probe the consumer)"
+        )
+        if what == "act":
+            fwd = (_act_forward, (kind, config.mode, config.variant, config.backend))
+        else:
+            m._slimact_inv = NormInvertibility(config.max_bias_ratio)
+            w, b = getattr(m, "weight", None), getattr(m, "bias", None)
+            dtype = w.dtype if w is not None else torch.float32
+            reason = invertible(w, b if kind == "layer" else None, dtype, config.max_bias_ratio)
+            if reason is not None:
+                detail += f"; falls back to saving x while {reason}"
+            fwd = (_rms_forward, (m, rms_eps(m))) if kind == "rms" else (_ln_forward, (m,))
+        changes.append(_patch(m, *fwd, action, path, detail))
+    norms = [
+        modules[p]
+        for p, (what, _) in plan.items()
+        if what == "norm" and "forward" in modules[p].__dict__
+    ]
+    if norms:  # eager re-check of y / w before each forward, for compiled blocks (see _norm_ok)
+        handle = model.register_forward_pre_hook(functools.partial(_refresh_norm_checks, norms))
+        changes.append(
+            AppliedChange("", "invnorm-check", f"{len(norms)} norm(s)", undo=handle.remove)
+        )
+    if not changes:
+        changes.append(AppliedChange("", "invact", "no GELU/SiLU/norm modules found", True))
+    return changes
+
+
+def fallback_report(model: nn.Module) -> dict[str, dict]:
+    """Per inverted norm: calls that fell back to saving x, and the current reason (or None)."""
+    out = {}
+    for path, m in model.named_modules():
+        inv = m.__dict__.get("_slimact_inv")
+        if inv is not None:
+            out[path] = {"fallbacks": inv.fallbacks, "reason": inv.reason}
+    return out
