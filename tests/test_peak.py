@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -52,3 +55,17 @@ def test_model_step_peak_bounds_saved_bytes_and_drops_with_recompute():
     # the step's peak holds every saved activation at once, plus gradients and temporaries
     assert peaks["none"] > m.report.total_bytes
     assert peaks["recompute"] < peaks["none"]
+
+
+def test_cpu_peak_prints_nothing_to_stderr():
+    """Kineto's ``USDT: ... profiler_start`` lines must not reach the user's terminal."""
+    code = (
+        "import torch\n"
+        "from slimact.peak import step_peak\n"
+        "x = torch.randn(64, 64, requires_grad=True)\n"
+        "assert step_peak(lambda: (x @ x).sum().backward()) > 0\n"
+        "import sys; print('after', file=sys.stderr)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "USDT" not in out.stderr and "profiler_start" not in out.stderr
+    assert out.stderr.strip().endswith("after")  # stderr itself still works afterwards

@@ -9,12 +9,18 @@ and the batch are excluded on both devices, so CPU and GPU figures read the same
 - CUDA: ``max_memory_allocated() - memory_allocated()`` after ``reset_peak_memory_stats()``.
 - CPU: the torch profiler's memory events (``profile_memory=True``): every allocation and free
   with its size, in time order; the peak is the largest running sum. The profiler slows the step
-  down, so never time a step that is measured this way.
+  down, so never time a step that is measured this way. Kineto (torch 2.13) prints a
+  ``USDT: ... profiler_start`` / ``profiler_stop`` line to the process's stderr at each start and
+  stop; those two moments run with file descriptor 2 pointed at /dev/null (``quiet_stderr``) so
+  the lines do not land in the middle of a user's progress bar.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 import torch
@@ -40,9 +46,36 @@ def peak_and_result(fn: Callable[[], T], device: torch.device | str = "cpu") -> 
         return max(0, torch.cuda.max_memory_allocated(device) - start), out
     if device.type != "cpu":
         raise ValueError(f"step_peak supports cpu and cuda devices, got {device}")
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with quiet_stderr():
+        prof.__enter__()
+    try:
         out = fn()
+    finally:
+        with quiet_stderr():
+            prof.__exit__(None, None, None)
     return peak_from_profile(prof), out
+
+
+@contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """Point file descriptor 2 at /dev/null for the block (C++ logging bypasses ``sys.stderr``)."""
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # no real fd (e.g. captured): nothing to hide
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), fd)
+            try:
+                yield
+            finally:
+                os.dup2(saved, fd)
+    finally:
+        os.close(saved)
 
 
 def peak_from_profile(prof: profile) -> int:
