@@ -22,7 +22,7 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (2, ("slimact.ops", "slimact.codecs", "slimact.modules", "slimact.data", "slimact.classify")),
     (2, ("slimact.models", "slimact.cola.layers", "slimact.cola.flops", "slimact.cola.model")),
     (3, ("slimact.planner.plan", "slimact.planner.milp", "slimact.planner.solve")),
-    (3, ("slimact.reformulate",)),
+    (3, ("slimact.reformulate", "slimact.checkpointing")),
     (4, ("slimact.planner.apply",)),
     (5, ("slimact.strategies", "slimact.planner", "slimact.cola")),
     (6, ("slimact.compare", "slimact.train", "slimact.hf", "slimact.dist", "slimact.bench")),

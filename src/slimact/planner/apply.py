@@ -35,6 +35,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from slimact import sites
+from slimact.checkpointing import carries_cache, guard_cache
 from slimact.codecs.base import Codec
 from slimact.codecs.build import build_codec
 from slimact.codecs.saving import CodecPolicy
@@ -48,7 +49,7 @@ _tls = threading.local()
 
 
 def _checkpointed(orig: Callable, *args: Any, **kwargs: Any) -> Any:
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() or carries_cache(orig, args, kwargs):  # written twice on replay
         return orig(*args, **kwargs)
     with sites.role("checkpoint_input"):
         return checkpoint(orig, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
@@ -253,4 +254,9 @@ def install(
         raise
     detail = "lazy: plans on the first training forward" if plan is None else plan.budget
     head = AppliedChange("", "plan", detail, undo=rt.remove)
-    return [head, *(AppliedChange(c.path, c.action, c.detail) for c in changes)]
+    guard = guard_cache(model, "planned recomputation")  # HF: use_cache=False in training
+    return [
+        head,
+        *([guard] if guard else []),
+        *(AppliedChange(c.path, c.action, c.detail) for c in changes),
+    ]

@@ -7,6 +7,16 @@ checkpoint saves through autograd (so the meter sees it); ``sites.hold`` names t
 ``<block>:checkpoint_input#0`` so reports read plainly.
 The forward is patched on the instance (a ``patching.ForwardOverride``, so copies and pickles of
 the model checkpoint their own blocks), so module paths and the state_dict are unchanged.
+
+KV caches (Hugging Face decoders): a block that writes a cache would write it a second time when
+backward re-runs it (the returned cache doubles; at one token the replay's keys differ in shape
+and backward raises ``CheckpointError``). As with HF's own gradient checkpointing, a training
+forward (model in training mode, grad enabled) of a model whose forward takes ``use_cache`` runs
+with ``use_cache=False``, with one warning per model when that overrides a cache the caller or
+the config asked for. A block that still receives a cache with grad on (a cache passed in
+explicitly, or an eval-mode forward under grad) runs without checkpointing, so its cache is
+written once and its gradients stay exact. Without grad (eval, ``generate``) nothing changes.
+The helpers live in ``slimact.checkpointing``, shared with the plan runtime (``auto``).
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from slimact import sites
+from slimact.checkpointing import carries_cache, guard_cache
 from slimact.patching import override_forward, overrides
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig
 
@@ -31,6 +42,8 @@ class RecomputeConfig(StrategyConfig):
 
 def _checkpointed_forward(orig, preserve_rng: bool, *args, **kwargs):
     if not torch.is_grad_enabled():
+        return orig(*args, **kwargs)
+    if carries_cache(orig, args, kwargs):  # a replay would write the cache twice: run as is
         return orig(*args, **kwargs)
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor):
@@ -66,4 +79,8 @@ def apply_recompute(
         changes.append(change)
     if not changes:
         changes.append(AppliedChange("", "recompute", "model has no repeated blocks", skipped=True))
+    elif any(not c.skipped for c in changes):
+        guard = guard_cache(model)
+        if guard is not None:
+            changes.append(guard)
     return changes

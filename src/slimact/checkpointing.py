@@ -1,0 +1,145 @@
+"""KV caches and activation checkpointing: what the ``recompute`` strategy and the plan runtime
+share so that Hugging Face decoders train correctly with their blocks recomputed.
+
+A checkpointed block that writes a KV cache writes it a second time when backward replays it:
+the returned cache doubles, and at one token the replay's keys differ in shape from the first
+run's and backward raises ``CheckpointError``. Hugging Face's own gradient checkpointing avoids
+that by running training forwards without a cache; so does slimact:
+
+* :func:`guard_cache` puts a forward pre-hook on a model whose forward takes ``use_cache``: in a
+  training forward (training mode, grad enabled) ``use_cache`` becomes False, with one warning
+  per model when the caller or ``config.use_cache`` asked for a cache (the wording follows HF's
+  "`use_cache=True` is incompatible with gradient checkpointing. Setting `use_cache=False`").
+* :func:`carries_cache` tells a checkpointed block that it was handed a cache anyway (a cache
+  passed in explicitly, or an eval-mode forward with grad on); the block then runs without
+  checkpointing, so the cache is written once and the gradients stay exact. It warns once per
+  block class and reason.
+
+Without grad (eval, ``generate``) neither acts: caches are built and returned as without slimact.
+Layer 3 (see ARCHITECTURE.md): it needs only ``registry`` below it, and both the strategies and
+``planner.apply`` (layer 4) use it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from slimact.registry import AppliedChange
+
+# keyword names HF layers receive their KV cache (or a legacy per-layer past) under
+CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past", "cache_params")
+GUARD_ACTION = "no-cache-in-training"
+
+
+def is_cache(value: Any) -> bool:
+    """A transformers ``Cache`` (any subclass), checked without importing transformers."""
+    return any(c.__name__ == "Cache" for c in type(value).__mro__)
+
+
+def _owner_name(orig: Any) -> str:
+    owner = getattr(orig, "module", None)  # a ForwardOverride below the checkpointing one
+    if owner is None and isinstance(orig, functools.partial) and orig.args:
+        owner = orig.args[0]  # the class forward bound to the module
+    return type(owner).__name__ if isinstance(owner, nn.Module) else "a block"
+
+
+def carries_cache(orig: Any, args: tuple, kwargs: dict) -> bool:
+    """True (and one warning per block class) when a block call is handed a KV cache it may
+    write; ``orig`` is the block's forward, for the warning's wording."""
+    found = any(is_cache(a) for a in args) or any(
+        v is not None and (k in CACHE_KWARGS or is_cache(v)) for k, v in kwargs.items()
+    )
+    if found:
+        warnings.warn(
+            f"slimact: {_owner_name(orig)} got a KV cache in a grad-enabled forward; it runs "
+            "without recomputation (a replay would write the cache twice)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return found
+
+
+class CacheGuard:
+    """State of one model's ``use_cache`` guard: where ``use_cache`` sits, whether it warned."""
+
+    def __init__(self, position: int | None, who: str) -> None:
+        self.position = position  # positional index of ``use_cache`` (self excluded), or None
+        self.who = who  # what recomputes, for the warning
+        self.warned = False
+
+
+def use_cache_position(model: nn.Module) -> int | None | bool:
+    """Index of ``use_cache`` in ``type(model).forward`` (self excluded; None: keyword-only);
+    False where the forward takes no ``use_cache``."""
+    try:
+        params = list(inspect.signature(type(model).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    for i, p in enumerate(params):
+        if p.name == "use_cache":
+            return i if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else None
+    return False
+
+
+def _cache_guard_hook(guard: CacheGuard, module: nn.Module, args: tuple, kwargs: dict):
+    if not (module.training and torch.is_grad_enabled()):
+        return None
+    pos = guard.position
+    if pos is not None and len(args) > pos:
+        asked = args[pos]
+        args = (*args[:pos], False, *args[pos + 1 :])
+    else:
+        asked = kwargs.get("use_cache")
+        kwargs = {**kwargs, "use_cache": False}
+    if asked is None:
+        asked = getattr(getattr(module, "config", None), "use_cache", False)
+    if asked and not guard.warned:
+        guard.warned = True
+        warnings.warn(
+            f"{type(module).__name__}: `use_cache=True` is incompatible with {guard.who} in "
+            "training; setting `use_cache=False` (training forwards return no KV cache, as "
+            "with Hugging Face gradient checkpointing)",
+            UserWarning,
+            stacklevel=5,  # the caller of model(...)
+        )
+    return args, kwargs
+
+
+def _drop_pre_hook(model: nn.Module, hook_id: int) -> None:
+    model._forward_pre_hooks.pop(hook_id, None)
+    model._forward_pre_hooks_with_kwargs.pop(hook_id, None)
+
+
+def has_cache_guard(model: nn.Module) -> bool:
+    return any(
+        isinstance(h, functools.partial) and h.func is _cache_guard_hook
+        for h in model._forward_pre_hooks.values()
+    )
+
+
+def guard_cache(model: nn.Module, who: str = "activation recomputation") -> AppliedChange | None:
+    """Run ``model``'s training forwards (training mode, grad on) with ``use_cache=False``.
+
+    For models whose forward takes ``use_cache`` (Hugging Face LMs and seq2seq models); warns
+    once per model when a cache was asked for, explicitly or by ``config.use_cache``. Returns
+    the undoable change (picklable: a partial of a module-level function), or None where the
+    forward takes no ``use_cache`` or a guard is already installed.
+    """
+    pos = use_cache_position(model)
+    if pos is False or has_cache_guard(model):
+        return None
+    guard = CacheGuard(pos, who)
+    handle = model.register_forward_pre_hook(
+        functools.partial(_cache_guard_hook, guard), with_kwargs=True, prepend=True
+    )
+    undo = functools.partial(_drop_pre_hook, model, handle.id)
+    return AppliedChange("", GUARD_ACTION, "use_cache=False in training forwards", undo=undo)
+
+
+__all__ = ["CACHE_KWARGS", "carries_cache", "guard_cache", "has_cache_guard", "is_cache"]
