@@ -5,6 +5,24 @@ config class to ``transform(model, config, filter_fn) -> AppliedChange list``. `
 ``"name"``, a config, ``"name@arg"`` for configs with a ``from_spec`` parser (``"auto@25%"``), or
 ``"a+b"`` to compose several (applied left to right). Every change is
 recorded on the model (``applied(model)``) and can be undone with ``revert(model)``.
+
+``apply`` is all-or-nothing: if any part of a composition raises, the parts already applied are
+undone newest first and the original error propagates; the model is left as it was.
+
+Composition rule (checked before anything is applied, in one spec and across ``apply`` calls):
+
+* A *codec policy* decides, per saved tensor, how it is stored: ``int4``, ``int4-plain``,
+  ``int4-paper``, ``int8``, ``prac``, ``pac``, ``rac``, ``auto`` (``auto@...``) and ``plan``
+  install one. Only one policy can decide a site, so a model carries at most one of them:
+  ``int4+prac`` and ``apply(m, "int4"); apply(m, "prac")`` are errors (whose policy won would
+  otherwise depend on the order). ``slimact.revert(model)`` first to switch.
+* Everything else is a site transform (``invact``, ``invact-act``, ``recompute``,
+  ``chunked-ce``, ``cola``, ``cola-m``, ``none``) and composes with the others and with one codec
+  policy in any order: ``invact+int4``, ``invact+recompute+prac``, ``invact+int4+chunked-ce``.
+* A spec names each strategy once: ``int4+int4`` or ``invact+invact-act`` (one config class
+  twice) is an error. A site transform may be applied again by a later ``apply`` call (e.g. to
+  other modules through ``filter_fn``): sites it already changed are skipped and reported as
+  such, so repeating it is idempotent.
 """
 
 from __future__ import annotations
@@ -55,24 +73,42 @@ class _Entry:
     default: StrategyConfig
     transform: Transform
     description: str
+    codec_policy: bool = False
 
 
 _REGISTRY: dict[str, _Entry] = {}
 
+# The built-in strategies whose transform installs a codec policy (see the module docstring);
+# names only, so this layer imports none of them. ``auto@<budget>`` counts as ``auto``.
+CODEC_POLICY_STRATEGIES = frozenset(
+    {"int4", "int4-plain", "int4-paper", "int8", "prac", "pac", "rac", "auto", "plan"}
+)
+_APPLIED_KEY = "_slimact_applied"
+_STRATEGIES_KEY = "_slimact_strategies"  # names of the strategies applied, in order
+
 
 def register_strategy(
-    name: str, default: StrategyConfig, transform: Transform, description: str = ""
+    name: str,
+    default: StrategyConfig,
+    transform: Transform,
+    description: str = "",
+    codec_policy: bool | None = None,
 ) -> None:
     """Register ``name``. Registering the same name again from the same transform (a module that
     is imported a second time, e.g. after an earlier import of the package failed half-way)
-    replaces the entry; a different transform under a taken name is an error."""
+    replaces the entry; a different transform under a taken name is an error.
+
+    ``codec_policy``: the transform installs a codec policy (at most one per model); None reads
+    it from ``CODEC_POLICY_STRATEGIES``."""
     old = _REGISTRY.get(name)
     if old is not None and _qualname(old.transform) != _qualname(transform):
         raise ValueError(
             f"strategy {name!r} is already registered by {_qualname(old.transform)}; "
             f"cannot register it again for {_qualname(transform)}"
         )
-    _REGISTRY[name] = _Entry(type(default), default, transform, description)
+    if codec_policy is None:
+        codec_policy = name.split("@", 1)[0] in CODEC_POLICY_STRATEGIES
+    _REGISTRY[name] = _Entry(type(default), default, transform, description, codec_policy)
 
 
 def _qualname(fn: Callable[..., object]) -> str:
@@ -94,25 +130,67 @@ def describe_strategies() -> dict[str, str]:
 
 
 def resolve(strategy: str | StrategyConfig) -> list[StrategyConfig]:
-    """``"none"``, ``"invact+int4"`` or a config -> list of configs."""
+    """``"none"``, ``"invact+int4"`` or a config -> list of configs; a spec that breaks the
+    composition rule (module docstring) is a ``ValueError`` naming the parts."""
+    return [cfg for _, cfg in _resolve_named(strategy)]
+
+
+def _resolve_named(strategy: str | StrategyConfig) -> list[tuple[str, StrategyConfig]]:
+    """Like ``resolve``, with each config's label (its part of the spec, or its name)."""
     if isinstance(strategy, StrategyConfig):
-        return [strategy]
+        return [(strategy.name, strategy)]
     if not isinstance(strategy, str) or not strategy.strip():
         raise ValueError(
             f"strategy must be a name or a StrategyConfig, got {strategy!r}; "
             f"valid names: {', '.join(_REGISTRY)}"
         )
-    out = []
+    out: list[tuple[str, StrategyConfig]] = []
     for part in strategy.split("+"):
         part = part.strip()
         base = part.split("@", 1)[0]
+        if not part:
+            raise ValueError(
+                f"strategy {strategy!r} has an empty part: join names with single '+' "
+                f"(e.g. 'invact+int4'); valid strategies: {', '.join(_REGISTRY)}"
+            )
         if part in _REGISTRY:
-            out.append(_REGISTRY[part].default)
+            out.append((part, _REGISTRY[part].default))
         elif base in _REGISTRY and hasattr(_REGISTRY[base].config_cls, "from_spec"):
-            out.append(_REGISTRY[base].config_cls.from_spec(part))  # e.g. "auto@30%"
+            out.append((part, _REGISTRY[base].config_cls.from_spec(part)))  # e.g. "auto@30%"
         else:
             raise ValueError(f"unknown strategy {part!r}; valid strategies: {', '.join(_REGISTRY)}")
+    _check_composition(out, strategy)
     return out
+
+
+def _is_codec_policy(config: StrategyConfig) -> bool:
+    return _entry_for(config).codec_policy
+
+
+def _composable() -> str:
+    return ", ".join(n for n, e in _REGISTRY.items() if not e.codec_policy and n != "none")
+
+
+def _check_composition(parts: list[tuple[str, StrategyConfig]], spec: object) -> None:
+    """One spec: each strategy (config class) once, at most one codec policy."""
+    seen: dict[type, str] = {}
+    for label, cfg in parts:
+        if type(cfg) in seen:
+            raise ValueError(
+                f"strategy {spec!r} names {seen[type(cfg)]!r} and {label!r}, the same strategy "
+                f"({type(cfg).__name__}) twice; name each strategy once"
+            )
+        seen[type(cfg)] = label
+    codecs = [label for label, cfg in parts if _is_codec_policy(cfg)]
+    if len(codecs) > 1:
+        raise ValueError(
+            f"strategy {spec!r} composes two codec-policy strategies, {codecs[0]!r} and "
+            f"{codecs[1]!r}: {_ONE_POLICY}; use one of them, composed with any of: "
+            f"{_composable()} (e.g. 'invact+recompute+int4')"
+        )
+
+
+_ONE_POLICY = "only one codec policy can decide how each saved tensor is stored"
 
 
 def with_budget(strategy: str, budget: str | None) -> str:
@@ -137,29 +215,70 @@ def apply(
 ) -> nn.Module:
     """Apply a strategy to ``model`` in place and return it; the changes are logged and recorded.
 
-    ``filter_fn(module, path) -> bool`` restricts which modules a transform may touch.
+    ``filter_fn(module, path) -> bool`` restricts which modules a transform may touch. All or
+    nothing: when a part raises, the parts already applied are undone (newest first) and the
+    error propagates, so the model is as it was before the call.
     """
-    configs = resolve(strategy)
-    log: list[AppliedChange] = model.__dict__.setdefault("_slimact_applied", [])
-    for cfg in configs:
-        changes = _entry_for(cfg).transform(model, cfg, filter_fn)
-        log.extend(changes)
-        done = [c for c in changes if not c.skipped]
-        skipped = [c for c in changes if c.skipped]
-        logger.info("slimact.apply %s: %d change(s), %d skipped", cfg.name, len(done), len(skipped))
-        for c in changes:
-            logger.debug("  %s %s %s", "skip" if c.skipped else c.action, c.path, c.detail)
+    parts = _resolve_named(strategy)
+    before = applied_strategies(model)
+    for label, cfg in parts:
+        if not _is_codec_policy(cfg):
+            continue
+        for prev in before:
+            prev_entry = _REGISTRY.get(prev) or _REGISTRY.get(prev.split("@", 1)[0])
+            if prev_entry is not None and prev_entry.codec_policy:
+                raise ValueError(
+                    f"cannot apply {label!r}: the model already has codec-policy strategy "
+                    f"{prev!r} and {label!r} is another one; {_ONE_POLICY}. Call "
+                    f"slimact.revert(model) first to switch; what still composes: {_composable()}"
+                )
+    done: list[AppliedChange] = []
+    try:
+        for _, cfg in parts:
+            changes = _entry_for(cfg).transform(model, cfg, filter_fn)
+            done.extend(changes)
+            n_skip = sum(c.skipped for c in changes)
+            logger.info(
+                "slimact.apply %s: %d change(s), %d skipped",
+                cfg.name,
+                len(changes) - n_skip,
+                n_skip,
+            )
+            for c in changes:
+                logger.debug("  %s %s %s", "skip" if c.skipped else c.action, c.path, c.detail)
+    except BaseException as exc:
+        _undo_all(done, exc)
+        raise
+    model.__dict__.setdefault(_APPLIED_KEY, []).extend(done)
+    model.__dict__.setdefault(_STRATEGIES_KEY, []).extend(label for label, _ in parts)
     return model
+
+
+def _undo_all(changes: list[AppliedChange], exc: BaseException) -> None:
+    """Undo ``changes`` newest first; a failing undo is noted on ``exc``, not raised over it."""
+    for change in reversed(changes):
+        if change.undo is None:
+            continue
+        try:
+            change.undo()
+        except Exception as undo_exc:  # keep undoing: the original error is the one to report
+            exc.add_note(f"slimact: undoing {change.action} at {change.path!r} failed: {undo_exc}")
 
 
 def applied(model: nn.Module) -> list[AppliedChange]:
     """The changes ``apply`` made to ``model`` (skipped sites included, with their reasons)."""
-    return list(model.__dict__.get("_slimact_applied", []))
+    return list(model.__dict__.get(_APPLIED_KEY, []))
+
+
+def applied_strategies(model: nn.Module) -> list[str]:
+    """The strategies ``apply`` applied to ``model``, in order, as named in their specs."""
+    return list(model.__dict__.get(_STRATEGIES_KEY, []))
 
 
 def revert(model: nn.Module) -> nn.Module:
     """Undo every change ``apply`` made, newest first."""
-    for change in reversed(model.__dict__.pop("_slimact_applied", [])):
+    model.__dict__.pop(_STRATEGIES_KEY, None)
+    for change in reversed(model.__dict__.pop(_APPLIED_KEY, [])):
         if change.undo is not None:
             change.undo()
     return model

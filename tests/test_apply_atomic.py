@@ -1,0 +1,265 @@
+"""``slimact.apply`` is all-or-nothing, and the composition rule (issue 14.7).
+
+A composite apply that fails part-way leaves the model exactly as it was (module attributes,
+hooks, state_dict, forward output, ``applied``); two codec policies, or one strategy named twice
+in a spec, are rejected before anything changes (see ``slimact.registry``'s docstring).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn as nn
+
+import slimact
+from slimact import build_model
+from slimact.patching import overrides
+from slimact.registry import (
+    CODEC_POLICY_STRATEGIES,
+    AppliedChange,
+    StrategyConfig,
+    applied_strategies,
+    register_strategy,
+    resolve,
+    strategy_names,
+    unregister_strategies,
+)
+
+
+def _snapshot(model: nn.Module) -> dict:
+    """Everything a transform could leave behind: per-module attributes and hooks, the
+    state_dict, the forward output, the recorded changes and strategies."""
+    torch.manual_seed(0)
+    x = torch.randint(0, model.config.vocab_size, (2, 8))
+    with torch.no_grad():
+        out = model(x).logits.clone()
+    mods = {}
+    for path, m in model.named_modules():
+        hooks = {k: list(v) for k, v in m.__dict__.items() if "hooks" in k and isinstance(v, dict)}
+        mods[path] = (sorted(m.__dict__), hooks, type(m).__name__)
+    return {
+        "modules": mods,
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "out": out,
+        "applied": [(c.path, c.action, c.skipped) for c in slimact.applied(model)],
+        "strategies": applied_strategies(model),
+    }
+
+
+def _assert_same(before: dict, after: dict) -> None:
+    assert after["modules"] == before["modules"]
+    assert after["state"].keys() == before["state"].keys()
+    for k, v in before["state"].items():
+        assert torch.equal(after["state"][k], v), k
+    assert torch.equal(after["out"], before["out"])
+    assert after["applied"] == before["applied"]
+    assert after["strategies"] == before["strategies"]
+
+
+@dataclass(frozen=True)
+class _BoomConfig(StrategyConfig):
+    """A strategy that fails: what any part raising looks like to ``apply``."""
+
+    exc: type = RuntimeError
+
+
+def _boom(model, config, filter_fn=None):
+    raise config.exc("boom: this part failed")
+
+
+_LOG: list[str] = []
+
+
+@dataclass(frozen=True)
+class _MarkA(StrategyConfig):
+    pass
+
+
+@dataclass(frozen=True)
+class _MarkB(StrategyConfig):
+    pass
+
+
+@dataclass(frozen=True)
+class _BrokenUndo(StrategyConfig):
+    pass
+
+
+def _mark(model, config, filter_fn=None):
+    name = type(config).__name__
+    _LOG.append(f"apply {name}")
+    return [AppliedChange("", "mark", name, undo=lambda: _LOG.append(f"undo {name}"))]
+
+
+@pytest.fixture
+def test_strategies():
+    register_strategy("test-boom", _BoomConfig(), _boom, "fails (tests)")
+    register_strategy("test-interrupt", _BoomConfig(KeyboardInterrupt), _boom, "(tests)")
+    register_strategy("test-mark-a", _MarkA(), _mark, "(tests)")
+    register_strategy("test-mark-b", _MarkB(), _mark, "(tests)")
+    _LOG.clear()
+    yield
+    unregister_strategies({"test-boom", "test-interrupt", "test-mark-a", "test-mark-b"})
+
+
+def test_failing_composite_leaves_model_untouched():
+    """``invact+cola-m`` on a non-CoLA model: cola-m raises after invact patched the model."""
+    model = build_model("llama-tiny")
+    keys = set(model.__dict__)
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match="needs a CoLA model"):
+        slimact.apply(model, "invact+cola-m")
+    assert set(model.__dict__) == keys  # not even an empty change log was added
+    _assert_same(before, _snapshot(model))
+    copy.deepcopy(model)  # still a plain, copyable model
+    slimact.apply(model, "invact")  # and still takes a strategy
+    assert slimact.applied(model)
+
+
+@pytest.mark.usefixtures("test_strategies")
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_any_part_raising_undoes_the_others(exc):
+    model = build_model("llama-tiny")
+    before = _snapshot(model)
+    last = "test-boom" if exc is RuntimeError else "test-interrupt"
+    with pytest.raises(exc, match="boom: this part failed"):
+        slimact.apply(model, f"invact+recompute+int4+chunked-ce+{last}")
+    _assert_same(before, _snapshot(model))
+    assert not overrides(model)
+
+
+@pytest.mark.usefixtures("test_strategies")
+def test_undo_runs_newest_first_and_error_is_the_original():
+    model = build_model("llama-tiny")
+    with pytest.raises(RuntimeError, match="boom") as info:
+        slimact.apply(model, "test-mark-a+test-mark-b+test-boom")
+    assert _LOG == ["apply _MarkA", "apply _MarkB", "undo _MarkB", "undo _MarkA"]
+    assert type(info.value) is RuntimeError
+
+
+@pytest.mark.usefixtures("test_strategies")
+def test_failing_second_apply_keeps_the_first():
+    model = slimact.apply(build_model("llama-tiny"), "invact")
+    before = _snapshot(model)
+    with pytest.raises(RuntimeError, match="boom"):
+        slimact.apply(model, "recompute+test-boom")
+    _assert_same(before, _snapshot(model))
+    assert applied_strategies(model) == ["invact"]
+    slimact.revert(model)
+    assert not slimact.applied(model) and not applied_strategies(model)
+
+
+@pytest.mark.usefixtures("test_strategies")
+def test_failing_undo_is_noted_not_raised():
+    """An undo that raises during the roll-back does not hide the original error."""
+
+    def bad_undo():
+        raise OSError("undo broke")
+
+    def broken(model, config, filter_fn=None):
+        return [AppliedChange("", "mark", "", undo=bad_undo)]
+
+    register_strategy("test-broken-undo", _BrokenUndo(), broken, "(tests)")
+    try:
+        model = build_model("llama-tiny")
+        with pytest.raises(RuntimeError, match="boom") as info:
+            slimact.apply(model, "test-mark-a+test-broken-undo+test-boom")
+    finally:
+        unregister_strategies({"test-broken-undo"})
+    assert any("undo broke" in n for n in info.value.__notes__)
+    assert _LOG[-1] == "undo _MarkA"  # the roll-back went on past the failing undo
+
+
+@pytest.mark.parametrize(
+    "spec, names",
+    [
+        ("int4+prac", ("int4", "prac")),
+        ("prac+int4", ("prac", "int4")),
+        ("invact+int8+pac", ("int8", "pac")),
+        ("int4+auto@25%", ("int4", "auto@25%")),
+        ("rac+recompute+int4-plain", ("rac", "int4-plain")),
+    ],
+)
+def test_two_codec_policies_rejected(spec, names):
+    model = build_model("llama-tiny")
+    before = _snapshot(model)
+    pattern = rf"two codec-policy strategies, '{re.escape(names[0])}' and '{re.escape(names[1])}'"
+    with pytest.raises(ValueError, match=pattern) as info:
+        slimact.apply(model, spec)
+    assert "invact" in str(info.value) and "recompute" in str(info.value)  # what composes
+    _assert_same(before, _snapshot(model))
+
+
+@pytest.mark.parametrize(
+    "spec, a, b",
+    [
+        ("int4+int4", "int4", "int4"),
+        ("recompute+recompute", "recompute", "recompute"),
+        ("invact+invact-act", "invact", "invact-act"),
+        ("int4+int8", "int4", "int8"),
+        ("auto@10%+auto@25%", "auto@10%", "auto@25%"),
+    ],
+)
+def test_duplicates_in_a_spec_rejected(spec, a, b):
+    with pytest.raises(ValueError, match=rf"names {re.escape(repr(a))} and {re.escape(repr(b))}"):
+        resolve(spec)
+
+
+@pytest.mark.parametrize("first, second", [("int4", "prac"), ("int4", "int4"), ("prac", "int8")])
+def test_second_apply_follows_the_codec_rule(first, second):
+    model = slimact.apply(build_model("llama-tiny"), f"invact+{first}")
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match=rf"already has codec-policy strategy '{first}'"):
+        slimact.apply(model, f"recompute+{second}")
+    _assert_same(before, _snapshot(model))
+    slimact.revert(model)
+    slimact.apply(model, second)  # after a revert the other policy applies
+    assert applied_strategies(model) == [second]
+
+
+def test_site_transform_applied_again_is_idempotent():
+    """A later call may cover other modules (filter_fn); sites already changed are skipped."""
+    model = slimact.apply(build_model("llama-tiny"), "recompute", lambda m, p: p == "layers.0")
+    slimact.apply(model, "recompute+int4")
+    again = [c for c in slimact.applied(model) if c.action == "recompute"][2:]
+    assert [(c.path, c.skipped) for c in again] == [("layers.0", True), ("layers.1", False)]
+    assert applied_strategies(model) == ["recompute", "recompute", "int4"]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["invact+int4", "invact+recompute", "invact+int4+chunked-ce", "recompute+int4", "none+int4"],
+)
+def test_documented_compositions_apply(spec):
+    model = slimact.apply(build_model("llama-tiny"), spec)
+    x = torch.randint(0, 257, (2, 16))
+    model(x, targets=x).loss.backward()
+    assert applied_strategies(model) == spec.split("+")
+
+
+def _installs_policy(model: nn.Module) -> bool:
+    wrappers = {getattr(o.wrapper, "__name__", "") for o in overrides(model)}
+    return "_policy_forward" in wrappers or "_slimact_plan_runtime" in model.__dict__
+
+
+def test_codec_policy_names_match_what_the_transforms_do():
+    """``CODEC_POLICY_STRATEGIES`` (names, so the registry imports no strategy) stays true:
+    exactly the strategies that install a codec policy are in it."""
+    checked = 0
+    for name in strategy_names():
+        if name.startswith("test-"):
+            continue
+        model = build_model("cola-tiny" if name.startswith("cola") else "llama-tiny")
+        try:
+            slimact.apply(model, name)
+        except ValueError:  # 'auto' without a budget, 'plan' without a plan
+            assert name.split("@")[0] in ("auto", "plan"), name
+            continue
+        is_codec = name.split("@")[0] in CODEC_POLICY_STRATEGIES
+        assert _installs_policy(model) == is_codec, name
+        checked += 1
+    assert checked >= 15
