@@ -25,6 +25,7 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (3, ("slimact.reformulate", "slimact.checkpointing")),
     (4, ("slimact.planner.apply",)),
     (5, ("slimact.strategies", "slimact.planner", "slimact.cola")),
+    (5, ("slimact.compiled",)),
     (6, ("slimact.compare", "slimact.train", "slimact.hf", "slimact.dist", "slimact.bench")),
     (6, ("slimact.cola.rank", "slimact.cola.cli", "slimact.planner.cli")),
     (7, ("slimact.cli", "slimact.__main__", "slimact")),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+import slimact.compiled  # noqa: F401  registers compiled-none/-int8/-int4 (issue 16)
 from slimact.registry import (
     AppliedChange,
     FilterFn,

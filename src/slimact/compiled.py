@@ -1,0 +1,345 @@
+"""Codecs inside torch.compile: saved-tensor hooks as ``fx.GraphModule`` pairs, inlined (issue 16).
+
+Since torch 2.8, when the innermost ``saved_tensors_hooks`` pair are both ``torch.fx.GraphModule``
+objects while dynamo compiles a frame, AOTAutograd copies the pack graph into the end of the
+compiled *forward* graph (once per saved tensor) and the unpack graph into the start of the
+*backward* graph (``_functorch/_aot_autograd/graph_compile.py``,
+``maybe_inline_graph_saved_tensors_hooks``); at run time the compiled region runs with saved-tensor
+hooks disabled (``runtime_wrappers._disable_saved_tensors_hooks``), so no Python hook runs per
+tensor: the codec is fused by inductor like any other op. Dynamo guards on the hook ids
+(``guards.AUTOGRAD_SAVED_TENSORS_HOOKS``), so the pair must be the *same objects* on every call
+(built once per codec here) and must be active *around* the compiled call, not entered inside it.
+
+What this module adds:
+
+* :func:`hook_pair` ``(codec)``: the traced pack/unpack pair. Both are one call of a
+  ``torch.fx.wrap``-ped helper, so the GraphModule is tiny and AOTAutograd re-traces the helper
+  per saved tensor with its fake value: the helper makes *shape-dependent* choices in Python at
+  trace time. Kept exact (the pack returns ``(x,)``): non-float tensors, fewer than
+  ``min_numel`` values, last dimension 1 (norm statistics), SDPA's logsumexp and, with
+  ``exact_attention_out``, SDPA's output (both read from the per-tensor context
+  ``_get_saved_tensor_hook_context()``, torch >= 2.10; without it only the shape rules apply).
+  The rest is symmetric INT8 or INT4 with one fp32 scale per group of ``group_size`` values
+  along the last dimension (``0``: one per row); a last dimension the group does not divide uses
+  ``gcd(D, group_size)``, and below 8 values per group one INT8 scale per row. The math is
+  ``slimact.ops.quant.quantize_ref`` / ``dequantize_ref`` on the flat logical order with
+  ``group_size = g``: :func:`encode_ref` / :func:`decode_ref` are that reference and the tests
+  check codes and scales equal it bit for bit.
+* :func:`compile_with_codec` ``(model, codec)``: ``torch.compile`` each block's forward
+  (``dynamic=False``) and call it inside the pair (and with
+  ``saved_tensors_hooks_filtering_mode`` patched, see below); recorded, so ``slimact.revert``
+  restores the eager blocks. Strategies ``compiled-none`` (identity pair: the path without
+  compression), ``compiled-int8`` and ``compiled-int4``.
+* :func:`forward_live_bytes`: bytes a forward leaves alive (the torch profiler's memory events),
+  which is how saves inside compiled graphs are measured: the site router's hooks are disabled
+  inside the compiled region, so ``slimact.measure`` sees nothing of a block compiled this way.
+
+Trade-offs. The hooks see what AOTAutograd saves after its min-cut partition (it already
+recomputes cheap pointwise ops), not slimact's named sites: there is no per-site plan, only
+shape and op rules. ``filtering="donated"`` (torch's default) applies the pack to intermediates
+only; graph inputs (the block's input, which the block's first norm saves) stay raw.
+``"no_static"`` (the default here) packs inputs too, parameters excluded: the raw input is freed
+when nothing else holds it (true for a block input in a decoder stack). Non-finite values are
+not kept exactly (unlike the eager codecs): a NaN/inf makes its group NaN/inf. Unpacks run at the
+start of the region's backward, so each block is its own region (per-block compile) and only
+one block's decoded tensors are live at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn as nn
+
+from slimact import sites
+from slimact.ops.quant import Quantized, dequantize_ref, quantize_ref
+from slimact.patching import NotCopyable
+from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
+
+try:  # the per-saved-tensor context (torch >= 2.10); private API, so optional
+    from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
+except ImportError:  # pragma: no cover - older torch
+    _get_saved_tensor_hook_context = None
+
+FILTERING_MODES = ("donated", "no_static", "all")
+_SDPA = "scaled_dot_product"
+
+
+@dataclass(frozen=True)
+class CompiledCodec:
+    """A traced codec: ``bits`` 0 (keep everything: the identity pair), 4 or 8; ``group_size``
+    values per fp32 scale along the last dimension (0: one scale per row)."""
+
+    bits: int = 8
+    group_size: int = 0
+    min_numel: int = 1024
+    exact_attention_out: bool = False
+    filtering: str = "no_static"
+
+    def __post_init__(self) -> None:
+        if self.bits not in (0, 4, 8):
+            raise ValueError(f"CompiledCodec.bits must be 0, 4 or 8, got {self.bits!r}")
+        if not isinstance(self.group_size, int) or self.group_size < 0:
+            raise ValueError(
+                f"CompiledCodec.group_size must be an int >= 0, got {self.group_size!r}"
+            )
+        if self.bits == 4 and self.group_size % 2:
+            raise ValueError(
+                f"INT4 needs an even group_size (two codes per byte), got {self.group_size}"
+            )
+        if not isinstance(self.min_numel, int) or self.min_numel < 0:
+            raise ValueError(f"CompiledCodec.min_numel must be an int >= 0, got {self.min_numel!r}")
+        if self.filtering not in FILTERING_MODES:
+            raise ValueError(
+                f"CompiledCodec.filtering must be one of {FILTERING_MODES}, got {self.filtering!r}"
+            )
+
+    def group_for(self, last_dim: int) -> tuple[int, int]:
+        """(bits, group) used for a tensor whose last dimension is ``last_dim`` (see module doc)."""
+        g = last_dim if self.group_size == 0 else math.gcd(last_dim, self.group_size)
+        if g < 8 or (self.bits == 4 and g % 2):
+            return 8, last_dim  # odd shapes: one INT8 scale per row
+        return self.bits, g
+
+
+CODECS: dict[str, CompiledCodec] = {
+    "none": CompiledCodec(bits=0),
+    "int8": CompiledCodec(bits=8, group_size=0),
+    "int4": CompiledCodec(bits=4, group_size=32, exact_attention_out=True),
+}
+
+# Python calls of the traced helpers: they run while AOTAutograd traces, never per step once the
+# hooks are inlined (the tests check that these stop growing after the first compiled step).
+TRACE_CALLS = {"pack": 0, "unpack": 0}
+
+
+# ----------------------------------------------------------------------------- the codec math
+def _saved_node_keeps_exact(codec: CompiledCodec) -> bool:
+    """True when the saved tensor being traced is SDPA's logsumexp (or its output, if asked)."""
+    ctx = _get_saved_tensor_hook_context() if _get_saved_tensor_hook_context else None
+    node = ctx.get("_node") if ctx else None
+    if node is None or node.op != "call_function" or not node.args:
+        return False
+    src = node.args[0]
+    if not isinstance(src, torch.fx.Node) or _SDPA not in str(src.target):
+        return False
+    index = node.args[1] if len(node.args) > 1 else 0
+    return index != 0 or codec.exact_attention_out
+
+
+def keeps_exact(codec: CompiledCodec, x: torch.Tensor) -> bool:
+    """The shape rules: what the pack leaves as it is (module docstring)."""
+    return (
+        codec.bits == 0
+        or not x.is_floating_point()
+        or x.dim() < 2
+        or x.shape[-1] == 1
+        or x.numel() < codec.min_numel
+    )
+
+
+def encode(codec: CompiledCodec, x: torch.Tensor) -> tuple:
+    """Traceable pack: ``(x,)`` (kept) or ``(codes uint8, scale fp32, dtype, bits)``."""
+    if keeps_exact(codec, x) or _saved_node_keeps_exact(codec):
+        return (x,)
+    bits, g = codec.group_for(x.shape[-1])
+    half = 1 << (bits - 1)
+    lead = x.shape[:-1]
+    xg = x.float().reshape(*lead, x.shape[-1] // g, g)
+    scale = xg.abs().amax(-1, keepdim=True) / float(half - 1)
+    inv = torch.where(scale > 0, 1.0 / scale.clamp_min(1e-30), 0.0)
+    u = (torch.floor(xg * inv + 0.5).clamp(-half, half - 1) + half).to(torch.uint8)
+    if bits == 4:
+        pairs = u.reshape(*lead, x.shape[-1] // 2, 2)
+        u = pairs[..., 0] | (pairs[..., 1] << 4)
+    return (u.reshape(*lead, -1), scale.reshape(*lead, -1), x.dtype, bits)
+
+
+def decode(payload: tuple) -> torch.Tensor:
+    """Traceable unpack of :func:`encode`'s payload."""
+    if len(payload) == 1:
+        return payload[0]
+    codes, scale, dtype, bits = payload
+    lead, groups = scale.shape[:-1], scale.shape[-1]
+    if bits == 4:
+        codes = torch.stack((codes & 15, codes >> 4), dim=-1).reshape(*lead, -1)
+    y = (codes.float() - (1 << (bits - 1))).reshape(*lead, groups, -1) * scale.unsqueeze(-1)
+    return y.reshape(*lead, -1).to(dtype)
+
+
+def encode_ref(codec: CompiledCodec, x: torch.Tensor) -> Quantized | None:
+    """The reference: ``quantize_ref`` on the flat logical order with the group :func:`encode`
+    uses (None where the tensor is kept exact by the shape rules)."""
+    if keeps_exact(codec, x):
+        return None
+    bits, g = codec.group_for(x.shape[-1])
+    return quantize_ref(x, bits=bits, group_size=g)
+
+
+def decode_ref(q: Quantized, like: torch.Tensor) -> torch.Tensor:
+    return dequantize_ref(q, dtype=like.dtype).view(like.shape)
+
+
+# ----------------------------------------------------------------------------- the hook pair
+@torch.fx.wrap
+def _pack(codec: CompiledCodec, x: torch.Tensor) -> tuple:
+    TRACE_CALLS["pack"] += 1
+    return encode(codec, x)
+
+
+@torch.fx.wrap
+def _unpack(payload: tuple) -> torch.Tensor:
+    TRACE_CALLS["unpack"] += 1
+    return decode(payload)
+
+
+class _Pack(nn.Module):
+    def __init__(self, codec: CompiledCodec) -> None:
+        super().__init__()
+        self.codec = codec
+
+    def forward(self, x):
+        return _pack(self.codec, x)
+
+
+class _Unpack(nn.Module):
+    def forward(self, payload):
+        return _unpack(payload)
+
+
+@functools.cache
+def hook_pair(codec: CompiledCodec | str) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """The (pack, unpack) ``GraphModule`` pair of ``codec``, built once (dynamo guards on ids)."""
+    codec = resolve_codec(codec)
+    return torch.fx.symbolic_trace(_Pack(codec)), torch.fx.symbolic_trace(_Unpack())
+
+
+def resolve_codec(codec: CompiledCodec | str) -> CompiledCodec:
+    if isinstance(codec, CompiledCodec):
+        return codec
+    if codec not in CODECS:
+        raise ValueError(f"unknown compiled codec {codec!r}; valid: {', '.join(CODECS)}")
+    return CODECS[codec]
+
+
+@contextmanager
+def codec_hooks(codec: CompiledCodec | str):
+    """Enter the traced pair (and its filtering mode): compiled calls inside inline the codec."""
+    import torch._functorch.config as functorch_config
+
+    codec = resolve_codec(codec)
+    pack, unpack = hook_pair(codec)
+    with (
+        functorch_config.patch(saved_tensors_hooks_filtering_mode=codec.filtering),
+        torch.autograd.graph.saved_tensors_hooks(pack, unpack),
+    ):
+        yield
+
+
+# ----------------------------------------------------------------------------- compiling blocks
+def _codec_forward(compiled: Callable[..., Any], codec: CompiledCodec, *args, **kwargs):
+    with codec_hooks(codec):
+        return compiled(*args, **kwargs)
+
+
+def compile_with_codec(
+    model: nn.Module,
+    codec: CompiledCodec | str = "int8",
+    filter_fn: FilterFn | None = None,
+    **compile_kwargs: Any,
+) -> list[AppliedChange]:
+    """``torch.compile`` each block's forward with ``codec``'s hook pair inlined; the root stays
+    eager. Recorded on the model, so ``slimact.revert`` restores the eager blocks.
+
+    ``compile_kwargs`` go to ``torch.compile`` (``dynamic=False`` unless given: the pack's shape
+    rules read concrete shapes)."""
+    codec = resolve_codec(codec)
+    compile_kwargs.setdefault("dynamic", False)
+    modules = dict(model.named_modules())
+    changes: list[AppliedChange] = []
+    label = f"compiled codec bits={codec.bits} group={codec.group_size}"
+    for path in sites.block_paths(model):
+        block = modules[path]
+        if filter_fn is not None and not filter_fn(block, path):
+            changes.append(AppliedChange(path, "compiled-codec", "filtered out", skipped=True))
+            continue
+        prev = block.__dict__.get("forward")
+        compiled = torch.compile(prev or block.forward, **compile_kwargs)
+        block.forward = NotCopyable(functools.partial(_codec_forward, compiled, codec), label)
+
+        def undo(b: nn.Module = block, prev=prev) -> None:
+            if prev is None:
+                b.__dict__.pop("forward", None)
+            else:
+                b.forward = prev
+
+        changes.append(AppliedChange(path, "compiled-codec", label, undo=undo))
+    if not changes:
+        changes.append(
+            AppliedChange("", "compiled-codec", "model has no repeated blocks", skipped=True)
+        )
+    return changes
+
+
+# ----------------------------------------------------------------------------- measuring
+def forward_live_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
+    """Run ``fn()`` (a forward returning the loss) under the CPU profiler; return the bytes it
+    left alive (allocations minus frees, the returned loss included) and its result.
+
+    What a forward leaves alive is what autograd saved for backward (plus the loss), also where
+    the saves are hidden from hooks inside compiled graphs. Drop other outputs (logits) inside
+    ``fn``. CPU only."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    live = sum(
+        e.nbytes()
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    )
+    return int(live), out
+
+
+# ----------------------------------------------------------------------------- strategies
+@dataclass(frozen=True)
+class CompiledCodecConfig(StrategyConfig):
+    """Strategy config: the traced codec (a :class:`CompiledCodec` or a name in ``CODECS``)."""
+
+    codec: str = "int8"
+
+    def __post_init__(self) -> None:
+        resolve_codec(self.codec)
+
+
+def apply_compiled_codec(
+    model: nn.Module, config: CompiledCodecConfig, filter_fn: FilterFn | None = None
+) -> list[AppliedChange]:
+    return compile_with_codec(model, config.codec, filter_fn)
+
+
+register_strategy(
+    "compiled-none",
+    CompiledCodecConfig("none"),
+    apply_compiled_codec,
+    "torch.compile per block with an identity saved-tensor hook pair inlined (no compression)",
+)
+register_strategy(
+    "compiled-int8",
+    CompiledCodecConfig("int8"),
+    apply_compiled_codec,
+    "torch.compile per block, per-row INT8 pack/unpack inlined into the compiled graphs",
+)
+register_strategy(
+    "compiled-int4",
+    CompiledCodecConfig("int4"),
+    apply_compiled_codec,
+    "torch.compile per block, INT4 (groups of 32) inlined; SDPA output/logsumexp kept exact",
+)
