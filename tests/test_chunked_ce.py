@@ -26,7 +26,7 @@ from slimact.ops.chunked_ce import (
     default_chunk_size,
 )
 from slimact.registry import resolve
-from slimact.strategies.chunked_ce import ChunkedCEConfig
+from slimact.reformulate.head import ChunkedCEConfig
 
 needs_triton = pytest.mark.skipif(not tri.triton_available(), reason="triton not installed")
 

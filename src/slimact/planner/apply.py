@@ -8,8 +8,9 @@ between steps (adaptive evolution) and ``slimact.revert`` undoes it all:
   the site role ``checkpoint_input`` (``"<module>:checkpoint_input#k"``), so the meter counts
   them and the codec policy may encode them (a recomputation then starts from the decoded
   input). Nothing is reported with ``sites.hold`` (the save already counts).
-- **reformulate**: ``slimact.reformulate`` swaps the planned norms/activations (``probe=False``:
-  the profiler already measured what they save).
+- **reformulate**: ``slimact.reformulate`` swaps the planned norms/activations for inverted
+  ops, and the loss head for ``chunked-ce`` (``probe=False``: the profiler already measured what
+  they save).
 - **codecs**: one ``CodecPolicy`` whose ``assign`` looks every site up in the plan's table
   (absolute site name -> codec); one codec instance per (block, storage), built for the tensor's
   channel count, so stateful codecs (PRAC) keep one state per storage and block.
@@ -41,7 +42,15 @@ from slimact.codecs.build import build_codec
 from slimact.codecs.saving import CodecPolicy
 from slimact.patching import override_forward
 from slimact.planner.plan import Plan, abs_path, abs_site
-from slimact.reformulate import InvActConfig, apply_invact
+from slimact.reformulate import (
+    ChunkedCEConfig,
+    InvActConfig,
+    apply_chunked_ce,
+    apply_invact,
+    find_head,
+    loss_output,
+    park_labels,
+)
 from slimact.registry import AppliedChange
 
 RUNTIME_KEY = "_slimact_plan_runtime"
@@ -96,6 +105,8 @@ class PlanRuntime:
         self.policy: CodecPolicy | None = None
         self._undo: list[Callable[[], None]] = []
         self._stacks: list[ExitStack | None] = []
+        self._parked: list[bool] = []  # per root call: did ``_pre`` park the label for the head?
+        self._head_planned = False
         self.history: list[dict] = []
         self.last_input: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._hooks = [
@@ -136,15 +147,7 @@ class PlanRuntime:
                 changes.append(AppliedChange(full, "recompute"))
             targets.update(abs_path(p, lp.block) for p in lp.reform)
         if targets:
-            inv = apply_invact(self.model, InvActConfig(probe=False), lambda m, p: p in targets)
-            done = {c.path for c in inv if not c.skipped}
-            if targets - done:
-                for c in inv:
-                    if c.undo is not None and not c.skipped:
-                        c.undo()
-                raise ValueError(f"plan reformulates {sorted(targets - done)}, which invact skips")
-            self._undo.extend(c.undo for c in inv if c.undo is not None and not c.skipped)
-            changes.extend(c for c in inv if not c.skipped)
+            changes.extend(self._reformulate(targets))
         old = self.assign
         self.plan = plan
         self.assign = PlanAssign(plan, self)
@@ -158,7 +161,29 @@ class PlanRuntime:
         changes.append(AppliedChange("", "codec-policy", f"{n_sites} site(s) through codecs"))
         return changes
 
+    def _reformulate(self, targets: set[str]) -> list[AppliedChange]:
+        """Swap the planned modules: the loss head (``chunked-ce``), activations and norms
+        (inverted ops); ``probe=False`` since the profiler measured what they save."""
+        head = find_head(self.model)[0]
+        done: list[AppliedChange] = []
+        self._head_planned = head in targets
+        if head in targets:
+            done += apply_chunked_ce(self.model, ChunkedCEConfig(probe=False))
+        rest = targets - {head}
+        if rest:
+            done += apply_invact(self.model, InvActConfig(probe=False), lambda m, p: p in rest)
+        applied = [c for c in done if not c.skipped]
+        missing = targets - {c.path for c in applied}
+        if missing:
+            for c in reversed(applied):
+                if c.undo is not None:
+                    c.undo()
+            raise ValueError(f"plan reformulates {sorted(missing)}, which cannot be reformulated")
+        self._undo.extend(c.undo for c in applied if c.undo is not None)
+        return applied
+
     def _clear_patches(self) -> None:
+        self._head_planned = False
         while self._undo:
             self._undo.pop()()
 
@@ -199,10 +224,11 @@ class PlanRuntime:
         return out["plan"]
 
     # -- hooks --------------------------------------------------------------------------------
-    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if getattr(_tls, "busy", False):
             self._stacks.append(None)
-            return
+            self._parked.append(False)
+            return None
         ids = args[0] if args else kwargs.get("input_ids")
         tgt = kwargs.get("targets", args[1] if len(args) > 1 else None)
         if isinstance(ids, torch.Tensor):
@@ -211,20 +237,28 @@ class PlanRuntime:
             changes = self.set_plan(self.plan_now(*self.last_input))
             log = self.model.__dict__.setdefault("_slimact_applied", [])
             log.extend(AppliedChange(c.path, c.action, c.detail) for c in changes)
+        # the reformulated head's root part, here rather than in the root override, which a
+        # plan installed during this call (lazy planning, a re-plan) would miss
+        parked = park_labels(self.model, args, kwargs) if self._head_planned else None
+        self._parked.append(parked is not None)
         if self.policy is None:
             self._stacks.append(None)
-            return
+            return parked
         stack = ExitStack()
         stack.enter_context(sites.tracking(self.model))
         stack.enter_context(sites.policy(self.policy))
         self.policy.reset()
         self._stacks.append(stack)
+        return parked
 
-    def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def _post(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self._stacks:
             stack = self._stacks.pop()
             if stack is not None:
                 stack.close()
+        if self._parked and self._parked.pop():
+            return loss_output(self.model, output)
+        return None
 
 
 def runtime_of(model: nn.Module) -> PlanRuntime | None:

@@ -17,9 +17,11 @@ expensive measurements run on one block per kind (the first) and are shared by i
   strategy's roles allow one (``role_of``); elsewhere (logsumexp, norm statistics, ids, loss
   inputs) only codecs whose reconstruction is exact qualify. A stateful codec's first encode (an
   SVD for PRAC) is amortized over its update period ``t1``;
-- **reformulations** (invact): each GELU/SiLU/norm that ``slimact.reformulate`` can invert is run
-  alone, inverted, under the meter: the sites it no longer saves, the storage its output gains a
-  saver for, the bytes of new storages (mask, rstd), and the fwd+bwd time difference;
+- **reformulations** (``slimact.planner.reforms``): each GELU/SiLU/norm that
+  ``slimact.reformulate`` can invert is run alone, inverted, under the meter: the sites it no
+  longer saves, the storage its output gains a saver for, the bytes of new storages (mask, rstd),
+  and the fwd+bwd time difference; the loss head (output projection + cross-entropy) likewise as
+  ``chunked-ce``;
 - **per block**: payload bytes of the non-stateful codecs and the outlier-channel count of every
   storage of *every* block (data-dependent: outliers differ between layers, adacc.txt Fig. 4);
 - **static memory**: parameters + gradients + optimizer states; AdamW's states are measured by
@@ -38,10 +40,8 @@ import hashlib
 import json
 import math
 import os
-import statistics
 import time
 import warnings
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -53,10 +53,7 @@ from tqdm.auto import tqdm
 
 from slimact import sites
 from slimact.classify import (
-    classify_activation,
-    classify_norm,
     hidden_channels,
-    is_activation_leaf,
     role_of,
 )
 from slimact.codecs.base import Codec, codec_names, get_codec, storage_nbytes
@@ -64,42 +61,23 @@ from slimact.codecs.build import build_codec
 from slimact.codecs.outlier import count_outlier_channels
 from slimact.codecs.saving import CodecPolicy, SharedStored
 from slimact.meter import measure
+from slimact.planner.measure import call_module, detach, median_time, sync
 from slimact.planner.plan import (
     ROOT,
     CodecStat,
     KindProfile,
     ModuleProfile,
     Profile,
-    ReformProfile,
     StorageProfile,
-    abs_path,
     abs_site,
     inside,
     rel_site,
     site_module,
 )
-from slimact.reformulate import InvActConfig, apply_invact
+from slimact.planner.reforms import measure_head_reform, measure_reform, reform_candidates
 
 # ---------------------------------------------------------------------------------------------
 # helpers
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_time(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` runs after one warm-up."""
-    fn()
-    times = []
-    for _ in range(max(1, repeats)):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def lossy_allowed(site: str, t: torch.Tensor) -> bool:
@@ -132,7 +110,7 @@ def codec_stat(
     try:
         t0 = time.perf_counter()
         stored = run_policy(codec, views)
-        _sync(device)
+        sync(device)
         first = time.perf_counter() - t0
         decoded = [st.unpack() for st in stored]
     except (TypeError, ValueError, RuntimeError, NotImplementedError):
@@ -224,38 +202,6 @@ def default_cache_dir() -> Path:
     )
 
 
-def _detach(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return v.detach().requires_grad_(v.requires_grad and v.is_floating_point())
-    return v
-
-
-def _call(module: nn.Module, args: tuple, kwargs: dict) -> Any:
-    with torch.enable_grad():
-        return module(*[_detach(a) for a in args], **{k: _detach(v) for k, v in kwargs.items()})
-
-
-def _fwd_bwd(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    with torch.enable_grad():
-        a = [_detach(x) for x in args]
-        out = module(*a, **{k: _detach(v) for k, v in kwargs.items()})
-        leaves = [x for x in a if isinstance(x, torch.Tensor) and x.requires_grad]
-        leaves += [p for p in module.parameters() if p.requires_grad]
-        if isinstance(out, torch.Tensor) and out.requires_grad and leaves:
-            torch.autograd.grad(out, leaves, torch.ones_like(out), allow_unused=True)
-
-
-def _reform_candidates(block: nn.Module, device: torch.device) -> list[str]:
-    out = []
-    for path, m in block.named_modules():
-        if is_activation_leaf(m):
-            if classify_activation(m, device)[0] is not None:
-                out.append(path)
-        elif path and classify_norm(m, device)[0] is not None:
-            out.append(path)
-    return out
-
-
 def profile_model(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -335,8 +281,8 @@ class _Profiler:
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor):
         def pre(mod, args, kwargs, path):
             if path not in self.captured:
-                kw = {k: _detach(v) for k, v in kwargs.items()}
-                self.captured[path] = [tuple(_detach(a) for a in args), kw, None]
+                kw = {k: detach(v) for k, v in kwargs.items()}
+                self.captured[path] = [tuple(detach(a) for a in args), kw, None]
 
         def post(mod, args, kwargs, out, path):
             self.captured[path][2] = out.detach() if isinstance(out, torch.Tensor) else None
@@ -348,7 +294,8 @@ class _Profiler:
                     m.register_forward_pre_hook(partial(pre, path=path), with_kwargs=True)
                 )
                 handles.append(m.register_forward_hook(partial(post, path=path), with_kwargs=True))
-        listen = lambda ev: self.views.setdefault(ev.site, _detach(ev.tensor))  # noqa: E731
+        self.input_ids, self.targets = input_ids, targets
+        listen = lambda ev: self.views.setdefault(ev.site, detach(ev.tensor))  # noqa: E731
         try:
             with torch.enable_grad(), measure(self.model, input_ids.numel()) as meter:
                 with sites.listening(listen):
@@ -376,9 +323,12 @@ class _Profiler:
                     if st is not None and (s.lossy_ok or st.rel_err == 0.0) and st.bytes < s.bytes:
                         s.codecs[c] = st
         if reform:
-            for rel in _reform_candidates(self.modules[rep] if rep else self.model, self.device):
+            block = self.modules[rep] if rep else self.model
+            for rel in reform_candidates(block, self.device):
                 if rel or rep:
-                    self._reform(kp, rep, rel)
+                    measure_reform(self, kp, rep, rel)
+            if not rep:
+                measure_head_reform(self, kp)
         for b in members if per_block else [rep]:
             with torch.no_grad():
                 kp.per_block[b] = {
@@ -450,62 +400,14 @@ class _Profiler:
             if not internal or (not rep and not rel):
                 continue
             module = self.modules[path]
-            t = median_time(partial(_call, module, args, kwargs), self.repeats, self.device)
+            t = median_time(partial(call_module, module, args, kwargs), self.repeats, self.device)
             with FlopCounterMode(display=False) as fc:
-                _call(module, args, kwargs)
+                call_module(module, args, kwargs)
             flops = int(fc.get_total_flops())
             kp.modules.append(ModuleProfile(rel, type(module).__name__, ins, t, flops))
 
-    def _reform(self, kp: KindProfile, rep: str, rel: str) -> None:
-        """Invert module ``rel`` alone and see what its saves become."""
-        path = abs_path(rel, rep)
-        if path not in self.captured:
-            return
-        args, kwargs, out0 = self.captured[path]
-        module = self.modules[path]
-        run = partial(_fwd_bwd, module, args, kwargs)
-        changes = apply_invact(self.model, InvActConfig(probe=False), lambda m, p: p == path)
-        done = [c for c in changes if not c.skipped and c.path == path]
-        events: list[sites.SavedEvent] = []
-        try:
-            if not done:
-                return
-            with torch.enable_grad(), measure(self.model), sites.listening(events.append):
-                out = _call(module, args, kwargs)
-            inv_fwd = module.__dict__["forward"]
-            t_inv, t_orig = [], []
-            for _ in range(self.repeats):  # interleaved, so drifting machine load cancels
-                t_inv.append(median_time(run, 1, self.device))
-                del module.forward
-                t_orig.append(median_time(run, 1, self.device))
-                module.forward = inv_fwd
-        finally:
-            for c in reversed(changes):
-                if c.undo is not None:
-                    c.undo()
-        base_sites = {x for s in kp.storages for x in s.sites}
-        new_names = {rel_site(ev.site, rep) for ev in events}
-        silenced = [x for x in base_sites if inside(site_module(x), rel) and x not in new_names]
-        out_ptr = out.untyped_storage().data_ptr() if isinstance(out, torch.Tensor) else -1
-        out_sid = self.by_ptr.get(out0.untyped_storage().data_ptr()) if out0 is not None else None
-        savers: dict[str, list[str]] = {}
-        extra, seen = 0, set()
-        for ev in events:
-            ptr = ev.tensor.untyped_storage().data_ptr()
-            sid = out_sid if ptr == out_ptr else self.by_ptr.get(ptr)
-            if sid is not None:  # its output (saved by the next op too), or an input saved again
-                savers.setdefault(str(sid), []).append(rel_site(ev.site, rep))
-            elif ptr not in seen:
-                extra += ev.tensor.untyped_storage().nbytes()  # bit mask, rstd, ...
-            seen.add(ptr)
-        if silenced:
-            dt = statistics.median(t_inv) - statistics.median(t_orig)
-            added = sorted(int(k) for k in savers)
-            r = ReformProfile(rel, done[0].action, sorted(silenced), added, extra, dt, savers)
-            kp.reforms.append(r)
 
-
-PROFILE_FORMAT = 2  # bumped when what a profile records changes: old cache entries miss
+PROFILE_FORMAT = 3  # bumped when what a profile records changes: old cache entries miss
 _unwritable: set[str] = set()  # cache directories already warned about (one warning each)
 
 

@@ -1,4 +1,4 @@
-"""The ``reformulate`` action: swap activations (and norms) for inverted ops that save outputs.
+"""Reformulated activations and norms: swap them for inverted ops that save their outputs.
 
 ``apply_invact(model, InvActConfig, filter_fn)`` is the one implementation of the action, used by
 the ``invact`` strategies (``slimact.strategies.invact``) and by the plan runtime

@@ -1,0 +1,55 @@
+"""Small measuring helpers of the profiler: median wall times, calls on captured inputs.
+
+``median_time`` synchronizes CUDA around each run; ``call_module`` / ``fwd_bwd`` re-run a module
+on inputs captured during the profiling forward (detached copies sharing their storages, so a
+re-run's saves can be matched to the profiled storages by pointer).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(max(1, repeats)):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def detach(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.detach().requires_grad_(v.requires_grad and v.is_floating_point())
+    return v
+
+
+def call_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    with torch.enable_grad():
+        return module(*[detach(a) for a in args], **{k: detach(v) for k, v in kwargs.items()})
+
+
+def fwd_bwd(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    with torch.enable_grad():
+        a = [detach(x) for x in args]
+        out = module(*a, **{k: detach(v) for k, v in kwargs.items()})
+        leaves = [x for x in a if isinstance(x, torch.Tensor) and x.requires_grad]
+        leaves += [p for p in module.parameters() if p.requires_grad]
+        if isinstance(out, torch.Tensor) and out.requires_grad and leaves:
+            torch.autograd.grad(out, leaves, torch.ones_like(out), allow_unused=True)

@@ -1,0 +1,332 @@
+"""The loss head reformulated: output projection + cross-entropy without stored logits.
+
+``apply_chunked_ce(model, ChunkedCEConfig, filter_fn)`` is the one implementation, used by the
+``chunked-ce`` strategy (``slimact.strategies.chunked_ce``) and by the plan runtime for a plan
+that reformulates the head.
+
+With a real vocabulary the head's log-probabilities are the largest single site (250 of 760 MiB
+for llama-20m at V = 32,000, 8 × 256 tokens). This strategy computes the head's loss with
+``slimact.ops.chunked_ce.chunked_linear_cross_entropy``, which keeps (h, targets, lse) instead of
+N × V values (see that module for the math and the recompute / precompute trade-off).
+
+The head is found by structure: the output embedding (``model.get_output_embeddings()``, else
+``model.lm_head``), an ``nn.Linear`` (tied to the input embedding or not), and the forward's
+label argument: ``targets`` (slimact's models; already shifted, ``-100`` ignored) or ``labels``
+(Hugging Face causal LMs; shifted inside as ``ForCausalLMLoss`` does, or ``shift_labels`` as
+given, ``ignore_index`` from the call, ``num_items_in_batch`` turning the mean into sum / items for
+gradient accumulation). Two instance forwards (``patching.ForwardOverride``) share one small
+state object:
+
+* the root's: when a label is passed and grad is enabled, it calls the model *without* the
+  label, with the label parked in the state;
+* the head's: with a label parked, it computes the loss from its input (so HF's
+  ``logits_to_keep`` slice and the site name ``lm_head:chunked_ce#k`` come for free) and returns
+  a zero-stride placeholder of the logits' shape (no memory) instead of the logits.
+
+The root then returns the model's output with ``loss`` set and ``logits=None``: in training with
+labels the full logits are never computed. No caller in slimact reads ``.logits`` in training
+(train loop, compare, bench and meter read ``.loss``); eval without labels, ``torch.no_grad``
+(evaluation, ``generate``) and calls without labels run the model unchanged, logits included.
+
+``probe=True`` checks on a tiny dummy batch that the chunked loss equals the model's own loss; a
+model whose head does more than ``linear`` + cross-entropy (Gemma-2's logit soft-capping,
+Cohere's logit scale, a custom loss) is skipped with that reason. ``slimact.revert`` undoes both
+overrides; copies and pickles of the model carry their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from slimact.ops.chunked_ce import BACKENDS, MODES, chunked_linear_cross_entropy
+from slimact.patching import override_forward, overrides, run_all
+from slimact.registry import AppliedChange, FilterFn, StrategyConfig
+
+_PROBE_RTOL = {torch.float32: 1e-4, torch.float64: 1e-6}  # else (bf16/fp16) 2e-2
+
+
+@dataclass(frozen=True)
+class ChunkedCEConfig(StrategyConfig):
+    """``chunk_size``: tokens per chunk (None: ``default_chunk_size(V)``); ``mode``: 'recompute'
+    (keeps h, targets, lse) or 'precompute' (keeps dh, dW; no extra matmul); ``probe``: check
+    the loss on a dummy batch before patching. Spec: ``chunked-ce@256,precompute``."""
+
+    chunk_size: int | None = None
+    mode: str = "recompute"
+    backend: str = "auto"
+    probe: bool = True
+
+    def __post_init__(self) -> None:
+        c = self.chunk_size
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+            raise ValueError(
+                f"ChunkedCEConfig.chunk_size must be a positive int or None, got {c!r}"
+            )
+        if self.mode not in MODES:
+            raise ValueError(f"ChunkedCEConfig.mode must be one of {MODES}, got {self.mode!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"ChunkedCEConfig.backend must be one of {BACKENDS}, got {self.backend!r}"
+            )
+
+    @classmethod
+    def from_spec(cls, spec: str) -> ChunkedCEConfig:
+        """``"chunked-ce@512"``, ``"chunked-ce@precompute"``, ``"chunked-ce@512,precompute"``."""
+        fields: dict = {}
+        for tok in spec.split("@", 1)[1].split(","):
+            tok = tok.strip()
+            if tok.isdigit():
+                fields["chunk_size"] = int(tok)
+            elif tok in MODES:
+                fields["mode"] = tok
+            else:
+                raise ValueError(
+                    f"chunked-ce spec {spec!r}: expected a chunk size or one of {MODES}"
+                )
+        return cls(**fields)
+
+
+class HeadState:
+    """What the root and head overrides share: the config, the head, and the pending call."""
+
+    __slots__ = (
+        "head",
+        "chunk_size",
+        "mode",
+        "backend",
+        "label",
+        "label_pos",
+        "shift",
+        "job",
+        "off",
+    )
+
+    def __init__(self, head, config: ChunkedCEConfig, label: str, label_pos: int, shift: bool):
+        self.head = head
+        self.chunk_size, self.mode, self.backend = config.chunk_size, config.mode, config.backend
+        self.label, self.label_pos, self.shift = label, label_pos, shift
+        self.job: dict | None = None  # labels, num_items, ignore_index, shift_labels -> loss
+        self.off = False  # the probe's reference run
+
+
+def _hf_like(model: nn.Module) -> bool:
+    return any(c.__name__ == "PreTrainedModel" for c in type(model).__mro__)
+
+
+def find_head(model: nn.Module) -> tuple[str, nn.Module | None, str]:
+    """(path, head, why-not): the output projection, by structure."""
+    head = None
+    get = getattr(model, "get_output_embeddings", None)
+    if callable(get):
+        try:
+            head = get()
+        except (AttributeError, NotImplementedError):
+            head = None
+    if head is None:
+        head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Module):
+        return "", None, "no output embedding (get_output_embeddings() / lm_head)"
+    path = next((p for p, m in model.named_modules() if m is head), "")
+    if not isinstance(head, nn.Linear):
+        return path, None, f"output embedding is a {type(head).__name__}, not an nn.Linear"
+    return path, head, ""
+
+
+def label_arg(model: nn.Module) -> tuple[str, int] | None:
+    """The forward's label parameter and its positional index (self excluded)."""
+    params = list(inspect.signature(type(model).forward).parameters)[1:]
+    for name in ("labels", "targets"):
+        if name in params:
+            return name, params.index(name)
+    return None
+
+
+def _take_label(state: HeadState, args: tuple, kwargs: dict):
+    if len(args) > state.label_pos:
+        return (
+            args[state.label_pos],
+            (*args[: state.label_pos], None, *args[state.label_pos + 1 :]),
+            kwargs,
+        )
+    if state.label in kwargs:
+        return kwargs[state.label], args, {**kwargs, state.label: None}
+    return None, args, kwargs
+
+
+def _with_loss(out, loss: torch.Tensor):
+    """The model's output with ``loss`` set and the (placeholder) logits dropped."""
+    if isinstance(out, tuple):
+        return (loss, None, *out[1:])
+    if dataclasses.is_dataclass(out):
+        return dataclasses.replace(out, loss=loss, logits=None)
+    raise TypeError(f"chunked-ce: cannot set the loss on a {type(out).__name__} output")
+
+
+def _park(state: HeadState, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Take the call's label into ``state.job`` for the head; (args, kwargs) without it, or
+    None when the call runs unchanged (no label, no grad, the probe's reference run)."""
+    labels, a, kw = _take_label(state, args, kwargs)
+    if labels is None or state.off or state.job is not None or not torch.is_grad_enabled():
+        return None
+    state.job = {
+        "labels": labels,
+        "num_items": kwargs.get("num_items_in_batch"),
+        "ignore_index": kwargs.get("ignore_index", -100),
+        "shift_labels": kwargs.get("shift_labels"),
+        "loss": None,
+    }
+    return a, kw
+
+
+def _finish(state: HeadState, out):
+    loss = state.job["loss"] if state.job is not None else None
+    state.job = None
+    if loss is None:
+        raise RuntimeError(
+            "chunked-ce: the model's forward did not call its output projection; "
+            "slimact.revert(model) and report the model class"
+        )
+    return _with_loss(out, loss)
+
+
+def _root_forward(inner, state: HeadState, *args, **kwargs):
+    parked = _park(state, args, kwargs)
+    if parked is None:
+        return inner(*args, **kwargs)
+    try:
+        out = inner(*parked[0], **parked[1])
+    except BaseException:
+        state.job = None
+        raise
+    return _finish(state, out)
+
+
+def _state_of(model: nn.Module) -> HeadState | None:
+    return next((o.args[0] for o in overrides(model) if o.wrapper is _root_forward), None)
+
+
+def park_labels(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """For a forward pre-hook of the root: what the root override does on entry. A hook sees
+    the call even when the override was installed during this very call (``nn.Module`` reads
+    ``forward`` before its pre-hooks run), e.g. by a plan solved on the first batch. Returns
+    (args, kwargs) without the label, or None (nothing parked: the call runs unchanged)."""
+    state = _state_of(model)
+    return None if state is None else _park(state, args, kwargs)
+
+
+def loss_output(model: nn.Module, out):
+    """For a forward hook of the root after ``park_labels``: the output with the head's loss."""
+    state = _state_of(model)
+    if state is None:
+        raise RuntimeError("chunked-ce: loss_output without a chunked head on this model")
+    return _finish(state, out)
+
+
+def _head_forward(inner, state: HeadState, x: torch.Tensor, *args, **kwargs):
+    job = state.job
+    if job is None or job["loss"] is not None:
+        return inner(x, *args, **kwargs)
+    head = state.head
+    ignore = job["ignore_index"]
+    t = job["shift_labels"]
+    if t is None:
+        t = job["labels"]
+        if state.shift:  # HF ForCausalLMLoss: tokens < n predict n
+            t = F.pad(t, (0, 1), value=ignore)[..., 1:]
+    h = x.reshape(-1, x.shape[-1])  # (B, S, D) -> (N, D)
+    t = t.reshape(-1).to(x.device)
+    if t.numel() != h.shape[0]:
+        raise ValueError(
+            f"chunked-ce: {t.numel()} labels for {h.shape[0]} positions reaching the head "
+            "(logits_to_keep with labels?)"
+        )
+    n_items = job["num_items"]
+    red = "mean" if n_items is None else "sum"
+    loss = chunked_linear_cross_entropy(
+        h, head.weight, t, head.bias, ignore_index=ignore, reduction=red,
+        chunk_size=state.chunk_size, mode=state.mode, backend=state.backend,
+    )  # fmt: skip
+    if n_items is not None:
+        loss = loss / (n_items.to(loss.device) if torch.is_tensor(n_items) else n_items)
+    job["loss"] = loss
+    return x.new_zeros(()).expand(*x.shape[:-1], head.out_features)  # placeholder, no memory
+
+
+def _dummy_batch(model: nn.Module, label: str) -> dict | None:
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    dummy = getattr(model, "dummy_inputs", None)
+    if isinstance(dummy, dict) and isinstance(dummy.get("input_ids"), torch.Tensor):
+        ids = dummy["input_ids"].to(dev)
+        return {"input_ids": ids, label: ids}
+    cfg = getattr(model, "config", None)
+    vocab, max_len = getattr(cfg, "vocab_size", None), getattr(cfg, "max_seq_len", None)
+    if isinstance(vocab, int) and isinstance(max_len, int):
+        ids = torch.arange(min(16, max_len), device=dev).mul(7).remainder(vocab).view(1, -1)
+        return {"input_ids": ids, label: ids.roll(-1, 1)}
+    return None
+
+
+def _probe(model: nn.Module, state: HeadState) -> str:
+    """'' when the chunked loss matches the model's own on a dummy batch, else why not."""
+    batch = _dummy_batch(model, state.label)
+    if batch is None:
+        return "unverified (no dummy input to probe the loss)"
+    flags = {m: m.training for m in model.modules()}
+    losses = []
+    try:
+        model.eval()  # no dropout: both runs see the same function
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            for off in (True, False):
+                state.off = off
+                losses.append(getattr(model(**batch), "loss", None))
+    except Exception as e:  # e.g. an output type the loss cannot be set on
+        return f"MISMATCH: {type(e).__name__}: {e}"
+    finally:
+        state.off = False
+        for m, flag in flags.items():
+            m.training = flag
+    ref, got = losses
+    if ref is None or got is None:
+        return "MISMATCH: the model returned no loss for labels"
+    rtol = _PROBE_RTOL.get(state.head.weight.dtype, 2e-2)
+    if not torch.allclose(got.detach().float(), ref.detach().float(), rtol=rtol, atol=rtol):
+        return (
+            f"MISMATCH: chunked loss {float(got):.6g} != model's {float(ref):.6g} (the head "
+            "does more than linear + cross-entropy, e.g. logit soft-capping or scaling)"
+        )
+    return ""
+
+
+def apply_chunked_ce(
+    model: nn.Module, config: ChunkedCEConfig, filter_fn: FilterFn | None = None
+) -> list[AppliedChange]:
+    path, head, why = find_head(model)
+    arg = label_arg(model)
+    if head is None or arg is None:
+        why = why or "the forward takes neither `labels` nor `targets`"
+        return [AppliedChange(path, "chunked-ce", why, skipped=True)]
+    if filter_fn is not None and not filter_fn(head, path):
+        return [AppliedChange(path, "chunked-ce", "filtered out", skipped=True)]
+    if any(o.wrapper is _head_forward for o in overrides(head)):
+        return [AppliedChange(path, "chunked-ce", "already applied", skipped=True)]
+    if "forward" in head.__dict__:
+        return [AppliedChange(path, "chunked-ce", "head forward already patched", skipped=True)]
+    state = HeadState(head, config, arg[0], arg[1], shift=_hf_like(model))
+    _, undo_head = override_forward(head, _head_forward, state)
+    _, undo_root = override_forward(model, _root_forward, state)
+    undo = functools.partial(run_all, undo_root, undo_head)
+    detail = f"{arg[0]} -> {config.mode}, chunk {config.chunk_size or 'auto'}"
+    if config.probe:
+        why = _probe(model, state)
+        if why.startswith("MISMATCH"):
+            undo()
+            return [AppliedChange(path, "chunked-ce", why[10:], skipped=True)]
+        detail += f"; {why}" if why else "; loss verified on a dummy batch"
+    return [AppliedChange(path, "chunked-ce", detail, undo=undo)]
