@@ -84,4 +84,4 @@ def test_budget_flag_maps_to_auto_spec():
     assert with_budget("none", None) == "none"
     with pytest.raises(ValueError, match="applies to strategy 'auto'"):
         with_budget("int4", "25%")
-    assert resolve("auto@30%")[0].budget == "30%"
+    assert str(resolve("auto@30%")[0].budget) == "30%"

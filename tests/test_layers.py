@@ -17,7 +17,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # (layer, module prefixes); the longest matching prefix wins.
 LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (0, ("slimact.utils", "slimact.sites", "slimact.patching", "slimact.timing", "slimact.peak")),
-    (0, ("slimact.envinfo", "slimact.registry")),
+    (0, ("slimact.envinfo", "slimact.registry", "slimact.budget")),
     (1, ("slimact.meter",)),
     (2, ("slimact.ops", "slimact.codecs", "slimact.modules", "slimact.data", "slimact.classify")),
     (2, ("slimact.models", "slimact.cola.layers", "slimact.cola.flops", "slimact.cola.model")),
@@ -66,7 +66,8 @@ def layer_of(module: str) -> int:
     best, layer = -1, None
     for lvl, prefixes in LAYERS:
         for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and len(p) > best:
+            below = module.startswith(p + ".") and p != "slimact"  # the root: itself only
+            if (module == p or below) and len(p) > best:
                 best, layer = len(p), lvl
     assert layer is not None, f"{module} is in no layer: add it to LAYERS"
     return layer

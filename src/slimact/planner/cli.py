@@ -12,14 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 
+from slimact.budget import add_budget_argument
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-20m", help="registered model name")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
-    p.add_argument(
-        "--budget", required=True, help="'25%%' of baseline activations, or device memory '6GiB'"
-    )
+    add_budget_argument(p, required=True, what="the plan")
     p.add_argument("--layers", default="ends", choices=["uniform", "ends", "each"])
     p.add_argument("--codecs", default=None, help="comma-separated candidate codecs (default all)")
     p.add_argument("--no-recompute", action="store_true")

@@ -18,21 +18,19 @@ included), plus predicted bytes and added time. ``Plan`` is a ``StrategyConfig``
 ``slimact.planner.solve.solve_plan(profile, budget)`` runs the MILP (``slimact.planner.milp``)
 and turns its decisions into a ``Plan``.
 
-Budgets (``parse_budget``): ``"25%"`` is a fraction of the baseline activation bytes (the meter's
-total); an absolute size (``"6GiB"``, ``"512MB"``, ``"1234B"``, or a Python ``int`` of bytes) is
-*device memory*, static memory (parameters + gradients + optimizer states) included, as adacc.txt
-Eq. 7 has it. A bare number in a string (``"25"``) is an error: it has no unit.
+Budgets are ``slimact.budget.Budget`` (a share of the baseline, or device memory); a plan stores
+its budget's canonical text.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from slimact.budget import Budget
 from slimact.registry import StrategyConfig
 from slimact.utils import fmt_bytes
 
@@ -195,52 +193,19 @@ def site_module(site: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # budgets
 
-_UNITS = {
-    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}  # fmt: skip
-_BUDGET = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z%]*)\s*$", re.IGNORECASE)
+
+def parse_budget(text: str | int | Budget, baseline_bytes: int, static_bytes: int = 0) -> int:
+    """Activation bytes allowed by a budget (``slimact.budget.Budget``; text or int parsed)."""
+    return Budget.parse(text).allowed(baseline_bytes, static_bytes)
 
 
-def parse_budget(text: str | int, baseline_bytes: int, static_bytes: int = 0) -> int:
-    """Activation bytes allowed by a budget: ``"25%"`` of ``baseline_bytes``, or an absolute
-    device-memory size (``"6GiB"``, ``"800MB"``, ``"123456B"``, or a Python ``int`` of bytes)
-    minus ``static_bytes``. A number without a unit in a string (``"25"``) is refused: it
-    reads as 25 % as easily as 25 bytes."""
-    if isinstance(text, bool) or not isinstance(text, (str, int)):
-        raise ValueError(f"budget must be like '25%' or '6GiB' (or an int of bytes), got {text!r}")
-    if isinstance(text, int):
-        value, unit = float(text), "b"
-    else:
-        m = _BUDGET.match(text)
-        if m and not m.group(2):
-            raise ValueError(
-                f"budget {text!r} has no unit: use '{m.group(1)}%' of the baseline or a size "
-                f"such as '{m.group(1)}MiB' / '6GiB'"
-            )
-        if not m or m.group(2).lower() not in (*_UNITS, "%"):
-            raise ValueError(
-                f"budget {text!r} is not understood; use a percentage of the baseline activation "
-                f"memory ('25%') or a size ('6GiB', '512MB', '123456B')"
-            )
-        value, unit = float(m.group(1)), m.group(2).lower()
-    if unit == "%":
-        if not 0 < value <= 100:
-            raise ValueError(f"budget percentage must be in (0, 100], got {text!r}")
-        return int(baseline_bytes * value / 100)
-    total = int(value * _UNITS[unit])
-    if total <= 0:
-        raise ValueError(f"budget must be > 0, got {text!r}")
-    return total - static_bytes
+def budget_text(budget: str | int | Budget) -> str:
+    """The budget as a string ``Budget.parse`` reads back the same (an int: ``"<n>B"``)."""
+    return str(Budget.parse(budget))
 
 
-def budget_text(budget: str | int) -> str:
-    """The budget as a string ``parse_budget`` reads back the same (an int: ``"<n>B"``)."""
-    return f"{budget}B" if isinstance(budget, int) and not isinstance(budget, bool) else str(budget)
-
-
-def is_relative(budget: str | int) -> bool:
-    return isinstance(budget, str) and budget.strip().endswith("%")
+def is_relative(budget: str | int | Budget) -> bool:
+    return Budget.parse(budget).relative
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """``solve_plan(profile, budget)``: the MILP's decisions for a budget, as a ``Plan``.
 
-The budget is parsed (``parse_budget``: a share of the baseline, or device memory with static
+The budget is a ``slimact.budget.Budget`` (a share of the baseline, or device memory with static
 memory counted), the smallest feasible byte count is solved first, so a budget below it is an
 error naming that smallest budget, then the time-optimal decision under the budget is solved
 and turned into one ``LayerPlan`` per block (``make_plan``): recomputed and reformulated modules,
@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from slimact.budget import Budget
 from slimact.planner.milp import Problem
-from slimact.planner.plan import LayerPlan, Plan, Profile, budget_text, is_relative, parse_budget
+from slimact.planner.plan import LayerPlan, Plan, Profile
 from slimact.utils import fmt_bytes
 
 __all__ = ["make_plan", "solve_plan"]
@@ -21,7 +22,7 @@ __all__ = ["make_plan", "solve_plan"]
 
 def solve_plan(
     profile: Profile,
-    budget: str | int,
+    budget: str | int | Budget,
     *,
     layers: str = "ends",
     codecs: tuple[str, ...] | None = None,
@@ -37,15 +38,16 @@ def solve_plan(
     """
     problem = Problem(profile, layers, codecs, recompute, reform, max_rel_err)
     base = profile.baseline_bytes
-    static = profile.static.get("total", 0) if include_static and not is_relative(budget) else 0
-    allowed = parse_budget(budget, base, static)
+    budget = Budget.parse(budget)
+    static = profile.static.get("total", 0) if include_static and not budget.relative else 0
+    allowed = budget.allowed(base, static)
     smallest = problem.min_bytes(max_quality)
     if smallest.status == "infeasible":
         raise ValueError(f"no plan satisfies max_quality={max_quality}; raise it or drop the cap")
     if allowed < smallest.bytes:
         extra = f" = {fmt_bytes(smallest.bytes + static)} of device memory" if static else ""
         raise ValueError(
-            f"budget {budget!r} allows {fmt_bytes(max(allowed, 0))} of activations "
+            f"budget {str(budget)!r} allows {fmt_bytes(max(allowed, 0))} of activations "
             f"({allowed / base:.1%} of the baseline {fmt_bytes(base)}); the smallest feasible "
             f"budget is {fmt_bytes(smallest.bytes)} ({smallest.bytes / base:.1%}){extra} for "
             f"{profile.model} at batch {profile.batch} x seq {profile.seq}"
@@ -57,7 +59,7 @@ def solve_plan(
 
 
 def make_plan(
-    problem: Any, res: Any, budget: str | int, allowed: int, static: int, floor: int
+    problem: Any, res: Any, budget: Budget, allowed: int, static: int, floor: int
 ) -> Plan:
     prof = problem.profile
     layers = []
@@ -108,7 +110,7 @@ def make_plan(
                 )  # fmt: skip
             )
     return Plan(
-        model=prof.model, batch=prof.batch, seq=prof.seq, dtype=prof.dtype, budget=budget_text(budget),
+        model=prof.model, batch=prof.batch, seq=prof.seq, dtype=prof.dtype, budget=str(budget),
         budget_bytes=int(allowed), baseline_bytes=prof.baseline_bytes, static_bytes=static,
         predicted_bytes=int(res.bytes), predicted_time_s=res.time_s, min_feasible_bytes=floor,
         solve_s=res.solve_s, layers=tuple(layers),

@@ -31,11 +31,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from slimact.budget import Budget
 from slimact.codecs.base import codec_names
 from slimact.planner.adaptive import BudgetCheck
 from slimact.planner.apply import install
 from slimact.planner.milp import LAYER_MODES
-from slimact.planner.plan import Plan, parse_budget
+from slimact.planner.plan import Plan
 from slimact.planner.profile import cached_profile, profile_model
 from slimact.planner.solve import solve_plan
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
@@ -51,7 +52,7 @@ class AutoConfig(StrategyConfig):
     unbiased but noisy subspace estimates, 0.3-1.1; None admits every codec). ``cache``: profile JSON cache directory
     ('' = ~/.cache/slimact, None = no cache). ``batch``/``seq``: plan at apply time."""
 
-    budget: str | int | None = None
+    budget: Budget | str | int | None = None  # a Budget after __post_init__
     layers: str = "ends"
     codecs: tuple[str, ...] | None = None
     recompute: bool = True
@@ -66,8 +67,8 @@ class AutoConfig(StrategyConfig):
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.budget is not None:
-            parse_budget(self.budget, 100, 0)  # raises on a malformed budget
+        if self.budget is not None:  # parsed once, here: a malformed budget raises
+            object.__setattr__(self, "budget", Budget.parse(self.budget))
         if self.layers not in LAYER_MODES:
             raise ValueError(f"AutoConfig.layers must be one of {LAYER_MODES}, got {self.layers!r}")
         if self.codecs is not None:
