@@ -37,8 +37,8 @@ SECTIONS: list[tuple[str, list[str]]] = [
     ("3. Codecs and Adacc's layer-specific INT4 (adacc.txt §3.2)", ["quant.md"]),
     ("4. PRAC (prac.txt)", ["prac.md"]),
     ("5. CoLA and CoLA-M (cola.txt)", ["cola.md"]),
-    ("6. The planner (adacc.txt §3.3-3.4, every action)", ["planner.md"]),
-    ("7. Hugging Face models, torch.compile, distributed", ["hf.md", "compile.md"]),
+    ("6. The planner (adacc.txt §3.3-3.4, every action)", ["planner.md", "head_plan.md"]),
+    ("7. Hugging Face models, torch.compile, distributed", ["hf.md", "compile.md", "compiled.md"]),
 ]
 
 _LINK = re.compile(r"\]\((?!https?://|/|#)([^)]+)\)")
