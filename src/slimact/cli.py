@@ -133,8 +133,11 @@ def _run_memory(args: argparse.Namespace) -> int:
     from slimact.registry import with_budget
     from slimact.utils import default_device, fmt_bytes
 
-    if args.threads:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    device = _device(args.device) if args.device else default_device()
     cfg = CompareConfig(
         model=args.model,
         strategy=with_budget(args.strategy, args.budget),
@@ -143,7 +146,7 @@ def _run_memory(args: argparse.Namespace) -> int:
         seed=args.seed,
         steps=args.steps,
         warmup=args.warmup,
-        device=args.device or default_device(),
+        device=device,
         dtype=args.dtype,
         vocab_size=args.vocab,
     )
@@ -170,6 +173,21 @@ def _run_memory(args: argparse.Namespace) -> int:
         f"load {res['timing']['load_before']}]   grad_cosine {res['grad_cosine']:.6f}"
     )
     return 0
+
+
+def _device(name: str) -> str:
+    """``--device``: a torch device string this machine has, else one line saying what is."""
+    import torch
+
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name!r} requested but CUDA is not available; use cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name!r} is not supported; use cpu, cuda or cuda:N")
+    return name
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -60,19 +60,27 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_torchrun_env(mode: str = "ddp") -> None:
+    """``ValueError`` naming ``--dist mode`` and the missing variables when not under torchrun
+    (a usage error, reported by the CLI as one line; checked before any process group opens)."""
+    missing = [k for k in TORCHRUN_ENV if k not in os.environ]
+    if missing:
+        raise ValueError(
+            f"--dist {mode} needs torchrun's environment ({', '.join(missing)} not set): launch "
+            f"with `torchrun --nproc_per_node N -m slimact train --dist {mode} ...`, or use "
+            "--dist none for one process"
+        )
+
+
 def init(backend: str | None = None, timeout_s: float = 300.0) -> DistInfo:
     """Open the default process group from torchrun's environment (no-op if already open)."""
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this torch build")
     if not dist.is_initialized():
-        missing = [
-            k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
-        ]
-        if missing:
-            raise RuntimeError(
-                f"distributed training needs torchrun's environment; missing {missing}. Launch "
-                "with `torchrun --nproc_per_node N -m slimact train --dist ddp ...`"
-            )
+        check_torchrun_env()
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend not in ("gloo", "nccl"):

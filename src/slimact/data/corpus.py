@@ -129,7 +129,13 @@ def _jsonl_documents(src: SourceFile) -> Iterator[tuple[str, bytes]]:
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise ValueError(f"{src.path}:{lineno}: line is not valid JSON ({exc})") from None
             if not isinstance(record, dict) or "text" not in record:
-                raise ValueError(f'{src.path}:{lineno}: record has no "text" field')
+                got = (
+                    f"keys {sorted(record)}" if isinstance(record, dict) else type(record).__name__
+                )
+                raise ValueError(
+                    f'{src.path}:{lineno}: record has no "text" field (got {got}); each line '
+                    'must be a JSON object such as {"text": "..."}'
+                )
             text = record["text"]
             if not isinstance(text, str):
                 raise ValueError(

@@ -9,6 +9,7 @@ saves for backward lands in a module whose path names it (a *site*, see ``slimac
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -33,16 +34,85 @@ def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor | None) -> torch.
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
 
 
-def check_input_ids(input_ids: torch.Tensor, max_seq_len: int, vocab_size: int) -> None:
-    """Reject what would otherwise fail deep inside an embedding or a RoPE table."""
-    if input_ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
+def check_input_ids(
+    input_ids: object,
+    max_seq_len: int,
+    vocab_size: int,
+    targets: object = None,
+    values: bool = True,
+) -> None:
+    """Reject what would otherwise fail deep inside an embedding, a RoPE table or the loss (a raw
+    ``IndexError``, a reshape of 0 elements) with one message naming the bad value and what is
+    valid. Token ranges cost one host sync per forward; a compiled graph skips them."""
+    _check_ids_tensor("input_ids", input_ids)
+    assert isinstance(input_ids, torch.Tensor)
     if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must have shape (batch, seq), got {tuple(input_ids.shape)}")
+        raise ValueError(
+            f"input_ids must have shape (batch, seq), got {tuple(input_ids.shape)}; "
+            "add a batch dimension with input_ids[None]"
+        )
+    if input_ids.numel() == 0:
+        raise ValueError(
+            f"input_ids is empty, shape {tuple(input_ids.shape)}: need batch >= 1 and seq >= 1"
+        )
     if input_ids.shape[1] > max_seq_len:
         raise ValueError(
             f"sequence length {input_ids.shape[1]} exceeds the model's max_seq_len {max_seq_len}"
         )
+    if targets is not None:
+        _check_ids_tensor("targets", targets)
+        assert isinstance(targets, torch.Tensor)
+        if targets.shape != input_ids.shape:
+            raise ValueError(
+                f"targets must have input_ids' shape {tuple(input_ids.shape)}, "
+                f"got {tuple(targets.shape)}"
+            )
+    if not values or torch.compiler.is_compiling() or input_ids.device.type == "meta":
+        return
+    checks = [("input_ids", input_ids, (input_ids < 0) | (input_ids >= vocab_size), "")]
+    if targets is not None:
+        bad = ((targets < 0) & (targets != IGNORE_INDEX)) | (targets >= vocab_size)
+        checks.append(("targets", targets, bad, f", or {IGNORE_INDEX} (ignored by the loss)"))
+    if not bool(torch.stack([bad.any() for _, _, bad, _ in checks]).any()):  # the one sync
+        return
+    for name, t, bad, extra in checks:
+        if bool(bad.any()):
+            where = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"{name} holds token id {int(t[where])} at position {where}: valid token ids "
+                f"are 0..{vocab_size - 1} (the model's vocab_size is {vocab_size}){extra}"
+            )
+
+
+IGNORE_INDEX = -100  # a target the loss skips
+
+
+def _check_ids_tensor(name: str, ids: object) -> None:
+    if not isinstance(ids, torch.Tensor):
+        kind = f"{type(ids).__module__}.{type(ids).__qualname__}".removeprefix("builtins.")
+        hint = " (convert with torch.from_numpy(a))" if type(ids).__module__ == "numpy" else ""
+        raise TypeError(f"{name} must be a torch.Tensor of integer token ids, got a {kind}{hint}")
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(
+            f"{name} must hold integer token ids (torch.int64 or torch.int32), got dtype "
+            f"{ids.dtype}; use {name}.long() for ids stored in another dtype"
+        )
+
+
+class CheckedLM(nn.Module):
+    """Base of the reference LMs: ``model(input_ids, targets)`` checks its inputs before any hook
+    runs. A strategy's forward hooks (``auto``'s planner runtime and budget check) are entered
+    before ``forward`` and closed by ``always_call`` hooks when it raises; a bad batch caught
+    only inside ``forward`` would reach them half-way, and an error they raise while closing
+    (``OrderedDict mutated during iteration``) would replace the real one."""
+
+    config: Any
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        ids = args[0] if args else kwargs.get("input_ids")
+        tgt = args[1] if len(args) > 1 else kwargs.get("targets")
+        check_input_ids(ids, self.config.max_seq_len, self.config.vocab_size, tgt)
+        return super().__call__(*args, **kwargs)
 
 
 class RMSNorm(nn.Module):

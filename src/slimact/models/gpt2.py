@@ -13,7 +13,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from slimact.models.common import CausalLMOutput, causal_lm_loss, check_input_ids, init_weights
+from slimact.models.common import (
+    CausalLMOutput,
+    CheckedLM,
+    causal_lm_loss,
+    check_input_ids,
+    init_weights,
+)
 
 
 @dataclass(frozen=True)
@@ -83,7 +89,7 @@ class GPT2Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT2Model(nn.Module):
+class GPT2Model(CheckedLM):
     """``forward(input_ids, targets=None) -> CausalLMOutput``."""
 
     def __init__(self, cfg: GPT2Config) -> None:
@@ -104,7 +110,8 @@ class GPT2Model(nn.Module):
                     nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * cfg.n_layers))
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None):
-        check_input_ids(input_ids, self.config.max_seq_len, self.config.vocab_size)
+        c = self.config  # token id ranges: checked by CheckedLM.__call__, before any hook
+        check_input_ids(input_ids, c.max_seq_len, c.vocab_size, targets, values=False)
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.drop(self.wte(input_ids) + self.wpe(pos))
         for block in self.h:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from slimact.models.common import (
     CausalLMOutput,
+    CheckedLM,
     RMSNorm,
     RotaryEmbedding,
     apply_rope,
@@ -101,7 +102,7 @@ class LlamaBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(CheckedLM):
     """Decoder-only LM. ``forward(input_ids, targets=None) -> CausalLMOutput``."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
@@ -121,7 +122,8 @@ class LlamaModel(nn.Module):
                     nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * cfg.n_layers))
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None):
-        check_input_ids(input_ids, self.config.max_seq_len, self.config.vocab_size)
+        c = self.config  # token id ranges: checked by CheckedLM.__call__, before any hook
+        check_input_ids(input_ids, c.max_seq_len, c.vocab_size, targets, values=False)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(input_ids.shape[1], x.dtype)
         for block in self.layers:

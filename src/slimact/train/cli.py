@@ -12,12 +12,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from slimact import dist as sdist
 from slimact.registry import with_budget
 from slimact.train.config import BASELINES, DEVICES, DIST_MODES, TrainConfig
 from slimact.train.loop import TrainResult, train
@@ -202,9 +205,27 @@ def print_summary(result: TrainResult, console: Console | None = None) -> None:
     )
 
 
+def check_run_dir(run_dir: Path) -> None:
+    """``ValueError`` naming ``--out`` when the run dir cannot be created or written, before a
+    training step is spent (the metrics log and checkpoints go there)."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise ValueError(
+            f"--out {str(run_dir)!r} is not a writable directory ({why}); give a directory "
+            "this user can create and write"
+        ) from None
+
+
 def run_train(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
+        if config.dist != "none" and not sdist.info().world_size > 1:
+            sdist.check_torchrun_env(config.dist)  # before any step is spent
+        check_run_dir(config.run_dir)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -37,6 +37,9 @@ BASELINES = ("auto", "train", "first-batch", "off")  # see slimact.train.baselin
 # to a new user (outlier-aware INT4, adacc.txt §3.2: ~4x fewer saved bytes, loss within ~0.2%).
 DEFAULT_STRATEGY = "int4"
 DIST_MODES = ("none", "ddp", "fsdp")  # "none": one process; ddp/fsdp: under torchrun
+# Largest peak lr accepted: AdamW's steps are ~lr per weight, so above 1 every step moves each
+# weight by more than its init scale (0.02) fifty times over; such a run only diverges.
+MAX_LR = 1.0
 
 
 def _model_max_seq_len(model: str) -> int:
@@ -106,6 +109,11 @@ class TrainConfig:
         )
         _check_strategy(self.strategy)
         need(self.lr > 0, f"lr must be > 0, got {self.lr}")
+        need(
+            self.lr <= MAX_LR,
+            f"lr must be in (0, {MAX_LR}] (AdamW's peak learning rate; cola.txt uses 3e-3), "
+            f"got {self.lr}",
+        )
         need(
             0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}"
         )
