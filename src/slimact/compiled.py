@@ -15,12 +15,14 @@ What this module adds:
 * :func:`hook_pair` ``(codec)``: the traced pack/unpack pair. Both are one call of a
   ``torch.fx.wrap``-ped helper, so the GraphModule is tiny and AOTAutograd re-traces the helper
   per saved tensor with its fake value: the helper makes *shape-dependent* choices in Python at
-  trace time. Kept exact (the pack returns ``(x,)``): non-float tensors, fewer than
-  ``min_numel`` values, last dimension 1 (norm statistics), SDPA's logsumexp and, with
-  ``exact_attention_out``, SDPA's output (both read from the per-tensor context
-  ``_get_saved_tensor_hook_context()``, torch >= 2.10; without it only the shape rules apply).
-  The rest is symmetric INT8 or INT4 with one fp32 scale per group of ``group_size`` values
-  along the last dimension (``0``: one per row); a last dimension the group does not divide uses
+  trace time (:func:`choose`). Kept exact (the pack returns ``(x,)``): non-float tensors,
+  fewer than ``min_numel`` values, last dimension 1 (norm statistics), SDPA's logsumexp. SDPA's
+  q, k, v and output get ``attention_bits`` (INT8 per row by default: quantizing them to INT4
+  costs most of the gradient error, see adacc's Q/K/V finding in ``strategies/int4.py``). The
+  SDPA roles come from the per-tensor context ``_get_saved_tensor_hook_context()`` (torch
+  >= 2.10: the forward-graph node being saved); without it only the shape rules apply. The rest
+  is symmetric INT8 with one fp32 scale per row, or INT4 with one per ``group_size`` values
+  along the last dimension; a last dimension the group does not divide uses
   ``gcd(D, group_size)``, and below 8 values per group one INT8 scale per row. The math is
   ``slimact.ops.quant.quantize_ref`` / ``dequantize_ref`` on the flat logical order with
   ``group_size = g``: :func:`encode_ref` / :func:`decode_ref` are that reference and the tests
@@ -80,7 +82,7 @@ class CompiledCodec:
     bits: int = 8
     group_size: int = 0
     min_numel: int = 1024
-    exact_attention_out: bool = False
+    attention_bits: int = 8
     filtering: str = "no_static"
 
     def __post_init__(self) -> None:
@@ -89,6 +91,10 @@ class CompiledCodec:
         if not isinstance(self.group_size, int) or self.group_size < 0:
             raise ValueError(
                 f"CompiledCodec.group_size must be an int >= 0, got {self.group_size!r}"
+            )
+        if self.attention_bits not in (0, 4, 8):
+            raise ValueError(
+                f"CompiledCodec.attention_bits must be 0, 4 or 8, got {self.attention_bits!r}"
             )
         if self.bits == 4 and self.group_size % 2:
             raise ValueError(
@@ -101,18 +107,22 @@ class CompiledCodec:
                 f"CompiledCodec.filtering must be one of {FILTERING_MODES}, got {self.filtering!r}"
             )
 
-    def group_for(self, last_dim: int) -> tuple[int, int]:
-        """(bits, group) used for a tensor whose last dimension is ``last_dim`` (see module doc)."""
+    def group_for(self, last_dim: int, bits: int | None = None) -> tuple[int, int]:
+        """(bits, group) for a tensor whose last dimension is ``last_dim`` (module docstring);
+        ``bits`` overrides the codec's (attention tensors). INT8 keeps one scale per row."""
+        bits = self.bits if bits is None else bits
+        if bits == 8:
+            return 8, last_dim
         g = last_dim if self.group_size == 0 else math.gcd(last_dim, self.group_size)
-        if g < 8 or (self.bits == 4 and g % 2):
+        if g < 8 or g % 2:
             return 8, last_dim  # odd shapes: one INT8 scale per row
-        return self.bits, g
+        return bits, g
 
 
 CODECS: dict[str, CompiledCodec] = {
     "none": CompiledCodec(bits=0),
-    "int8": CompiledCodec(bits=8, group_size=0),
-    "int4": CompiledCodec(bits=4, group_size=32, exact_attention_out=True),
+    "int8": CompiledCodec(bits=8),
+    "int4": CompiledCodec(bits=4, group_size=32, attention_bits=8),
 }
 
 # Python calls of the traced helpers: they run while AOTAutograd traces, never per step once the
@@ -121,17 +131,23 @@ TRACE_CALLS = {"pack": 0, "unpack": 0}
 
 
 # ----------------------------------------------------------------------------- the codec math
-def _saved_node_keeps_exact(codec: CompiledCodec) -> bool:
-    """True when the saved tensor being traced is SDPA's logsumexp (or its output, if asked)."""
+def _attention_role(node: torch.fx.Node | None) -> str | None:
+    """``"lse"`` (SDPA's logsumexp and other statistics it returns), ``"attention"`` (SDPA's
+    output, or a tensor SDPA reads: q, k, v) or None, from the saved node of the forward graph."""
+    if node is None:
+        return None
+    if node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
+        if _SDPA in str(node.args[0].target):
+            return "attention" if (node.args[1] if len(node.args) > 1 else 0) == 0 else "lse"
+    if any(_SDPA in str(u.target) for u in node.users):
+        return "attention"
+    return None
+
+
+def saved_node() -> torch.fx.Node | None:
+    """The forward-graph node whose value the pack is tracing (None outside AOTAutograd)."""
     ctx = _get_saved_tensor_hook_context() if _get_saved_tensor_hook_context else None
-    node = ctx.get("_node") if ctx else None
-    if node is None or node.op != "call_function" or not node.args:
-        return False
-    src = node.args[0]
-    if not isinstance(src, torch.fx.Node) or _SDPA not in str(src.target):
-        return False
-    index = node.args[1] if len(node.args) > 1 else 0
-    return index != 0 or codec.exact_attention_out
+    return ctx.get("_node") if ctx else None
 
 
 def keeps_exact(codec: CompiledCodec, x: torch.Tensor) -> bool:
@@ -145,11 +161,22 @@ def keeps_exact(codec: CompiledCodec, x: torch.Tensor) -> bool:
     )
 
 
+def choose(codec: CompiledCodec, x: torch.Tensor, node: torch.fx.Node | None = None):
+    """(bits, group) for ``x``, or None to keep it exact: the shape rules, then SDPA's roles."""
+    if keeps_exact(codec, x):
+        return None
+    role = _attention_role(node)
+    if role == "lse" or (role == "attention" and codec.attention_bits == 0):
+        return None
+    return codec.group_for(x.shape[-1], codec.attention_bits if role == "attention" else None)
+
+
 def encode(codec: CompiledCodec, x: torch.Tensor) -> tuple:
     """Traceable pack: ``(x,)`` (kept) or ``(codes uint8, scale fp32, dtype, bits)``."""
-    if keeps_exact(codec, x) or _saved_node_keeps_exact(codec):
+    chosen = choose(codec, x, saved_node())
+    if chosen is None:
         return (x,)
-    bits, g = codec.group_for(x.shape[-1])
+    bits, g = chosen
     half = 1 << (bits - 1)
     lead = x.shape[:-1]
     xg = x.float().reshape(*lead, x.shape[-1] // g, g)
@@ -177,10 +204,10 @@ def decode(payload: tuple) -> torch.Tensor:
 def encode_ref(codec: CompiledCodec, x: torch.Tensor) -> Quantized | None:
     """The reference: ``quantize_ref`` on the flat logical order with the group :func:`encode`
     uses (None where the tensor is kept exact by the shape rules)."""
-    if keeps_exact(codec, x):
+    chosen = choose(codec, x)
+    if chosen is None:
         return None
-    bits, g = codec.group_for(x.shape[-1])
-    return quantize_ref(x, bits=bits, group_size=g)
+    return quantize_ref(x, bits=chosen[0], group_size=chosen[1])
 
 
 def decode_ref(q: Quantized, like: torch.Tensor) -> torch.Tensor:
@@ -341,5 +368,5 @@ register_strategy(
     "compiled-int4",
     CompiledCodecConfig("int4"),
     apply_compiled_codec,
-    "torch.compile per block, INT4 (groups of 32) inlined; SDPA output/logsumexp kept exact",
+    "torch.compile per block, INT4 (groups of 32) inlined; SDPA q/k/v/output INT8 per row",
 )

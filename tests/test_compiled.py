@@ -1,0 +1,332 @@
+"""slimact.compiled: traced codec hook pairs, inlined into per-block torch.compile (issue 16).
+
+Fast tests check the traced math against ``slimact.ops.quant``'s reference and the shape rules
+without compiling. The ``slow`` tests compile llama-tiny blocks (tens of seconds per codec on a
+shared CPU); compiled models are cached per module so each codec compiles once.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import slimact
+from slimact import compiled as C
+from slimact.models import build_model
+from slimact.ops.quant import dequantize_ref, quantize_ref
+
+
+def _x(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * 3).to(dtype)
+
+
+# ----------------------------------------------------------------------------- math vs reference
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize(
+    "shape", [(4, 64, 128), (3, 7, 96), (50, 100), (2, 3, 13, 40), (8, 2048), (2, 33, 101)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_encode_equals_quant_reference(name, shape, dtype):
+    codec = C.CODECS[name]
+    x = _x(*shape, dtype=dtype)
+    ref = C.encode_ref(codec, x)
+    payload = C.encode(codec, x)
+    assert ref is not None and len(payload) == 4
+    codes, scale, out_dtype, bits = payload
+    assert codes.dtype == torch.uint8 and scale.dtype == torch.float32 and out_dtype == dtype
+    assert bits == ref.bits
+    assert torch.equal(codes.reshape(-1), ref.codes)
+    assert torch.equal(scale.reshape(-1), ref.scale)
+    y = C.decode(payload)
+    assert y.shape == x.shape and y.dtype == dtype
+    assert torch.equal(y, C.decode_ref(ref, x))
+    assert torch.equal(y, dequantize_ref(ref, dtype=dtype).view(x.shape))
+
+
+def test_noncontiguous_input_uses_logical_order():
+    x = _x(2, 64, 4, 32).permute(0, 2, 1, 3)  # what a q/k/v transpose saves
+    for name in ("int8", "int4"):
+        codec = C.CODECS[name]
+        payload = C.encode(codec, x)
+        bits, group = codec.group_for(32)
+        ref = quantize_ref(x, bits=bits, group_size=group)
+        assert torch.equal(payload[0].reshape(-1), ref.codes)
+        assert torch.equal(C.decode(payload), dequantize_ref(ref).view(x.shape))
+
+
+@pytest.mark.parametrize(
+    ("name", "last", "expect"),
+    [
+        ("int8", 512, (8, 512)),  # per row
+        ("int4", 512, (4, 32)),
+        ("int4", 20, (8, 20)),  # gcd 4 < 8: INT8 per row
+        ("int4", 48, (4, 16)),  # gcd(48, 32) = 16
+        ("int4", 101, (8, 101)),  # odd: INT8 per row
+    ],
+)
+def test_group_choice(name, last, expect):
+    assert C.CODECS[name].group_for(last) == expect
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        _x(4, 300, 1),  # norm statistics (..., 1)
+        _x(2, 8, 16),  # below min_numel
+        _x(5000),  # 1-D
+        torch.randint(0, 9, (64, 64)),  # integer
+        torch.ones(64, 64, dtype=torch.bool),
+    ],
+    ids=["stats", "small", "1d", "int", "bool"],
+)
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_kept_exact_by_shape(x, name):
+    payload = C.encode(C.CODECS[name], x)
+    assert len(payload) == 1 and payload[0] is x
+    assert C.decode(payload) is x
+    assert C.encode_ref(C.CODECS[name], x) is None
+
+
+def _sdpa_graph():
+    def f(q, k, v, h):
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
+        return out[0] + h, out[1], h * 2
+
+    g = torch.fx.symbolic_trace(f).graph
+    nodes = {n.name: n for n in g.nodes}
+    getitems = [n for n in g.nodes if n.target is operator.getitem]
+    return nodes, getitems
+
+
+def test_attention_roles_from_the_saved_node():
+    """SDPA's logsumexp exact, q/k/v/output at attention_bits, everything else at the codec's."""
+    nodes, (out, lse) = _sdpa_graph()
+    x = _x(2, 4, 64, 32)
+    int4 = C.CODECS["int4"]
+    assert C.choose(int4, x, lse) is None
+    assert C.choose(int4, x, out) == (8, 32)
+    assert C.choose(int4, x, nodes["q"]) == (8, 32)
+    assert C.choose(int4, x, nodes["h"]) == (4, 32)
+    assert C.choose(int4, x, None) == (4, 32)
+    exact_attn = C.CompiledCodec(bits=4, group_size=32, attention_bits=0)
+    assert C.choose(exact_attn, x, out) is None
+    # the pack reads the node from AOTAutograd's per-tensor context
+    from torch._functorch._aot_autograd.graph_compile import _saved_tensor_hook_context
+
+    with _saved_tensor_hook_context({"_node": lse}):
+        assert C.encode(int4, x)[0] is x
+    with _saved_tensor_hook_context({"_node": nodes["q"]}):
+        assert C.encode(int4, x)[3] == 8
+
+
+def test_none_codec_keeps_everything():
+    x = _x(64, 64)
+    assert C.encode(C.CODECS["none"], x)[0] is x
+
+
+def test_error_bound():
+    x = _x(16, 256)
+    for name, levels in (("int8", 127), ("int4", 7)):
+        codec = C.CODECS[name]
+        y = C.decode(C.encode(codec, x))
+        _, g = codec.group_for(256)
+        step = x.view(16, -1, g).abs().amax(-1, keepdim=True) / levels
+        assert ((y - x).view(16, -1, g).abs() <= step / 2 + 1e-6).all()
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="bits"):
+        C.CompiledCodec(bits=2)
+    with pytest.raises(ValueError, match="even"):
+        C.CompiledCodec(bits=4, group_size=3)
+    with pytest.raises(ValueError, match="filtering"):
+        C.CompiledCodec(filtering="some")
+    with pytest.raises(ValueError, match="unknown compiled codec"):
+        C.CompiledCodecConfig("int3")
+
+
+def test_hook_pair_is_graph_modules_built_once():
+    pack, unpack = C.hook_pair("int8")
+    assert isinstance(pack, torch.fx.GraphModule) and isinstance(unpack, torch.fx.GraphModule)
+    assert C.hook_pair("int8") == (pack, unpack)  # same objects: dynamo guards on their ids
+    assert C.hook_pair("int8") is not C.hook_pair("int4")
+
+
+def test_hook_pair_works_eagerly():
+    """The same GraphModules are valid eager hooks (a reference for the inlined path)."""
+    w = _x(128, 128, seed=1).requires_grad_()
+    x = _x(32, 128, seed=2)
+
+    def loss():
+        return (F.silu(x @ w) @ w).square().mean()
+
+    loss().backward()
+    exact = w.grad.clone()
+    w.grad = None
+    with C.codec_hooks("int8"):
+        loss().backward()
+    assert F.cosine_similarity(w.grad.flatten(), exact.flatten(), dim=0) > 0.999
+
+
+def test_strategies_registered():
+    names = slimact.strategy_names()
+    for n in ("compiled-none", "compiled-int8", "compiled-int4"):
+        assert n in names
+
+
+def test_forward_live_bytes_matches_meter(one_thread):
+    model = build_model("llama-tiny")
+    x = torch.randint(0, 257, (2, 32))
+    with slimact.measure(model) as m:
+        _ = model(x, targets=x).loss
+    live, loss = C.forward_live_bytes(lambda: model(x, targets=x).loss)
+    assert loss.requires_grad
+    # the profiler sees every saved storage plus the 4-byte loss; the meter counts only saves
+    assert abs(live - m.report.total_bytes) <= 0.01 * m.report.total_bytes
+
+
+def test_no_blocks_is_reported():
+    changes = C.compile_with_codec(torch.nn.Linear(4, 4), "int8")
+    assert len(changes) == 1 and changes[0].skipped
+
+
+# ----------------------------------------------------------------------------- compiled (slow)
+X = torch.randint(0, 257, (2, 64), generator=torch.Generator().manual_seed(1))
+Y = torch.randint(0, 257, (2, 64), generator=torch.Generator().manual_seed(2))
+
+
+def _grads(model, x=X, y=Y, autocast=False):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(x, targets=y).loss
+    loss.backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()]).double()
+
+
+def _cos(a, b):
+    return float(F.cosine_similarity(a, b, dim=0))
+
+
+@pytest.fixture(scope="module")
+def base():
+    torch.manual_seed(0)
+    torch._dynamo.config.recompile_limit = 64
+    return build_model("llama-tiny")
+
+
+@pytest.fixture(scope="module")
+def exact(base):
+    return _grads(base)
+
+
+_CACHE: dict[str, torch.nn.Module] = {}
+
+
+@pytest.fixture(scope="module")
+def compiled_model(base):
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+
+    def get(strategy: str) -> torch.nn.Module:
+        if strategy not in _CACHE:
+            _CACHE[strategy] = slimact.apply(copy.deepcopy(base), strategy)
+            _grads(_CACHE[strategy])  # compile
+        return _CACHE[strategy]
+
+    yield get
+    _CACHE.clear()
+
+
+@pytest.mark.slow
+def test_compiled_none_matches_autograd(compiled_model, exact):
+    g = _grads(compiled_model("compiled-none"))
+    torch.testing.assert_close(g, exact, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["compiled-int8", "compiled-int4"])
+def test_lossy_codecs_gradient_cosine(compiled_model, exact, strategy):
+    g = _grads(compiled_model(strategy))
+    assert _cos(g, exact) >= 0.99
+    assert not torch.equal(g, exact)  # the codec really ran
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["compiled-int8", "compiled-int4"])
+def test_hooks_are_inlined(compiled_model, strategy):
+    """After compilation the pack/unpack helpers never run (nothing per tensor in Python), and
+    what the compiled region saves for backward is the packed payload (uint8 codes)."""
+    model = compiled_model(strategy)
+    before = dict(C.TRACE_CALLS)
+    _grads(model)
+    loss = model(X, targets=Y).loss
+    assert C.TRACE_CALLS == before
+    saved = []
+    stack, seen = [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CompiledFunctionBackward":
+            saved.extend(node.saved_tensors)
+        stack.extend(f for f, _ in node.next_functions)
+    assert any(t.dtype == torch.uint8 for t in saved)
+    # statistics (..., 1) stay exact fp32
+    assert any(t.dtype == torch.float32 and t.shape[-1] == 1 and t.dim() == 3 for t in saved)
+
+
+@pytest.mark.slow
+def test_zero_graph_breaks_and_fewer_bytes(compiled_model):
+    from torch._dynamo.utils import counters
+
+    none = compiled_model("compiled-none")
+    int8 = compiled_model("compiled-int8")
+    assert not counters["graph_break"]
+    b_none, _ = C.forward_live_bytes(lambda: none(X, targets=Y).loss)
+    b_int8, _ = C.forward_live_bytes(lambda: int8(X, targets=Y).loss)
+    assert b_int8 < 0.6 * b_none
+
+
+@pytest.mark.slow
+def test_bf16_autocast(compiled_model, base):
+    exact = _grads(base, autocast=True)
+    g = _grads(compiled_model("compiled-int8"), autocast=True)
+    assert _cos(g, exact) >= 0.99
+
+
+@pytest.mark.slow
+def test_odd_shapes():
+    """Head dim 20 (INT4 groups fall back to INT8 rows), d_ff 101 (odd), seq 13, batch 3."""
+    torch.manual_seed(0)
+    model = build_model("llama-tiny", d_model=60, n_heads=3, d_ff=101)
+    x = torch.randint(0, 257, (3, 13))
+    exact = _grads(model, x, x)
+    slimact.apply(model, "compiled-int4")
+    g = _grads(model, x, x)
+    assert _cos(g, exact) >= 0.99
+    slimact.revert(model)
+    torch.testing.assert_close(_grads(model, x, x), exact, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_revert_restores_eager(base, compiled_model, exact):
+    from slimact.hf import patched_modules
+
+    model = copy.deepcopy(base)
+    slimact.apply(model, "compiled-int8")
+    assert patched_modules(model)
+    with pytest.raises(TypeError, match="cannot copy"):
+        copy.deepcopy(model)
+    slimact.revert(model)
+    assert patched_modules(model) == []
+    assert torch.equal(_grads(model), exact)
+    with slimact.measure(model) as m:  # eager again: the router names every save
+        _ = model(X, targets=Y).loss
+    assert any(s.op == "linear" for s in m.report.sites)
