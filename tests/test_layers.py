@@ -20,6 +20,7 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (0, ("slimact.envinfo", "slimact.registry", "slimact.budget")),
     (1, ("slimact.meter",)),
     (2, ("slimact.ops", "slimact.codecs", "slimact.modules", "slimact.data", "slimact.classify")),
+    (2, ("slimact.hf_inputs",)),
     (2, ("slimact.models", "slimact.cola.layers", "slimact.cola.flops", "slimact.cola.model")),
     (3, ("slimact.planner.plan", "slimact.planner.milp", "slimact.planner.solve")),
     (3, ("slimact.reformulate", "slimact.checkpointing")),

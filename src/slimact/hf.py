@@ -13,6 +13,15 @@ saves) and on module shapes:
   ``scaled_dot_product_attention``, the activations and norms save, whatever module runs them;
 * ``cola``: ``slimact.cola.convert(hf_llama_config)`` builds the CoLA model of a Llama config.
 
+Any architecture: the strategies never read ``input_ids`` themselves, so vision and audio
+models (``pixel_values``, ``input_features``, ``input_values``), encoder-only and encoder-decoder
+models work alike (tests/test_hf_archs.py: eighteen of them); the probes that need one forward
+build the model's own main input (:func:`dummy_inputs`). Training forwards of models that take
+``use_cache`` run without a KV cache under recompute, as HF gradient checkpointing does
+(``slimact.checkpointing``). What cannot work refuses in one line naming the class: ``auto``
+profiles ``model(input_ids)``, so it takes decoder-only and encoder-only token models only;
+``chunked-ce`` skips (with the reason in :func:`skipped`) models without a causal-LM loss.
+
 This module adds what a user of that stack needs around it: :func:`lm_loss` (one loss call for
 causal and masked LMs, ours and HF's), :func:`structure` (what slimact recognizes in a model),
 :func:`unhandled` (saved bytes a strategy left untouched, per op: the sites it could not handle),
@@ -43,6 +52,7 @@ import torch
 import torch.nn as nn
 
 from slimact import sites
+from slimact.hf_inputs import dummy_inputs, main_input
 from slimact.meter import MemoryReport, measure
 from slimact.registry import AppliedChange, StrategyConfig, applied, apply, revert
 
@@ -298,9 +308,11 @@ __all__ = [
     "Structure",
     "codec_policy_installed",
     "compile_blocks",
+    "dummy_inputs",
     "graph_breaks",
     "is_hf_model",
     "lm_loss",
+    "main_input",
     "mlm_batch",
     "patched_modules",
     "skipped",

@@ -19,12 +19,13 @@ ReLU² … match none and are reported as skipped). A norm candidate is an ``nn.
 
 The saving exists only if the next op saves the same output tensor (paper §5). ``probe=True``
 checks that on the real graph: one forward on a tiny dummy batch (slimact models: token ids;
-Hugging Face models: ``model.dummy_inputs``), in training mode, RNG state preserved, under the
-site router, recording which sites save each candidate's output storage. A candidate whose output
-no other op saves — e.g. a norm or activation followed by dropout in training mode (dropout saves
-a mask and hands the Linear a new tensor) — is skipped with that reason: swapping it would keep
-y instead of x, no saving. Where no dummy input can be made the swap is applied and the change
-says "unverified".
+Hugging Face models: ``hf_inputs.dummy_inputs``, the forward's own main input: token ids,
+``pixel_values``, ``input_features`` or ``input_values``), in training mode, RNG state preserved,
+under the site router, recording which sites save each candidate's output storage. A
+candidate whose output no other op saves — e.g. a norm or activation followed by dropout in
+training mode (dropout saves a mask and hands the Linear a new tensor) — is skipped with that
+reason: swapping it would keep y instead of x, no saving. Where no dummy input can be made the
+swap is applied and the change says "unverified".
 
 The swap patches the instance ``forward`` with a ``patching.ForwardOverride`` (module class,
 paths, state_dict unchanged; copies and pickles of the model carry their own swap);
@@ -41,6 +42,7 @@ import torch.nn as nn
 
 from slimact import sites
 from slimact.classify import classify_activation, classify_norm, is_activation_leaf, rms_eps
+from slimact.hf_inputs import dummy_inputs, is_hf_model
 from slimact.modules.inv_act import NormInvertibility
 from slimact.ops.inv_act import VARIANTS, inv_act
 from slimact.ops.inv_act_approx import KINDS, MODES
@@ -86,6 +88,9 @@ def _device(model: nn.Module) -> torch.device:
 def _dummy_call(model: nn.Module):
     """A zero-argument callable running a tiny forward, or None."""
     dev = _device(model)
+    if is_hf_model(model):  # the input its forward takes: pixel_values, input_features, ...
+        inputs = dummy_inputs(model)
+        return None if inputs is None else (lambda: model(**inputs))
     dummy = getattr(model, "dummy_inputs", None)
     if isinstance(dummy, dict) and dummy:
         inputs = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in dummy.items()}

@@ -312,6 +312,10 @@ def apply_chunked_ce(
     if head is None or arg is None:
         why = why or "the forward takes neither `labels` nor `targets`"
         return [AppliedChange(path, "chunked-ce", why, skipped=True)]
+    loss_type = getattr(model, "loss_type", None) if _hf_like(model) else None
+    if loss_type not in (None, "ForCausalLM"):  # e.g. ForMaskedLM: labels are not shifted
+        why = f"{type(model).__name__} computes a {loss_type} loss; only causal-LM losses chunk"
+        return [AppliedChange(path, "chunked-ce", why, skipped=True)]
     if filter_fn is not None and not filter_fn(head, path):
         return [AppliedChange(path, "chunked-ce", "filtered out", skipped=True)]
     if any(o.wrapper is _head_forward for o in overrides(head)):

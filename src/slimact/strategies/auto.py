@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from slimact.budget import Budget
 from slimact.codecs.base import codec_names
+from slimact.hf_inputs import refuse_unless_token_ids
 from slimact.planner.adaptive import BudgetCheck
 from slimact.planner.apply import install
 from slimact.planner.milp import LAYER_MODES
@@ -185,6 +186,7 @@ def apply_auto(
         )
     if filter_fn is not None:
         raise ValueError("strategy 'auto' plans the whole model; filter_fn is not supported")
+    refuse_unless_token_ids(model, "auto", "its planner profiles model(input_ids) on token ids")
     planner = functools.partial(plan_model, model, config, return_profile=True)
     replanner = functools.partial(planner, refresh=True)
     opts = solve_options(config)

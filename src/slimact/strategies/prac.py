@@ -65,7 +65,7 @@ from slimact.codecs.prac import (
     resolve_rank,
     validate_rank_pair,
 )
-from slimact.codecs.saving import CodecPolicy, install_policy
+from slimact.codecs.saving import CodecPolicy, dense_order, install_policy
 from slimact.models.common import RMSNorm
 from slimact.ops.rms_norm import rms_norm
 from slimact.patching import override_forward, pop_attr, run_all
@@ -291,6 +291,11 @@ class PracState:
             self.skip(site, "filtered out by filter_fn")
             return None
         n = t.shape[-1]
+        order = dense_order(t) if t.numel() else None
+        if order is not None and order[-1] != t.dim() - 1 and t.shape[-1] > 1:
+            # the policy encodes in memory order, whose innermost dim is not the features
+            self.skip(site, f"feature dim of shape {tuple(t.shape)} is not innermost in memory")
+            return None
         r1, r2 = cfg.ranks_for(role, site, path)
         a1, a2 = resolve_rank(r1, n), resolve_rank(r2, n)
         if n < cfg.min_features or a1 + a2 == 0:

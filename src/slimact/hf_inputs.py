@@ -1,0 +1,131 @@
+"""What a Hugging Face model's forward takes, and a tiny valid batch of it, by structure.
+
+``model.dummy_inputs`` of a ``transformers`` model is ``{"input_ids": ...}`` for nearly every
+class, vision and audio models included, so a strategy probing a ViT or Whisper with it crashes
+inside the model. :func:`dummy_inputs` builds the input the forward really takes, read from
+``model.main_input_name`` and the config: token ids (HF's own ``dummy_inputs``), ``pixel_values``
+(``num_channels`` x ``image_size``), Whisper-style ``input_features`` (``num_mel_bins`` x
+``2 * max_source_positions``) and raw-audio ``input_values`` (long enough for the conv feature
+encoder), plus ``decoder_input_ids`` for encoder-decoder models. :func:`refuse_unless_token_ids`
+is the one-line refusal of strategies that can only drive a model with token ids (``auto``).
+
+Layer 2 (see ARCHITECTURE.md): torch only, so ``reformulate`` and the strategies can use it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+TOKEN_INPUT = "input_ids"
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """A ``transformers.PreTrainedModel`` (checked without importing transformers)."""
+    return any(c.__name__ == "PreTrainedModel" for c in type(model).__mro__)
+
+
+def main_input(model: nn.Module) -> str:
+    """The name of the forward's main input (``input_ids``, ``pixel_values``, ...)."""
+    return str(getattr(model, "main_input_name", TOKEN_INPUT) or TOKEN_INPUT)
+
+
+def is_encoder_decoder(model: nn.Module) -> bool:
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+
+def _float_dtype(model: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def _pair(v: Any) -> tuple[int, int] | None:
+    if isinstance(v, int):
+        return v, v
+    if isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, int) for x in v):
+        return int(v[0]), int(v[1])
+    return None
+
+
+def _audio_length(cfg: Any, frames: int = 16) -> int | None:
+    """Samples a conv feature encoder turns into ``frames`` frames (None: no conv stack)."""
+    kernels, strides = getattr(cfg, "conv_kernel", None), getattr(cfg, "conv_stride", None)
+    if not kernels or not strides or len(kernels) != len(strides):
+        return None
+    n = frames
+    for k, s in zip(reversed(kernels), reversed(strides)):
+        n = (n - 1) * int(s) + int(k)
+    return n
+
+
+def _main_tensor(model: nn.Module, name: str) -> torch.Tensor | None:
+    cfg = getattr(model, "config", None)
+    dtype = _float_dtype(model)
+    gen = torch.Generator().manual_seed(0)
+    if name == "pixel_values":
+        hw = _pair(getattr(cfg, "image_size", None))
+        if hw is None:
+            return None
+        channels = int(getattr(cfg, "num_channels", 3) or 3)
+        return torch.randn(1, channels, *hw, generator=gen, dtype=dtype)
+    if name == "input_features":  # Whisper: (batch, mel bins, 2 * max_source_positions)
+        mels, src = getattr(cfg, "num_mel_bins", None), getattr(cfg, "max_source_positions", None)
+        if not isinstance(mels, int) or not isinstance(src, int):
+            return None
+        return torch.randn(1, mels, 2 * src, generator=gen, dtype=dtype)
+    if name == "input_values":  # raw audio (wav2vec2, HuBERT, WavLM)
+        n = _audio_length(cfg)
+        return None if n is None else torch.randn(1, n, generator=gen, dtype=dtype)
+    return None
+
+
+def dummy_inputs(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """Keyword inputs for one tiny forward of a HF ``model`` on its own device, or None where
+    its main input is one this module does not know how to make."""
+    name = main_input(model)
+    if name == TOKEN_INPUT:
+        dummy = getattr(model, "dummy_inputs", None)
+        if not isinstance(dummy, dict) or not isinstance(dummy.get(TOKEN_INPUT), torch.Tensor):
+            return None
+        out = dict(dummy)
+    else:
+        main = _main_tensor(model, name)
+        if main is None:
+            return None
+        out = {name: main}
+        if is_encoder_decoder(model):
+            start = getattr(model.config, "decoder_start_token_id", None)
+            out["decoder_input_ids"] = torch.full((1, 4), int(start or 0), dtype=torch.long)
+    dev = _device(model)
+    return {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+
+
+def refuse_unless_token_ids(model: nn.Module, strategy: str, why: str) -> None:
+    """Raise one clear ``ValueError`` line unless ``model`` is driven by token ids alone: its
+    main input is ``input_ids`` and it is not an encoder-decoder model (whose forward needs
+    decoder inputs too). ``why``: what in ``strategy`` needs the token ids."""
+    if not is_hf_model(model):
+        return
+    name, enc_dec = main_input(model), is_encoder_decoder(model)
+    if name == TOKEN_INPUT and not enc_dec:
+        return
+    takes = f"takes {name!r}" + (" and decoder inputs (encoder-decoder)" if enc_dec else "")
+    raise ValueError(
+        f"strategy {strategy!r} does not support {type(model).__name__}: {why}, and its forward "
+        f"{takes}; supported: decoder-only and encoder-only models whose forward takes "
+        f"input_ids (on this model use recompute, int4, int8, prac or invact)"
+    )
+
+
+__all__ = [
+    "dummy_inputs",
+    "is_encoder_decoder",
+    "is_hf_model",
+    "main_input",
+    "refuse_unless_token_ids",
+]
