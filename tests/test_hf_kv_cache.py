@@ -182,3 +182,26 @@ def test_revert_and_copies():
         out = model(input_ids=tokens(3), use_cache=True)
     assert cache_warnings(record) == []
     assert out.past_key_values.get_seq_length() == 3
+
+
+def test_encoder_decoder_training_and_generation():
+    cfg = transformers.BartConfig(
+        vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_position_embeddings=32,
+    )  # fmt: skip
+
+    def bart(strategy=None):
+        torch.manual_seed(0)
+        model = transformers.BartForConditionalGeneration(cfg).train()
+        return slimact.apply(model, strategy) if strategy else model
+
+    ids, labels = tokens(8), tokens(5, seed=2)
+    model = bart("recompute")
+    with pytest.warns(UserWarning, match=CACHE_MSG):  # decoder layers write an EncoderDecoderCache
+        out = model(input_ids=ids, labels=labels, use_cache=True)
+    out.loss.backward()
+    assert out.past_key_values is None
+    ref, model = bart().eval(), bart("recompute").eval()
+    gen = dict(max_new_tokens=5, do_sample=False, num_beams=1)
+    torch.testing.assert_close(model.generate(ids, **gen), ref.generate(ids, **gen))
