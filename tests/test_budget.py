@@ -26,7 +26,9 @@ def test_parse_and_allowed(text, relative, allowed):
     assert Budget.parse(b) is b
 
 
-@pytest.mark.parametrize("bad", ["25", "-5%", "0%", "101%", "abc", "0B", "", True, 2.5, None])
+@pytest.mark.parametrize(
+    "bad", ["25", "-5%", "0%", "101%", "abc", "0B", "", "1e400GiB", "1e400%", True, 2.5, None]
+)
 def test_bad_budgets_name_the_value(bad):
     with pytest.raises(ValueError, match="budget") as e:
         Budget.parse(bad)

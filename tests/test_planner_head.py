@@ -108,3 +108,48 @@ def test_auto_ten_percent_plans_the_head_lazily(tmp_path):
     got = _step(model, ids, tgt)[0]  # plans on this very batch, then runs it
     assert got <= 0.102 * base_bytes
     assert any(c.path == "lm_head" for c in slimact.applied(model) if not c.skipped)
+
+
+def _hf(arch: str):
+    t = pytest.importorskip("transformers")
+    dec = dict(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    if arch == "llama":
+        return t.LlamaForCausalLM(t.LlamaConfig(**dec))
+    return t.Qwen2ForCausalLM(t.Qwen2Config(**dec, tie_word_embeddings=True))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_hf_causal_lm_plans_the_head(arch, tmp_path):
+    """The planner profiles a Hugging Face causal LM with its ``labels`` (its loss included), so
+    ``auto@10%`` sees the logits, reformulates the head, and keeps the budget exactly."""
+    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        with slimact.measure(model) as m:
+            out = model(input_ids=ids, labels=labels)
+        out.loss.backward()
+        return (
+            m.report.total_bytes,
+            out.loss.detach(),
+            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        )
+
+    base = _hf(arch)
+    base.train()
+    base_bytes, base_loss, base_grads = step(base)
+    model = _hf(arch)
+    model.train()
+    cfg = AutoConfig(budget="10%", cache=str(tmp_path), repeats=1, codecs=())
+    slimact.apply(model, cfg)
+    got, loss, grads = step(model)  # planned lazily on this batch, labels included
+    assert got <= 0.102 * base_bytes
+    assert any(c.path == "lm_head" and c.action == "chunked-ce" for c in slimact.applied(model))
+    torch.testing.assert_close(loss, base_loss, rtol=1e-5, atol=1e-6)
+    for name, g in base_grads.items():  # recompute + reformulations only: exact
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)

@@ -15,6 +15,7 @@ store the text. ``budget.allowed(baseline, static)`` is the activation bytes it 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from dataclasses import dataclass
 
@@ -61,7 +62,10 @@ class Budget:
             if not 0 < number <= 100:
                 raise ValueError(f"budget percentage must be in (0, 100], got {value!r}")
             return cls(text, share=number / 100)
-        total = int(number * _UNITS[unit])
+        size = number * _UNITS[unit]
+        if not math.isfinite(size):
+            raise ValueError(f"budget {value!r} is too large to be a size in bytes")
+        total = int(size)
         if total <= 0:
             raise ValueError(f"budget must be > 0, got {value!r}")
         return cls(text, total=total)

@@ -13,12 +13,17 @@ One place for the questions every strategy and the planner ask:
   silu), or a norm they can invert (``classify_norm``: LayerNorm, or an RMSNorm whose forward is
   ``w * x * rsqrt(mean(x^2) + eps)``).
 
+* a **call**: ``label_arg`` finds the forward's label parameter (``targets`` or ``labels``),
+  ``call_batch`` the token ids and labels of one call.
+
 Everything here is pure inspection: nothing is patched, nothing registered.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -148,3 +153,23 @@ def classify_norm(module: nn.Module, device: torch.device) -> tuple[str | None, 
     if not torch.allclose(got.float(), want.float(), rtol=1e-5, atol=1e-6):
         return None, "forward differs from w * x * rsqrt(mean(x^2) + eps) (e.g. a 1+w scale)"
     return "rms", ""
+
+
+def label_arg(model: nn.Module) -> tuple[str, int] | None:
+    """The forward's label parameter and its positional index (self excluded)."""
+    params = list(inspect.signature(type(model).forward).parameters)[1:]
+    for name in ("labels", "targets"):
+        if name in params:
+            return name, params.index(name)
+    return None
+
+
+def call_batch(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, torch.Tensor | None]:
+    """(token ids, labels) of a call ``model(*args, **kwargs)``: the ids first positional or
+    ``input_ids``; the labels by the forward's label parameter (``targets``: slimact's models,
+    ``labels``: Hugging Face's), positional or keyword; None where absent."""
+    ids = args[0] if args else kwargs.get("input_ids")
+    arg = label_arg(model)
+    name, pos = arg if arg is not None else ("targets", 1)
+    tgt = kwargs.get(name, args[pos] if len(args) > pos else None)
+    return ids, tgt if isinstance(tgt, torch.Tensor) else None

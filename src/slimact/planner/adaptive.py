@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 
 from slimact import sites
-from slimact.classify import hidden_channels
+from slimact.classify import call_batch, hidden_channels
 from slimact.codecs.build import build_codec
 from slimact.codecs.outlier import count_outlier_channels
 from slimact.meter import Meter
@@ -232,12 +232,6 @@ class BudgetWarning(RuntimeWarning):
     """The measured stored bytes of a planned model exceed its budget (see ``BudgetCheck``)."""
 
 
-def _batch_of(args: tuple, kwargs: dict) -> tuple[Any, Any]:
-    ids = args[0] if args else kwargs.get("input_ids")
-    tgt = kwargs.get("targets", args[1] if len(args) > 1 else None)
-    return ids, tgt if isinstance(tgt, torch.Tensor) else None
-
-
 class BudgetCheck:
     """Measures the first training forward under a plan and compares it with the budget.
 
@@ -279,7 +273,7 @@ class BudgetCheck:
 
     # -- hooks ----------------------------------------------------------------------------------
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        ids, tgt = _batch_of(args, kwargs)
+        ids, tgt = call_batch(self.model, args, kwargs)
         if (
             self.phase == "done"
             or threading.current_thread().name == PLANNER_THREAD

@@ -37,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from slimact import sites
 from slimact.checkpointing import carries_cache, guard_cache
+from slimact.classify import call_batch
 from slimact.codecs.base import Codec
 from slimact.codecs.build import build_codec
 from slimact.codecs.saving import CodecPolicy
@@ -229,10 +230,9 @@ class PlanRuntime:
             self._stacks.append(None)
             self._parked.append(False)
             return None
-        ids = args[0] if args else kwargs.get("input_ids")
-        tgt = kwargs.get("targets", args[1] if len(args) > 1 else None)
+        ids, tgt = call_batch(self.model, args, kwargs)
         if isinstance(ids, torch.Tensor):
-            self.last_input = (ids, tgt if isinstance(tgt, torch.Tensor) else None)
+            self.last_input = (ids, tgt)
         if self.plan is None and torch.is_grad_enabled() and isinstance(ids, torch.Tensor):
             changes = self.set_plan(self.plan_now(*self.last_input))
             log = self.model.__dict__.setdefault("_slimact_applied", [])

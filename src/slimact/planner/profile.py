@@ -54,6 +54,7 @@ from tqdm.auto import tqdm
 from slimact import sites
 from slimact.classify import (
     hidden_channels,
+    label_arg,
     role_of,
 )
 from slimact.codecs.base import Codec, codec_names, get_codec, storage_nbytes
@@ -214,7 +215,8 @@ def profile_model(
     optimizer: str = "adamw",
     name: str = "",
 ) -> Profile:
-    """Measure everything the MILP needs on one forward of ``model(input_ids, targets=...)``.
+    """Measure everything the MILP needs on one forward of ``model(input_ids, targets=...)``
+    (``labels=`` for a model whose forward takes ``labels``, as Hugging Face's do).
 
     Parameters' ``.grad`` and the global RNG state are left untouched.
     """
@@ -295,11 +297,12 @@ class _Profiler:
                 )
                 handles.append(m.register_forward_hook(partial(post, path=path), with_kwargs=True))
         self.input_ids, self.targets = input_ids, targets
+        self.label = (label_arg(self.model) or ("targets", 1))[0]  # HF: labels
         listen = lambda ev: self.views.setdefault(ev.site, detach(ev.tensor))  # noqa: E731
         try:
             with torch.enable_grad(), measure(self.model, input_ids.numel()) as meter:
                 with sites.listening(listen):
-                    self.model(input_ids, targets=targets)
+                    self.model(input_ids, **{self.label: targets})
         finally:
             for h in handles:
                 h.remove()

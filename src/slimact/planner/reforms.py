@@ -13,7 +13,7 @@ that each new save can be matched to a profiled storage by pointer:
   saves), the storages its chunked op saves again (the head's input h, the targets) and the new
   bytes (the per-token log-sum-exp). Its time is the difference between ``linear`` +
   ``cross_entropy`` and ``chunked_linear_cross_entropy`` forward+backward on the captured h and
-  targets. Only models whose forward takes ``targets`` (the profiler's calling convention) get it.
+  targets (``labels`` for Hugging Face models, shifted inside as their loss does).
 
 Each result is a ``ReformProfile`` of its kind; the MILP decides with one binary per module.
 """
@@ -29,13 +29,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from slimact import sites
-from slimact.classify import classify_activation, classify_norm, is_activation_leaf
+from slimact.classify import classify_activation, classify_norm, is_activation_leaf, label_arg
 from slimact.meter import measure
 from slimact.ops.chunked_ce import chunked_linear_cross_entropy
 from slimact.planner.measure import call_module, fwd_bwd, median_time
 from slimact.planner.plan import KindProfile, ReformProfile, abs_path, inside, rel_site, site_module
 from slimact.reformulate import ChunkedCEConfig, InvActConfig, apply_chunked_ce, apply_invact
-from slimact.reformulate.head import find_head, label_arg
+from slimact.reformulate.head import find_head
 
 HEAD_KIND = "chunked-ce"
 
@@ -132,8 +132,7 @@ def measure_head_reform(prof: Any, kp: KindProfile) -> None:
     """The root kind's loss head as ``chunked-ce``: one more forward of the model, patched."""
     model = prof.model
     path, head, _ = find_head(model)
-    arg = label_arg(model)
-    if head is None or arg is None or arg[0] != "targets" or path not in prof.captured:
+    if head is None or label_arg(model) is None or path not in prof.captured:
         return
     if sites.block_of(path, prof.blocks) or prof.targets is None:
         return
@@ -150,7 +149,7 @@ def measure_head_reform(prof: Any, kp: KindProfile) -> None:
         )
         try:
             with torch.enable_grad(), measure(model), sites.listening(events.append):
-                model(prof.input_ids, targets=prof.targets)
+                model(prof.input_ids, **{prof.label: prof.targets})
         finally:
             hook.remove()
     finally:

@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from slimact.classify import label_arg
 from slimact.ops.chunked_ce import BACKENDS, MODES, chunked_linear_cross_entropy
 from slimact.patching import override_forward, overrides, run_all
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig
@@ -137,15 +137,6 @@ def find_head(model: nn.Module) -> tuple[str, nn.Module | None, str]:
     if not isinstance(head, nn.Linear):
         return path, None, f"output embedding is a {type(head).__name__}, not an nn.Linear"
     return path, head, ""
-
-
-def label_arg(model: nn.Module) -> tuple[str, int] | None:
-    """The forward's label parameter and its positional index (self excluded)."""
-    params = list(inspect.signature(type(model).forward).parameters)[1:]
-    for name in ("labels", "targets"):
-        if name in params:
-            return name, params.index(name)
-    return None
 
 
 def _take_label(state: HeadState, args: tuple, kwargs: dict):
