@@ -6,6 +6,7 @@ import slimact
 from slimact.compare import CompareConfig, compare, grad_cosine
 from slimact.models import build_model
 from slimact.strategies import RecomputeConfig, resolve, strategy_names
+from slimact.strategies.auto import AutoConfig
 
 
 def _pair(strategy):
@@ -81,3 +82,29 @@ def test_compare_bad_config():
         CompareConfig(model="llama-tiny", strategy="none", batch=0)
     with pytest.raises(ValueError, match="max_seq_len"):
         compare(CompareConfig(model="llama-tiny", strategy="none", seq=4096))
+
+
+@pytest.mark.parametrize(
+    "strategy", ["none", "recompute", "int4", "invact", "prac", "chunked-ce", "auto"]
+)
+def test_an_error_inside_the_forward_surfaces_as_itself(strategy):
+    """A model's own error is never replaced by slimact's hooks (it once became
+    ``OrderedDict mutated during iteration``), and the model works again afterwards."""
+    torch.manual_seed(0)
+    model = slimact.build_model("llama-tiny")
+    spec = AutoConfig(budget="25%", cache=None, repeats=1, codecs=("int8",))
+    slimact.apply(model, spec if strategy == "auto" else strategy)
+    x = torch.randint(0, 257, (2, 17), generator=torch.Generator().manual_seed(0))
+    model(x[:, :-1], targets=x[:, 1:]).loss.backward()  # auto plans here
+
+    def boom(module, args):
+        raise KeyError("the model's own error")
+
+    handle = model.layers[0].mlp.register_forward_pre_hook(boom)
+    with pytest.raises(KeyError, match="the model's own error"):
+        model(x[:, :-1], targets=x[:, 1:])
+    handle.remove()
+    with slimact.measure(model) as m:
+        loss = model(x[:, :-1], targets=x[:, 1:]).loss
+    loss.backward()
+    assert m.report.total_bytes > 0 and torch.isfinite(loss)

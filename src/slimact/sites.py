@@ -275,7 +275,10 @@ def tracking(model: nn.Module | None = None) -> Iterator[None]:
         _state.excluded = _param_storages(model)
         for path, m in model.named_modules():
             handles.append(m.register_forward_pre_hook(_make_pre_hook(path)))
-            handles.append(m.register_forward_hook(_post_hook, always_call=True))
+            if path:  # the root needs no pop (an empty stack is the root), and a forward hook
+                # on it would be removed while a failing root call iterates its forward hooks
+                # (when the router was entered by one of them), hiding the call's own error
+                handles.append(m.register_forward_hook(_post_hook, always_call=True))
     _state.depth = 1
     _state.stack.clear()
     _state.counters.clear()
