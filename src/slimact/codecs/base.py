@@ -8,6 +8,13 @@ name them (``"int4-outlier"``) and carry their parameters.
 
 Stateful codecs (PRAC's subspaces) keep their state on the codec instance, one instance per site
 or per shared group; ``state_dict``/``load_state_dict`` let checkpoints carry it.
+
+Exact fallback: a codec whose encode meets a tensor it cannot represent within its error contract
+(non-finite values it has no sparse path for, a dynamic range its scales cannot span, a failed or
+overflowing factorization) returns :func:`exact_packed` instead: the tensor itself, unchanged (no
+copy, so it costs exactly what keeping it would), with the reason in ``meta["fallback"]``.
+``decode`` returns it as is (:func:`exact_value`), ``Codec.fallbacks`` counts the reasons, and the
+saving policy reports the site (``codecs.saving``). Never a wrong finite value instead.
 """
 
 from __future__ import annotations
@@ -28,6 +35,28 @@ class Packed:
     dtype: torch.dtype
     device: torch.device
     meta: dict[str, Any] = field(default_factory=dict)
+
+
+def exact_packed(x: torch.Tensor, reason: str) -> Packed:
+    """A payload that is ``x`` itself (stored exactly), tagged with why the codec fell back.
+
+    Like autograd's own saves it remembers ``x``'s version, so an in-place change before backward
+    raises instead of decoding the changed values."""
+    meta = {"fallback": reason, "version": x._version}
+    return Packed({"exact": x.detach()}, tuple(x.shape), x.dtype, x.device, meta)
+
+
+def exact_value(packed: Packed) -> torch.Tensor | None:
+    """The stored tensor of an :func:`exact_packed` payload, else None."""
+    if "fallback" not in packed.meta:
+        return None
+    x = packed.tensors["exact"]
+    if x._version != packed.meta["version"]:
+        raise RuntimeError(
+            "a tensor a codec stored exactly "
+            f"({packed.meta['fallback']}) was modified in place before backward"
+        )
+    return x
 
 
 def storage_nbytes(tensors: list[torch.Tensor]) -> int:
@@ -55,6 +84,13 @@ class Codec(ABC):
 
     def __init__(self, config: CodecConfig) -> None:
         self.config = config
+        self.fallbacks: dict[str, int] = {}  # reason -> encodes stored exactly for it
+
+    def fallback(self, x: torch.Tensor, reason: str) -> Packed:
+        """Store ``x`` exactly (see the module docstring) and count ``reason``."""
+        counts = self.__dict__.setdefault("fallbacks", {})  # codecs pickled before it existed
+        counts[reason] = counts.get(reason, 0) + 1
+        return exact_packed(x, reason)
 
     @abstractmethod
     def encode(self, x: torch.Tensor) -> Packed: ...

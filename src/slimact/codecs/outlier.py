@@ -17,6 +17,9 @@ during training; :func:`count_outlier_channels` is what a planner tracks).
 Non-finite values: a channel holding NaN/inf has a non-finite sum and is always an outlier, so
 those values take the exact path (``nonfinite="raise"`` refuses them instead). Z-scores use the
 finite sums only; with fewer than two channels, or ``std == 0``, there are no outliers.
+
+Extreme finite values (squares overflowing float32, rows beyond ``max_range`` times the median
+row) store the whole tensor exactly, as in ``slimact.codecs.quant`` (``range_problem``).
 """
 
 from __future__ import annotations
@@ -25,14 +28,25 @@ from dataclasses import dataclass
 
 import torch
 
-from slimact.codecs.base import Codec, CodecConfig, Packed, codec_name, register_codec
+from slimact.codecs.base import (
+    Codec,
+    CodecConfig,
+    Packed,
+    codec_name,
+    exact_value,
+    register_codec,
+)
 from slimact.codecs.quant import (
+    DEFAULT_MAX_RANGE,
     channel_view,
     check_common,
     check_group_size,
     check_input,
+    check_max_range,
     quantized_from,
     quantized_payload,
+    range_problem,
+    scale_problem,
 )
 from slimact.ops.quant import dequantize, quantize
 
@@ -76,10 +90,12 @@ class OutlierConfig(CodecConfig):
     channels: int = 0
     nonfinite: str = "exact"
     backend: str = "auto"
+    max_range: float | None = DEFAULT_MAX_RANGE
 
     def __post_init__(self) -> None:
         check_common(self, self.bits, self.nonfinite, self.backend)
         check_group_size(self, self.group_size)
+        check_max_range(self, self.max_range)
         if not isinstance(self.threshold, (int, float)) or not self.threshold > 0:
             raise ValueError(
                 f"OutlierConfig.threshold must be a number > 0, got {self.threshold!r}"
@@ -98,6 +114,9 @@ class OutlierCodec(Codec):
             x2d = x.reshape(0, 1)
         else:
             x2d = channel_view(self, x, c.channels)
+        reason = range_problem(x2d, 0, c.max_range)
+        if reason is not None:
+            return self.fallback(x, reason)
         out_mask = outlier_mask(x2d, c.threshold) if x.numel() else x2d.new_zeros(1, dtype=bool)
         idx = out_mask.nonzero().view(-1)
         if c.nonfinite == "raise" and x.numel() and not bool(torch.isfinite(x2d).all()):
@@ -111,6 +130,9 @@ class OutlierCodec(Codec):
             paper_scale=c.paper_scale, keep_cols=keep, backend=c.backend,
         )  # fmt: skip
         tensors = quantized_payload(q)
+        reason = scale_problem(q)
+        if reason is not None:
+            return self.fallback(x, reason)
         if idx.numel():
             tensors["outlier_idx"] = idx.to(torch.int32)
             tensors["outlier_val"] = x2d[:, idx]  # [rows, k], original dtype
@@ -124,6 +146,8 @@ class OutlierCodec(Codec):
         return Packed(tensors, tuple(x.shape), x.dtype, x.device, meta)
 
     def decode(self, packed: Packed) -> torch.Tensor:
+        if (y := exact_value(packed)) is not None:
+            return y
         q = quantized_from(packed)
         q.channels = 0  # the codes are per group; ``channels`` only shapes the outlier view
         y = dequantize(q, dtype=packed.dtype, backend=self.config.backend)

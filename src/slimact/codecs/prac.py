@@ -33,8 +33,15 @@ Halko et al.; like ``torch.svd_lowrank`` but drawing from this codec's own gener
 RNG streams are untouched). The generator is seeded, and its state is in ``state_dict``.
 
 Non-finite X at an update: the SVD is skipped, the previous Q1 kept (a random one if there is none
-yet), a warning names the site, and the update is retried on the next encode. The payload of a
-non-finite X is non-finite, so NaN in gives NaN out.
+yet), a warning names the site, and the update is retried on the next encode. A non-finite X is
+stored exactly (``codecs.base.exact_packed``): NaN in gives NaN out, and the finite values stay
+exact. So is an X the subspaces cannot carry faithfully (``codecs.quant.range_problem``: values
+whose squares overflow float32, or a row beyond ``max_range`` times the median row; such rows would
+also dominate the principal subspace, so no update is taken from them either), and an X whose
+basis update fails (SVD/QR not converging, a non-finite basis) or whose projection overflows. The
+update is then retried on the next encode; the saving policy reports the site and the reason.
+Large finite X (max |x| >= 2^20) is scaled by a power of two before the basis is computed (the
+singular vectors do not change, exactly), so XᵀX cannot overflow.
 """
 
 from __future__ import annotations
@@ -48,7 +55,8 @@ from typing import Any
 
 import torch
 
-from slimact.codecs.base import Codec, CodecConfig, Packed, register_codec
+from slimact.codecs.base import Codec, CodecConfig, Packed, exact_value, register_codec
+from slimact.codecs.quant import DEFAULT_MAX_RANGE, check_max_range, range_problem
 
 SVD_METHODS = ("exact", "randomized")
 Q2_MODES = ("regenerate", "store")
@@ -101,9 +109,11 @@ class PracCodecConfig(CodecConfig):
     oversample: int = 8
     seed: int = 0
     q2: str = "regenerate"
+    max_range: float | None = DEFAULT_MAX_RANGE  # rows beyond it are stored exactly; None: off
 
     def __post_init__(self) -> None:
         validate_rank_pair(self.r1, self.r2, type(self).__name__)
+        check_max_range(self, self.max_range)
         for name in ("t1", "t2"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -338,18 +348,30 @@ class PracCodec(Codec):
         return torch.zeros(self.n, 0, device=self.q1.device)
 
     # -- subspace updates (Alg. 1) ---------------------------------------------------------------
-    def _update(self, x2d: torch.Tensor, t: int) -> None:
+    def _q1_due(self, t: int) -> bool:
+        return self.q1 is None or self.q1_pending or (t % self.config.t1 == 0 and t != self.q1_step)
+
+    def _principal_basis(self, x2d: torch.Tensor) -> torch.Tensor:
+        """Q1 of x2d; raises ``torch.linalg.LinAlgError`` if it fails or comes out non-finite."""
         cfg = self.config
-        q1_due = self.q1 is None or self.q1_pending or (t % cfg.t1 == 0 and t != self.q1_step)
+        amax = float(x2d.abs().amax()) if x2d.numel() else 0.0
+        if amax >= 2.0**20:  # a power of two: the singular vectors are exactly those of x2d
+            x2d = x2d.float() * 2.0 ** -math.frexp(amax)[1]
+        if cfg.svd == "exact":
+            q1 = principal_basis_ref(x2d, self.r1)
+        else:
+            q1 = randomized_basis_ref(x2d, self.r1, self.gen, cfg.niter, cfg.oversample)
+        if not bool(torch.isfinite(q1).all()):
+            raise torch.linalg.LinAlgError("the principal basis came out non-finite")
+        return q1
+
+    def _update(self, x2d: torch.Tensor, t: int, finite: bool = True) -> None:
+        cfg = self.config
+        q1_due = self._q1_due(t)
         changed = False
         if q1_due and self.r1:
-            if bool(torch.isfinite(x2d).all()):
-                if cfg.svd == "exact":
-                    self.q1 = principal_basis_ref(x2d, self.r1)
-                else:
-                    self.q1 = randomized_basis_ref(
-                        x2d, self.r1, self.gen, cfg.niter, cfg.oversample
-                    )
+            if finite:
+                self.q1 = self._principal_basis(x2d)
                 self.q1_pending = False
                 self.updates["q1"] += 1
             else:
@@ -399,12 +421,28 @@ class PracCodec(Codec):
             self.basis = {k: v.to(x.device) for k, v in self.basis.items()}
             if "q1" in self.basis:
                 self.basis["q1"] = self.q1
-        self._update(x2d, t)
+        finite = bool(torch.isfinite(x2d).all())
+        reason = range_problem(x2d, 0, self.config.max_range) if finite else None
+        if reason is not None:  # no update from rows the subspaces cannot carry: retried next time
+            self.q1_pending = self.q1_pending or (self._q1_due(t) and self.r1 > 0)
+            return self.fallback(x, reason)
+        try:
+            self._update(x2d, t, finite)
+        except torch.linalg.LinAlgError as e:
+            self.updates["q1_failed"] = self.updates.get("q1_failed", 0) + 1
+            self.q1_pending = True
+            return self.fallback(x, f"principal-subspace update failed ({e})".replace("\n", " "))
+        if not finite:
+            return self.fallback(x, "non-finite values (NaN/inf)")
         z = prac_encode_ref(x2d, self.p, self.r1, self.k)  # (T × n) -> (T × (r1 + r2))
+        if not bool(torch.isfinite(z).all()):
+            return self.fallback(x, "the projection Z = XP overflows its dtype")
         meta = {"r1": self.r1, "r2": self.r2, "k": self.k, "step": t, "seed": self.q2_seed}
         return Packed({"z": z, **self.basis}, tuple(x.shape), x.dtype, x.device, meta)
 
     def decode(self, packed: Packed) -> torch.Tensor:
+        if (y := exact_value(packed)) is not None:
+            return y
         b, z = packed.tensors, packed.tensors["z"]
         if "p" in b:
             return prac_decode_ref(z, b["p"].to(z.device), packed.dtype).reshape(packed.shape)
@@ -421,6 +459,7 @@ class PracCodec(Codec):
             "k": self.k if self.n else None,
             "basis_bytes": self.basis_nbytes() if self.n else None,
             "updates": dict(self.updates),
+            "fallbacks": dict(getattr(self, "fallbacks", {})),
         }
 
     def state_dict(self) -> dict[str, Any]:

@@ -75,8 +75,14 @@ class CodecStored:
         return self.codec.nbytes(self.packed)
 
     @property
+    def fallback(self) -> str | None:
+        """Why the codec stored this tensor exactly (see ``codecs.base``), or None."""
+        return self.packed.meta.get("fallback")
+
+    @property
     def action(self) -> str:
-        return codec_label(self.codec.config)
+        label = codec_label(self.codec.config)
+        return f"{label}:exact" if self.fallback is not None else label
 
 
 class SharedStored:
@@ -106,6 +112,10 @@ class SharedStored:
 
     def nbytes(self) -> int:
         return self.base.nbytes()
+
+    @property
+    def fallback(self) -> str | None:
+        return self.base.fallback
 
     @property
     def action(self) -> str:
@@ -150,20 +160,59 @@ class CodecPolicy:
     memory order (a permutation, no copy), which is also the layout the codecs' groups and
     channels are defined on. Entries hold weak references only, so nothing outlives the autograd
     graph. Encode errors name the site.
+
+    A codec that stored a tensor exactly because it could not represent it (``codecs.base``) is
+    reported here: ``fallbacks[site][reason]`` counts it, one ``RuntimeWarning`` per site names
+    the site and the reason, and the meter shows the site's action as ``<codec>:exact``. The other
+    tensors the same op saves beside it (the two operands of a product: saves of one op reach the
+    policy back to back, ``<module>:<op>#k``, ``#k+1``) are stored exactly too: an extreme operand
+    means an extreme gain upstream of it, which multiplies its siblings' reconstruction error in
+    the gradient (llama-tiny, one ``gate_proj`` weight at 1e20: ``silu(gate)`` is extreme, and
+    quantizing ``up`` beside it alone takes the gradient cosine from 0.996 to 0.990). The sibling
+    that was encoded first has its payload replaced while the op still holds it; the meter has
+    already counted that site's encoded bytes.
     """
 
     def __init__(self, assign: Assign) -> None:
         self.assign = assign
         self._cache: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
         self._raw: dict[tuple, weakref.ref] = {}  # storages an earlier site kept as they are
+        self.fallbacks: dict[str, dict[str, int]] = {}  # site -> reason -> count (all forwards)
+        self._prev: tuple | None = None  # the last encoded save: (prefix, site, stored, t, order)
+        self._exact_next: tuple[str, str] | None = None  # (prefix, site) of a fallback just made
+
+    def _report_fallback(self, site: str, reason: str) -> None:
+        import warnings  # (kept out of the module's import block, which another change owns)
+
+        counts = self.__dict__.setdefault("fallbacks", {}).setdefault(site, {})
+        if not counts:
+            warnings.warn(
+                f"site {site}: stored exactly, its codec cannot represent it: {reason}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        counts[reason] = counts.get(reason, 0) + 1
 
     def reset(self) -> None:
         self._cache.clear()
         self._raw.clear()
+        self._prev = self._exact_next = None
 
     def __getstate__(self) -> dict:
         """Copies and pickles start with empty per-forward caches (weak references do not copy)."""
-        return {**self.__dict__, "_cache": {}, "_raw": {}}
+        return {**self.__dict__, "_cache": {}, "_raw": {}, "_prev": None, "_exact_next": None}
+
+    def _exact_sibling(self, prev: tuple | None, prefix: str, site: str) -> None:
+        """``prev``, the save just before ``site``, if the same op made it: store it exactly."""
+        if prev is None or prev[0] != prefix:
+            return
+        stored, t = prev[2](), prev[3]()
+        if stored is None or t is None or stored.fallback is not None:
+            return
+        x = t.permute(prev[4]) if prev[4] is not None else t
+        stored.packed = stored.codec.fallback(x, f"saved by the same op as {site}, which is")
+        stored._decoded = None
+        self._report_fallback(prev[1], stored.fallback)
 
     @staticmethod
     def _key(t: torch.Tensor) -> tuple:
@@ -193,6 +242,9 @@ class CodecPolicy:
         return stored
 
     def __call__(self, site: str, t: torch.Tensor) -> CodecStored | SharedStored | None:
+        prefix = site.rpartition("#")[0]
+        prev, exact_next = self.__dict__.get("_prev"), self.__dict__.get("_exact_next")
+        self._prev = self._exact_next = None  # only back-to-back saves of one op are siblings
         key = self._key(t)
         stored = self._lookup(key)
         if stored is not None:
@@ -219,10 +271,27 @@ class CodecPolicy:
             x = t.permute(order)
             perm = tuple(sorted(range(t.dim()), key=order.__getitem__))
         try:
-            with exact(x.device):
-                stored = CodecStored(codec, codec.encode(x), perm)
+            if exact_next is not None and exact_next[0] == prefix:
+                packed = codec.fallback(x, f"saved by the same op as {exact_next[1]}, which is")
+            else:
+                with exact(x.device):
+                    packed = codec.encode(x)
+            stored = CodecStored(codec, packed, perm)
         except (ValueError, TypeError) as e:
             raise type(e)(f"site {site}: {e}") from e
+        if stored.fallback is not None:
+            self._report_fallback(site, stored.fallback)
+            if exact_next is None:  # a tensor its codec cannot represent: its op's other saves
+                self._exact_sibling(prev, prefix, site)
+                self._exact_next = (prefix, site)
+        else:
+            self._prev = (
+                prefix,
+                site,
+                weakref.ref(stored),
+                weakref.ref(t),
+                order if perm else None,
+            )
         entry = (weakref.ref(base), weakref.ref(stored))
         self._cache[key] = entry
         if skey is not None:
