@@ -19,7 +19,7 @@ those values take the exact path (``nonfinite="raise"`` refuses them instead). Z
 finite sums only; with fewer than two channels, or ``std == 0``, there are no outliers.
 
 Extreme finite values (squares overflowing float32, rows beyond ``max_range`` times the median
-row) store the whole tensor exactly, as in ``slimact.codecs.quant`` (``range_problem``).
+row) store the whole tensor exactly, as in ``slimact.codecs.quant`` (``row_stats``).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from slimact.codecs.quant import (
     check_max_range,
     quantized_from,
     quantized_payload,
-    range_problem,
-    scale_problem,
+    quantized_problem,
+    row_stats,
 )
 from slimact.ops.quant import dequantize, quantize
 
@@ -114,9 +114,7 @@ class OutlierCodec(Codec):
             x2d = x.reshape(0, 1)
         else:
             x2d = channel_view(self, x, c.channels)
-        reason = range_problem(x2d, 0, c.max_range)
-        if reason is not None:
-            return self.fallback(x, reason)
+        rows = row_stats(x2d, 0, c.max_range)
         out_mask = outlier_mask(x2d, c.threshold) if x.numel() else x2d.new_zeros(1, dtype=bool)
         idx = out_mask.nonzero().view(-1)
         if c.nonfinite == "raise" and x.numel() and not bool(torch.isfinite(x2d).all()):
@@ -130,7 +128,7 @@ class OutlierCodec(Codec):
             paper_scale=c.paper_scale, keep_cols=keep, backend=c.backend,
         )  # fmt: skip
         tensors = quantized_payload(q)
-        reason = scale_problem(q)
+        reason = quantized_problem(x2d, 0, c.max_range, rows, q)
         if reason is not None:
             return self.fallback(x, reason)
         if idx.numel():
