@@ -18,6 +18,7 @@ import torch.nn as nn
 import slimact
 from slimact import build_model
 from slimact.patching import overrides
+from slimact.planner.apply import runtime_of
 from slimact.registry import (
     CODEC_POLICY_STRATEGIES,
     AppliedChange,
@@ -243,7 +244,7 @@ def test_documented_compositions_apply(spec):
 
 def _installs_policy(model: nn.Module) -> bool:
     wrappers = {getattr(o.wrapper, "__name__", "") for o in overrides(model)}
-    return "_policy_forward" in wrappers or "_slimact_plan_runtime" in model.__dict__
+    return "_policy_forward" in wrappers or runtime_of(model) is not None
 
 
 def test_codec_policy_names_match_what_the_transforms_do():

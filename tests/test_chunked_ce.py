@@ -25,8 +25,8 @@ from slimact.ops.chunked_ce import (
     chunked_linear_cross_entropy,
     default_chunk_size,
 )
-from slimact.registry import resolve
 from slimact.reformulate.head import ChunkedCEConfig
+from slimact.registry import resolve
 
 needs_triton = pytest.mark.skipif(not tri.triton_available(), reason="triton not installed")
 

@@ -17,7 +17,8 @@ import torch
 import slimact
 from slimact.models import build_model
 from slimact.patching import ForwardOverride, NotCopyable, overrides
-from slimact.planner.apply import RUNTIME_KEY
+from slimact.planner.apply import runtime_of
+from slimact.state import state_of
 from slimact.strategies.auto import AutoConfig
 
 B, S = 2, 64
@@ -53,7 +54,7 @@ def _patched(model):
 def check_copy(model, x):
     """deepcopy and pickle round-trip of ``model`` (a strategy applied, never stepped)."""
     c = copy.deepcopy(model)
-    rt, rt_c = model.__dict__.get(RUNTIME_KEY), c.__dict__.get(RUNTIME_KEY)
+    rt, rt_c = runtime_of(model), runtime_of(c)
     assert _patched(c) or rt_c is not None, "the strategy patched nothing: nothing to test"
     if rt is not None:  # auto: the plan runtime (its hooks, policy, codecs) belongs to the copy
         assert rt_c is not rt and rt_c.model is c and rt_c.policy is not rt.policy
@@ -83,8 +84,8 @@ def check_copy(model, x):
         assert not torch.equal(_loss(c, x), loss)
         assert torch.equal(_loss(model, x), loss)
     slimact.revert(c)
-    assert not _patched(c) and RUNTIME_KEY not in c.__dict__
-    assert _patched(model) or RUNTIME_KEY in model.__dict__
+    assert not _patched(c) and runtime_of(c) is None
+    assert _patched(model) or runtime_of(model) is not None
 
     buf = io.BytesIO()
     torch.save(model, buf)
@@ -138,7 +139,7 @@ def test_copy_of_a_copy_and_applied_log_are_independent(one_thread):
     torch.manual_seed(0)
     model = slimact.apply(build_model("llama-tiny"), "invact+int4")
     c2 = copy.deepcopy(copy.deepcopy(model))
-    assert c2.__dict__["_slimact_int4_assign"] is not model.__dict__["_slimact_int4_assign"]
+    assert state_of(c2).int4_assign is not state_of(model).int4_assign
     assert isinstance(c2.__dict__["forward"], ForwardOverride)
     assert c2.__dict__["forward"].module is c2
     slimact.revert(model)  # reverting the original leaves the copy's patches alone
@@ -154,7 +155,7 @@ def test_prac_state_is_copied_not_shared(one_thread):
     x = _ids()
     _loss(model, x).backward()
     c = pickle.loads(pickle.dumps(model))
-    state, state_c = (m.__dict__["_slimact_stateful"]["prac"] for m in (model, c))
+    state, state_c = (state_of(m).stateful["prac"] for m in (model, c))
     assert state_c is not state and state_c.forwards == state.forwards
     assert state_c.modules[""] is c
     _loss(c, x).backward()
@@ -167,3 +168,19 @@ def test_not_copyable_says_what_to_do():
     for fn in (copy.deepcopy, pickle.dumps):
         with pytest.raises(TypeError, match="torch.compile'd block forward.*slimact.revert"):
             fn(nc)
+
+
+def test_slimact_keeps_one_typed_state_per_model(one_thread):
+    """One ``ModelState`` under one key (issue 15.4), copied with the model, emptied by revert."""
+    torch.manual_seed(0)
+    model = slimact.apply(build_model("llama-tiny"), "invact+int4")
+    keys = [k for k in model.__dict__ if k.startswith("_slimact")]
+    assert keys == ["_slimact"], keys
+    st = state_of(model)
+    assert [c.action for c in st.applied] == [c.action for c in slimact.applied(model)]
+    assert st.strategies == ["invact", "int4"] and st.int4_assign is not None
+    c = pickle.loads(pickle.dumps(model))
+    assert state_of(c) is not st and state_of(c).strategies == st.strategies
+    slimact.revert(model)
+    assert state_of(model).applied == [] and state_of(model).int4_assign is None
+    assert state_of(c).int4_assign is not None  # the copy keeps its own

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 import slimact
 from slimact import dist as sdist
+from slimact.state import state_of
 from slimact.train.checkpoint import latest_checkpoint, load_checkpoint
 
 pytestmark = pytest.mark.skipif(
@@ -68,7 +69,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         sdist.sync_prac(model)
         ddp = sdist.wrap(model, "ddp")
         ddp(sdist.shard(x), targets=sdist.shard(y)).loss.backward()
-        state = model.__dict__["_slimact_stateful"]["prac"]
+        state = state_of(model).stateful["prac"]
         result["prac_p"] = {k: c.p.clone() for k, c in state.codecs.items()}
         result["prac_grads"] = _grads(model)
         torch.save(result, Path(out) / f"rank{rank}.pt")

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from slimact import sites
+from slimact.state import peek
 
 MODES = ("none", "ddp", "fsdp")
 
@@ -214,7 +215,8 @@ def sync_prac(model: nn.Module) -> bool:
     Returns False when no PRAC-family strategy is applied. Codecs are built on the first forward,
     so the state's ``codec_for`` is wrapped to sync each new codec as it is created.
     """
-    state = unwrap(model).__dict__.get("_slimact_stateful", {}).get("prac")
+    st = peek(unwrap(model))
+    state = st.stateful.get("prac") if st is not None else None
     if state is None:
         return False
     for codec in state.codecs.values():

@@ -55,11 +55,11 @@ from slimact import sites
 from slimact.hf_inputs import dummy_inputs, main_input
 from slimact.meter import MemoryReport, measure
 from slimact.registry import AppliedChange, StrategyConfig, applied, apply, revert
+from slimact.state import peek, state_of
 
 _ACT_NAME = re.compile(r"gelu|silu|swish|act|relu|tanh|mish", re.IGNORECASE)
 _NORM_NAME = re.compile(r"norm", re.IGNORECASE)
 _ATTN_NAME = re.compile(r"attn|attention", re.IGNORECASE)
-_CODEC_KEYS = ("_slimact_stateful", "_slimact_plan_runtime")
 
 
 # ----------------------------------------------------------------------------- losses
@@ -246,7 +246,9 @@ def codec_policy_installed(model: nn.Module) -> bool:
     """True when saves are routed through a codec policy (int4, prac, auto/plan)."""
     d = model.__dict__
     fwd = d.get("forward")
-    return any(d.get(k) for k in _CODEC_KEYS) or (fwd is not None and hasattr(fwd, "__wrapped__"))
+    st = peek(model)
+    coded = st is not None and (st.stateful or st.runtime is not None)
+    return bool(coded) or (fwd is not None and hasattr(fwd, "__wrapped__"))
 
 
 def compile_blocks(
@@ -292,7 +294,7 @@ def compile_blocks(
             changes.append(AppliedChange(path, "compile", str(compile_kwargs or ""), undo=undo))
     if not changes:
         changes.append(AppliedChange("", "compile", "model has no repeated blocks", skipped=True))
-    model.__dict__.setdefault("_slimact_applied", []).extend(changes)
+    state_of(model).applied.extend(changes)
     return changes
 
 

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from slimact.state import peek, prune, state_of
+
 logger = logging.getLogger("slimact")
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -83,8 +85,6 @@ _REGISTRY: dict[str, _Entry] = {}
 CODEC_POLICY_STRATEGIES = frozenset(
     {"int4", "int4-plain", "int4-paper", "int8", "prac", "pac", "rac", "auto", "plan"}
 )
-_APPLIED_KEY = "_slimact_applied"
-_STRATEGIES_KEY = "_slimact_strategies"  # names of the strategies applied, in order
 
 
 def register_strategy(
@@ -248,9 +248,11 @@ def apply(
                 logger.debug("  %s %s %s", "skip" if c.skipped else c.action, c.path, c.detail)
     except BaseException as exc:
         _undo_all(done, exc)
+        prune(model)
         raise
-    model.__dict__.setdefault(_APPLIED_KEY, []).extend(done)
-    model.__dict__.setdefault(_STRATEGIES_KEY, []).extend(label for label, _ in parts)
+    st = state_of(model)
+    st.applied.extend(done)
+    st.strategies.extend(label for label, _ in parts)
     return model
 
 
@@ -267,18 +269,24 @@ def _undo_all(changes: list[AppliedChange], exc: BaseException) -> None:
 
 def applied(model: nn.Module) -> list[AppliedChange]:
     """The changes ``apply`` made to ``model`` (skipped sites included, with their reasons)."""
-    return list(model.__dict__.get(_APPLIED_KEY, []))
+    st = peek(model)
+    return list(st.applied) if st is not None else []
 
 
 def applied_strategies(model: nn.Module) -> list[str]:
     """The strategies ``apply`` applied to ``model``, in order, as named in their specs."""
-    return list(model.__dict__.get(_STRATEGIES_KEY, []))
+    st = peek(model)
+    return list(st.strategies) if st is not None else []
 
 
 def revert(model: nn.Module) -> nn.Module:
     """Undo every change ``apply`` made, newest first."""
-    model.__dict__.pop(_STRATEGIES_KEY, None)
-    for change in reversed(model.__dict__.pop(_APPLIED_KEY, [])):
+    st = peek(model)
+    if st is None:
+        return model
+    changes, st.applied, st.strategies = st.applied, [], []
+    for change in reversed(changes):
         if change.undo is not None:
             change.undo()
+    prune(model)
     return model

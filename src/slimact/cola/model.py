@@ -32,6 +32,7 @@ import torch.nn as nn
 from slimact.cola.layers import ACTIVATIONS, CoLALinear, check_rank
 from slimact.models.gpt2 import GPT2Config, GPT2Model
 from slimact.models.llama import LlamaConfig, LlamaModel
+from slimact.registry import applied
 
 
 def default_both_sigma(d_model: int) -> bool:
@@ -295,7 +296,7 @@ def convert(
                 f"convert: {type(src).__name__} has no .config; pass a slimact LLaMA/GPT-2 model "
                 "or a config"
             )
-        if src.__dict__.get("_slimact_applied"):
+        if applied(src):
             raise ValueError(
                 "convert: the model has slimact strategies applied; slimact.revert(model) first"
             )

@@ -53,9 +53,9 @@ from slimact.planner.apply import PlanRuntime, runtime_of
 from slimact.planner.plan import Plan, abs_site, is_relative
 from slimact.planner.profile import _payload_bytes, autocast_state, run_policy
 from slimact.planner.solve import solve_plan
+from slimact.state import peek, prune, state_of
 from slimact.utils import fmt_bytes
 
-CHECK_KEY = "_slimact_budget_check"
 PLANNER_THREAD = "slimact-planner"  # the worker thread slimact.planner.apply profiles in
 
 
@@ -264,12 +264,13 @@ class BudgetCheck:
             model.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._post, always_call=True),
         ]
-        model.__dict__[CHECK_KEY] = self
+        state_of(model).budget_check = self
 
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
-        self.model.__dict__.pop(CHECK_KEY, None)
+        state_of(self.model).budget_check = None
+        prune(self.model)
 
     # -- hooks ----------------------------------------------------------------------------------
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -403,4 +404,5 @@ class BudgetCheck:
 
 
 def budget_check_of(model: nn.Module) -> BudgetCheck | None:
-    return model.__dict__.get(CHECK_KEY)
+    st = peek(model)
+    return st.budget_check if st is not None else None

@@ -53,8 +53,8 @@ from slimact.reformulate import (
     park_labels,
 )
 from slimact.registry import AppliedChange
+from slimact.state import peek, prune, state_of
 
-RUNTIME_KEY = "_slimact_plan_runtime"
 _tls = threading.local()
 
 
@@ -114,7 +114,7 @@ class PlanRuntime:
             model.register_forward_pre_hook(self._pre, with_kwargs=True),
             model.register_forward_hook(self._post, always_call=True),
         ]
-        model.__dict__[RUNTIME_KEY] = self
+        state_of(model).runtime = self
 
     # -- plans --------------------------------------------------------------------------------
     def set_plan(self, plan: Plan, filter_fn: Callable[[nn.Module, str], bool] | None = None):
@@ -193,7 +193,8 @@ class PlanRuntime:
         self._clear_patches()
         for h in self._hooks:
             h.remove()
-        self.model.__dict__.pop(RUNTIME_KEY, None)
+        state_of(self.model).runtime = None
+        prune(self.model)
         self.plan = self.assign = self.policy = None
 
     # -- lazy planning ------------------------------------------------------------------------
@@ -235,8 +236,9 @@ class PlanRuntime:
             self.last_input = (ids, tgt)
         if self.plan is None and torch.is_grad_enabled() and isinstance(ids, torch.Tensor):
             changes = self.set_plan(self.plan_now(*self.last_input))
-            log = self.model.__dict__.setdefault("_slimact_applied", [])
-            log.extend(AppliedChange(c.path, c.action, c.detail) for c in changes)
+            state_of(self.model).applied.extend(
+                AppliedChange(c.path, c.action, c.detail) for c in changes
+            )
         # the reformulated head's root part, here rather than in the root override, which a
         # plan installed during this call (lazy planning, a re-plan) would miss
         parked = park_labels(self.model, args, kwargs) if self._head_planned else None
@@ -262,7 +264,8 @@ class PlanRuntime:
 
 
 def runtime_of(model: nn.Module) -> PlanRuntime | None:
-    return model.__dict__.get(RUNTIME_KEY)
+    st = peek(model)
+    return st.runtime if st is not None else None
 
 
 def install(

@@ -42,8 +42,9 @@ import torch.nn as nn
 from slimact.classify import ROLES, hidden_channels, role_of
 from slimact.codecs.base import Codec, CodecConfig, codec_names, get_codec
 from slimact.codecs.saving import CodecPolicy, install_policy
-from slimact.patching import pop_attr, run_all
+from slimact.patching import run_all
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
+from slimact.state import reset_field, state_of
 
 
 @dataclass(frozen=True)
@@ -115,9 +116,9 @@ def apply_int4(
     change = install_policy(model, CodecPolicy(assign))
     change.action = config.name
     change.detail = ", ".join(f"{r}={getattr(config, r)}" for r in ROLES)
-    model.__dict__["_slimact_int4_assign"] = assign
+    state_of(model).int4_assign = assign
     change.undo = functools.partial(
-        run_all, change.undo, functools.partial(pop_attr, model, "_slimact_int4_assign")
+        run_all, change.undo, functools.partial(reset_field, model, "int4_assign")
     )  # picklable, and deep copies undo the copy (see slimact.patching)
     return [change]
 

@@ -31,7 +31,7 @@ Step clock and checkpoints: t counts training forwards (grad enabled) of the roo
 codec updates Q1 when t % T1 == 0 and Q2 when t % T2 == 0 (Alg. 1; with grad accumulation each
 micro-batch is a forward). Defaults T1 = 20 with the randomized range finder and T2 = 1 (why, and
 how to get the paper's 500/500: ``codecs/prac.py``). The codecs' state (Q1, Q2, generator, clock) is exposed as
-``model.__dict__["_slimact_stateful"]["prac"]`` with ``state_dict``/``load_state_dict``.
+``slimact.state.state_of(model).stateful["prac"]`` with ``state_dict``/``load_state_dict``.
 
 Composition: ``recompute`` wins inside checkpointed blocks (its saved-tensor hooks are innermost,
 nothing is saved there), so ``prac+recompute`` compresses what is saved outside them (final norm,
@@ -68,17 +68,17 @@ from slimact.codecs.prac import (
 from slimact.codecs.saving import CodecPolicy, dense_order, install_policy
 from slimact.models.common import RMSNorm
 from slimact.ops.rms_norm import rms_norm
-from slimact.patching import override_forward, pop_attr, run_all
+from slimact.patching import override_forward, run_all
 from slimact.registry import (
     AppliedChange,
     FilterFn,
     StrategyConfig,
     register_strategy,
 )
+from slimact.state import drop_stateful, peek, state_of
 
 logger = logging.getLogger("slimact")
 
-STATE_KEY = "_slimact_stateful"
 ATTENTION_OPS = ("scaled_dot_product_attention", "flash_attn", "attention")
 _NORMS = (nn.LayerNorm, RMSNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
 _ACTS = (nn.SiLU, nn.GELU, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Mish, nn.ELU, nn.Softplus)
@@ -406,7 +406,7 @@ class PracPolicy:
 def apply_prac(
     model: nn.Module, config: PracConfig, filter_fn: FilterFn | None = None
 ) -> list[AppliedChange]:
-    registry = model.__dict__.setdefault(STATE_KEY, {})
+    registry = state_of(model).stateful
     if "prac" in registry:
         raise ValueError(
             f"a PRAC-family strategy ({registry['prac'].config.name}) is already applied to this "
@@ -416,7 +416,7 @@ def apply_prac(
     change = install_policy(model, PracPolicy(state))
     registry["prac"] = state
     change.undo = functools.partial(
-        run_all, change.undo, functools.partial(pop_attr, model, STATE_KEY, "prac")
+        run_all, change.undo, functools.partial(drop_stateful, model, "prac")
     )  # picklable, and deep copies undo the copy (see slimact.patching)
     change.action = config.name
     change.detail = (
@@ -475,7 +475,8 @@ def _fuse_rms_norms(
 
 
 def prac_state(model: nn.Module) -> PracState:
-    state = model.__dict__.get(STATE_KEY, {}).get("prac")
+    st = peek(model)
+    state = st.stateful.get("prac") if st is not None else None
     if state is None:
         raise ValueError("no PRAC-family strategy (prac, pac, rac) is applied to this model")
     return state

@@ -40,6 +40,7 @@ from slimact import dist as sdist
 from slimact.data import BatchLoader, ByteTokenizer, fixed_batches, load_data
 from slimact.models import build_model, count_params
 from slimact.planner.adaptive import PlanEvolver, budget_check_of
+from slimact.state import state_of
 from slimact.timing import load_average
 from slimact.train.baseline import (
     WARMUP_ROUNDS,
@@ -185,7 +186,7 @@ class _Trainer:
             self.loader.load_state_dict(state["loader"])
             self.step = int(state["step"])
             self.tokens_seen = int(state["tokens_seen"])
-            stateful = self.model.__dict__.get("_slimact_stateful", {})
+            stateful = state_of(self.model).stateful
             for name, sd in state.get("strategy_state", {}).items():  # e.g. PRAC's subspaces
                 stateful[name].load_state_dict(sd)
             single = self.dist.world_size == 1  # the evolver runs single-process only
@@ -256,8 +257,7 @@ class _Trainer:
             "loader": self.loader.state_dict(),
             "tokens_seen": self.tokens_seen,
             "strategy_state": {  # stateful strategies (PRAC's subspaces, generators, counters)
-                name: obj.state_dict()
-                for name, obj in self.model.__dict__.get("_slimact_stateful", {}).items()
+                name: obj.state_dict() for name, obj in state_of(self.model).stateful.items()
             },
         }
         self.ckpts.save(self.step, state, planner_files(self.model, self.evolver))
