@@ -186,9 +186,9 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------- PRAC
-def _synced_update(codec, orig, x2d: torch.Tensor, t: int) -> None:
+def _synced_update(codec, orig, x2d: torch.Tensor, t: int, *args, **kwargs) -> None:
     before = (codec.q1_step, codec.q2_step)
-    orig(x2d, t)
+    orig(x2d, t, *args, **kwargs)
     if (codec.q1_step, codec.q2_step) == before or not dist.is_initialized():
         return
     q1 = codec.q1.contiguous()
