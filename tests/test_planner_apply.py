@@ -161,6 +161,7 @@ def test_plan_cli(tmp_path, capsys):
     assert cli.run(p.parse_args(argv)) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["predicted_bytes"] <= out["budget_bytes"]
+    assert 0 < out["solve_time_s"] < 60 and 0 < out["profile_time_s"] < 600
     assert out["site_actions"] and Plan.load(tmp_path / "plan.json").budget == "30%"
     assert cli.run(p.parse_args(argv[:-3])) == 0  # the table; the profile comes from the cache
     assert "predicted added time" in capsys.readouterr().out

@@ -115,5 +115,5 @@ def make_plan(
         predicted_bytes=int(res.bytes), predicted_time_s=res.time_s, min_feasible_bytes=floor,
         solve_s=res.solve_s, layers=tuple(layers),
         meta=(("status", res.status), ("quality", res.quality), ("device", prof.device),
-              ("autocast", prof.meta.get("autocast"))),
+              ("autocast", prof.meta.get("autocast")), ("profile_s", prof.meta.get("profile_s"))),
     )  # fmt: skip
