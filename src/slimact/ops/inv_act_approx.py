@@ -35,6 +35,15 @@ and a few % of a CPU MLP step. The issue's bar (L∞ ≤ 1e-3 in fp32) rules ``p
 
 Special values follow torch: ``y`` NaN -> NaN; ``y = +inf`` (x = +inf) -> 1; ``y == 0`` on the
 left branch (x so negative that f(x) underflowed) -> 0, the limit of ``f'`` there.
+
+Extreme magnitudes (issue 14.4) need no fallback: on the right branch ``f(x) → x`` and Newton
+starts from ``max(x₀, y)``, so ``f'`` is recovered up to the dtype's max, and far left ``y``
+underflows to the 0 case above; measured against torch's autograd from 1e3 to ``finfo.max`` and
+down to −``finfo.max`` in fp32 and bf16 (``tests/test_extreme_values.py``). The one difference:
+tanh-GELU's ``x³`` overflows fp32 above |x| ≈ 1e13, where torch's own backward is NaN; ours is
+NaN on the right too and the true limit 0 on the left. (In a model with a 1e20 weight, ``invact``
+disagrees with fp32 autograd, and it is autograd that is wrong: the RMSNorm's ``rsqrt`` backward
+underflows ``rstd³``; against the float64 truth ``invact`` has cosine 1.0.)
 """
 
 from __future__ import annotations
