@@ -1,0 +1,275 @@
+"""Codecs inside torch.compile (issue 16): compiled-int8 / compiled-int4 vs eager and compile anchors.
+
+    PYTHONPATH=src python benchmarks/bench_compiled.py                    # llama-20m, 8 x 256
+    PYTHONPATH=src python benchmarks/bench_compiled.py --model llama-tiny --batch 1 --seq 16 \
+        --rounds 2 --results-dir /tmp/compiled                             # smoke
+
+Points, all in one process, fp32, one torch thread (unless --threads):
+
+* ``eager-none``: the model as built (the baseline of every ratio);
+* ``compiled-none``: ``slimact.hf.compile_blocks`` (each block's forward compiled, no budget);
+* ``compile-budget``: ``torch.compile`` (inductor) of the whole loss function with
+  ``activation_memory_budget`` = --budget. Each budget gets its own code object (dynamo caches
+  compiled frames per code object and does not guard on the budget), and every point runs with
+  its own budget patched in, so a recompile can never take another point's budget;
+* ``compiled-int8`` / ``compiled-int4``: ``slimact.compiled.compile_with_codec`` (per-block
+  compile, pack/unpack GraphModules inlined into the compiled graphs).
+
+Saved bytes: what one forward leaves alive (``slimact.compiled.forward_live_bytes``: the torch
+profiler's memory events; loss included), measured on a call after compilation. For eager-none
+the meter's exact count is recorded beside it (the cross-check). Gradient cosine vs eager-none
+(exact autograd): over all parameters at once (``grad_cos``) and the minimum per parameter
+(``grad_cos_min``, ``slimact.compare.grad_cosine``). Step time: ``slimact.timing.interleaved``
+(every point once per round), median of per-round ratios to eager-none with min-max and IQR.
+Writes benchmarks/results/compiled.json and compiled.md (text below ``<!-- reading -->`` kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+import types
+from pathlib import Path
+
+import torch
+import torch._functorch.config as functorch_config
+import torch.nn.functional as F
+
+import slimact
+from slimact.compare import grad_cosine
+from slimact.compiled import TRACE_CALLS, forward_live_bytes
+from slimact.envinfo import machine_info
+from slimact.hf import compile_blocks, graph_breaks
+from slimact.models import build_model
+from slimact.timing import interleaved, load_average
+from slimact.utils import fmt_bytes, seed_everything
+
+RESULTS = Path(__file__).parent / "results"
+MARK = "<!-- reading -->"
+
+
+def env() -> dict:
+    return machine_info() | {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_avg": load_average()}
+
+
+def loss_fn(model, x, y):
+    return model(x, targets=y).loss
+
+
+def own_code(fn, tag: str):
+    """``fn`` with a code object of its own: dynamo's cache for it is not shared with others."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+class Point:
+    """A model, its forward, and the activation_memory_budget patched around every call."""
+
+    def __init__(self, model, forward=loss_fn, budget: float = 1.0) -> None:
+        self.model, self.forward, self.budget = model, forward, budget
+
+    def loss(self, x, y):
+        with functorch_config.patch(activation_memory_budget=self.budget):
+            return self.forward(self.model, x, y)
+
+    def step(self, x, y):
+        self.model.zero_grad(set_to_none=True)
+        loss = self.loss(x, y)
+        with functorch_config.patch(activation_memory_budget=self.budget):
+            loss.backward()
+        return float(loss.detach())
+
+    def grads(self) -> torch.Tensor:
+        return torch.cat([p.grad.flatten() for p in self.model.parameters()])
+
+
+def compiled_saves(model, loss) -> dict[str, int]:
+    """Bytes the compiled regions keep for backward, by dtype (unique storages, parameters
+    and buffers excluded): walks ``loss``'s autograd graph to the ``CompiledFunctionBackward`` nodes."""
+    held = [*model.parameters(), *model.buffers()]
+    params = {t.untyped_storage().data_ptr() for t in held}
+    seen_ptrs, out = set(params), {}
+    stack, seen = [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CompiledFunctionBackward":
+            for t in node.saved_tensors:
+                st = t.untyped_storage()
+                if st.data_ptr() not in seen_ptrs:
+                    seen_ptrs.add(st.data_ptr())
+                    key = str(t.dtype).replace("torch.", "")
+                    out[key] = out.get(key, 0) + st.nbytes()
+        stack.extend(f for f, _ in node.next_functions)
+    return out
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads)
+    torch._dynamo.config.recompile_limit = 64
+    seed_everything(0)
+    base = build_model(args.model)
+    gen = torch.Generator().manual_seed(0)
+    t = torch.randint(0, base.config.vocab_size, (args.batch, args.seq + 1), generator=gen)
+    x, y = t[:, :-1], t[:, 1:]
+
+    points: dict[str, Point] = {"eager-none": Point(base)}
+    m = copy.deepcopy(base)
+    compile_blocks(m, backend="inductor")
+    points["compiled-none"] = Point(m)
+    tag = f"budget_{str(args.budget).replace('.', '_')}"
+    fwd = torch.compile(own_code(loss_fn, tag), backend="inductor")
+    points["compile-budget"] = Point(copy.deepcopy(base), fwd, args.budget)
+    for name in ("compiled-int8", "compiled-int4"):
+        points[name] = Point(slimact.apply(copy.deepcopy(base), name))
+
+    rows: dict[str, dict] = {}
+    points["eager-none"].step(x, y)
+    exact = points["eager-none"].grads()
+    exact_model = points["eager-none"].model
+    with slimact.measure(base) as meter:
+        points["eager-none"].loss(x, y)
+    meter_bytes = meter.report.total_bytes
+    for name, p in points.items():
+        t0 = time.perf_counter()
+        p.step(x, y)  # compiles
+        first_s = time.perf_counter() - t0
+        live, held = forward_live_bytes(lambda p=p: p.loss(x, y))
+        in_graphs = compiled_saves(p.model, held)
+        with slimact.measure(p.model) as m:  # the router sees the eager (root) saves only
+            p.loss(x, y)
+        del held
+        p.step(x, y)  # the meter's TorchFunctionMode is guarded on: compiled again, untimed
+        calls = dict(TRACE_CALLS)
+        loss = p.step(x, y)
+        rows[name] = {
+            "saved_bytes": live,
+            "compiled_saved_bytes_by_dtype": in_graphs,
+            "meter_bytes_outside_compiled": m.report.total_bytes,
+            "first_step_s": first_s,
+            "loss": loss,
+            "grad_cos": float(F.cosine_similarity(p.grads().double(), exact.double(), dim=0)),
+            "grad_cos_min": grad_cosine(exact_model, p.model),
+            "hook_trace_calls_after_compile": {k: TRACE_CALLS[k] - calls[k] for k in calls},
+        }
+        print(name, json.dumps(rows[name]), flush=True)
+    base_bytes = rows["eager-none"]["saved_bytes"]
+    for r in rows.values():
+        r["bytes_ratio"] = r["saved_bytes"] / base_bytes
+
+    timing = interleaved({k: (lambda p=p: p.step(x, y)) for k, p in points.items()}, args.rounds)
+    for name in rows:
+        rows[name]["step_s"] = timing.median_s(name)
+        if name != "eager-none":
+            rows[name]["step_ratio"] = timing.ratio(name, "eager-none").to_dict()
+    pairs = [(a, b) for a in ("compiled-int8", "compiled-int4")
+             for b in ("compiled-none", "compile-budget")]  # fmt: skip
+    cross = {f"{a} / {b}": timing.ratio(a, b).to_dict() for a, b in pairs}
+    return {
+        "env": env(),
+        "model": args.model,
+        "batch": args.batch,
+        "seq": args.seq,
+        "dtype": "float32",
+        "budget": args.budget,
+        "rounds": args.rounds,
+        "meter_bytes_eager_none": meter_bytes,
+        "graph_breaks": graph_breaks(),
+        "timing_load_avg": [timing.load_before, timing.load_after],
+        "rows": rows,
+        "cross_ratios": cross,
+        "times_s": timing.times,
+    }
+
+
+def report(d: dict) -> str:
+    e = d["env"]
+    lines = [
+        "# Codecs inside torch.compile (issue 16)",
+        "",
+        f"Model {d['model']}, batch {d['batch']} x seq {d['seq']}, {d['dtype']}, "
+        f"{e['torch_threads']} torch thread(s); torch {e['torch']}, Python {e['python']}, "
+        f"{e['processor']} ({e['cpu_count']} cores, shared), commit {e['git_commit']}, "
+        f"{e['date']}.",
+        f"Command: `{e['command']}` -> `benchmarks/results/compiled.json`.",
+        f"Load average: {e['load_avg']} at start; {d['timing_load_avg']} around the "
+        f"{d['rounds']} interleaved timing rounds.",
+        "",
+        "| point | saved bytes | vs eager none | step ratio (median [min-max]) | IQR | "
+        "grad cos | min cos per param | first step s |",
+        "| --- | ---: | ---: | --- | --- | ---: | ---: | ---: |",
+    ]
+    for name, r in d["rows"].items():
+        s = r.get("step_ratio")
+        ratio = f"{s['median']:.3f} [{s['min']:.3f}-{s['max']:.3f}]" if s else "1 (baseline)"
+        iqr = f"{s['q1']:.3f}-{s['q3']:.3f}" if s else ""
+        label = name + (f" ({d['budget']})" if name == "compile-budget" else "")
+        lines.append(
+            f"| {label} | {fmt_bytes(r['saved_bytes'])} | {r['bytes_ratio']:.3f} | {ratio} | "
+            f"{iqr} | {r['grad_cos']:.5f} | {r['grad_cos_min']:.4f} | {r['first_step_s']:.1f} |"
+        )
+    lines += [
+        "",
+        "| step-time ratio (same rounds) | median [min-max] | IQR |",
+        "| --- | --- | --- |",
+    ]
+    for k, c in d["cross_ratios"].items():
+        lines.append(
+            f"| {k} | {c['median']:.3f} [{c['min']:.3f}-{c['max']:.3f}] | "
+            f"{c['q1']:.3f}-{c['q3']:.3f} |"
+        )
+    lines += [
+        "",
+        f"- Saved bytes: live bytes a forward leaves (torch profiler memory events, loss "
+        f"included). Cross-check on eager none: meter {d['meter_bytes_eager_none']:,} B vs "
+        f"profiler {d['rows']['eager-none']['saved_bytes']:,} B.",
+        f"- Graph breaks (dynamo counter, whole run): {d['graph_breaks'] or 'none'}.",
+        "- Where the bytes are: "
+        + "; ".join(
+            f"{k}: compiled graphs {_by_dtype(r['compiled_saved_bytes_by_dtype'])}, eager parts "
+            f"(meter) {fmt_bytes(r['meter_bytes_outside_compiled'])}"
+            for k, r in d["rows"].items()
+            if k != "eager-none"
+        )
+        + ".",
+        "- Python calls of the traced pack/unpack helpers during a step after compilation "
+        "(0 = the hooks are inlined, nothing runs per tensor): "
+        + ", ".join(
+            f"{k} {r['hook_trace_calls_after_compile']}"
+            for k, r in d["rows"].items()
+            if k.startswith("compiled-int")
+        )
+        + ".",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _by_dtype(d: dict[str, int]) -> str:
+    return ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(d.items())) or "0"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="llama-20m")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--budget", type=float, default=0.25)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--results-dir", type=Path, default=RESULTS)
+    args = p.parse_args()
+    data = run(args)
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    (args.results_dir / "compiled.json").write_text(json.dumps(data, indent=2))
+    md = args.results_dir / "compiled.md"
+    reading = md.read_text().split(MARK, 1)[1] if md.exists() and MARK in md.read_text() else ""
+    md.write_text(report(data) + "\n" + MARK + reading)
+    print(report(data))
+
+
+if __name__ == "__main__":
+    main()
