@@ -47,7 +47,7 @@ def test_int4_roles_memory_and_gradients(name):
     assert all(actions[s] == "keep" for s in sdpa[3:])  # output, logsumexp
     assert actions[":cross_entropy#0"] == "keep"
     linear = [s for s in actions if s.endswith(":linear#0") and "attn" not in s]
-    assert linear and all(actions[s] == "int4-outlier" for s in linear)
+    assert linear and all(actions[s] == "int4-outlier-g16" for s in linear)
 
 
 def test_ablations_order_and_revert():
@@ -152,7 +152,7 @@ def test_composes_with_an_invact_style_function():
         block.mlp.act_fn.forward = act
     rep, _, _ = run(m, x, "int4")
     kinds = {(r.op, r.dtype): r.action for r in rep.sites if r.op == "inv_silu"}
-    assert kinds[("inv_silu", "float32")] == "int4-outlier"
+    assert kinds[("inv_silu", "float32")] == "int4-outlier-g16"
     assert kinds[("inv_silu", "uint8")] == "keep"  # packed bits are left alone
 
 

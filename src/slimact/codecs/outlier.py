@@ -158,3 +158,6 @@ class OutlierCodec(Codec):
 
 register_codec("int4-outlier", OutlierConfig(), OutlierCodec)
 register_codec("int8-outlier", OutlierConfig(bits=8), OutlierCodec)
+# the int4 strategy's choice for linear/norm/activation inputs (groups of 16: grad cosine 0.991
+# against 0.982 with 128 on llama-20m), a planner candidate under its own name
+register_codec("int4-outlier-g16", OutlierConfig(group_size=16), OutlierCodec)

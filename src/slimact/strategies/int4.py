@@ -4,7 +4,7 @@ A codec policy (``codecs/saving.py``) gives every saved tensor a *role*, read fr
 ``"<module>:<op>#k"`` and the tensor itself (so it works on any model, Hugging Face's included):
 
 * ``act``: inputs of ``linear``, norms (``layer_norm``, RMSNorm's ``pow``/``mul``), ``gelu`` /
-  ``silu`` (and InvAct's float saves), SwiGLU's ``mul`` operands -> ``int4-outlier`` (channels
+  ``silu`` (and InvAct's float saves), SwiGLU's ``mul`` operands -> ``int4-outlier-g16`` (channels
   with Z-score > 3 exact, the rest INT4 per group of 16).
 * ``qkv``: the first three saves of ``scaled_dot_product_attention`` (q, k, v), operands of an
   unfused attention ``matmul`` -> ``int8-channel`` (one scale per hidden channel).
@@ -51,7 +51,7 @@ from slimact.state import reset_field, state_of
 class Int4Config(StrategyConfig):
     """Codec name per role (see the module docstring), plus shared quantization knobs."""
 
-    act: str = "int4-outlier"
+    act: str = "int4-outlier-g16"
     qkv: str = "int8-channel"
     scores: str = "int4-asym"
     mask: str = "bits"
@@ -137,7 +137,7 @@ register_strategy(
 )
 register_strategy(
     "int4-paper",
-    Int4Config(qkv="int4-channel", group_size=128),
+    Int4Config(act="int4-outlier", qkv="int4-channel", group_size=128),
     apply_int4,
     "int4 with adacc.txt's INT4 channel-wise Q/K/V and 128-value groups (fails grad_cosine 0.99)",
 )
