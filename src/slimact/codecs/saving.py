@@ -187,7 +187,7 @@ class CodecPolicy:
         counts = self.__dict__.setdefault("fallbacks", {}).setdefault(site, {})
         if not counts:
             warnings.warn(
-                f"site {site}: stored exactly, its codec cannot represent it: {reason}",
+                f"site {site}: stored exactly, not through its codec: {reason}",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -210,7 +210,9 @@ class CodecPolicy:
         if stored is None or t is None or stored.fallback is not None:
             return
         x = t.permute(prev[4]) if prev[4] is not None else t
-        stored.packed = stored.codec.fallback(x, f"saved by the same op as {site}, which is")
+        stored.packed = stored.codec.fallback(
+            x, f"saved by the same op as {site}, which its codec cannot represent"
+        )
         stored._decoded = None
         self._report_fallback(prev[1], stored.fallback)
 
@@ -272,7 +274,9 @@ class CodecPolicy:
             perm = tuple(sorted(range(t.dim()), key=order.__getitem__))
         try:
             if exact_next is not None and exact_next[0] == prefix:
-                packed = codec.fallback(x, f"saved by the same op as {exact_next[1]}, which is")
+                packed = codec.fallback(
+                    x, f"saved by the same op as {exact_next[1]}, which its codec cannot represent"
+                )
             else:
                 with exact(x.device):
                     packed = codec.encode(x)
