@@ -28,6 +28,7 @@ from slimact.ops.chunked_ce import (
 from slimact.reformulate.head import ChunkedCEConfig
 from slimact.registry import resolve
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel's device (real or interpreted)
 needs_triton = pytest.mark.skipif(not tri.triton_available(), reason="triton not installed")
 
 
@@ -152,13 +153,13 @@ def test_bad_arguments_raise():
 @pytest.mark.parametrize("v", [5, 77])
 def test_triton_kernel_matches_ref(monkeypatch, eps, v):
     monkeypatch.setattr(tri, "MAX_BLOCK", 16)  # V = 77: several blocks per row
-    z = torch.randn(6, v) * 3
-    t = torch.randint(0, v, (6,))
+    z = (torch.randn(6, v) * 3).to(DEV)
+    t = torch.randint(0, v, (6,)).to(DEV)
     t[2] = -100
     lse, loss = ce_stats_ref(z, t, -100, eps)
     lse_k, loss_k = tri.ce_chunk_triton(z.clone(), t, -100, eps)
     assert torch.allclose(lse_k, lse, atol=1e-5) and torch.allclose(loss_k, loss, atol=1e-5)
-    scale = torch.tensor(0.37)
+    scale = torch.tensor(0.37, device=DEV)
     g = ce_grad_ref_(z.clone(), t, lse, scale, -100, eps)
     for given in (None, lse):  # grad in the same pass as the stats, and from a saved lse
         zk = z.clone()
@@ -169,7 +170,9 @@ def test_triton_kernel_matches_ref(monkeypatch, eps, v):
 @needs_triton
 @pytest.mark.parametrize("mode", MODES)
 def test_triton_backend_end_to_end(mode):
-    h, w, b, t = _data(20, 8, 37, True)
+    h, w, b, t = (
+        x.detach().to(DEV).requires_grad_(x.requires_grad) for x in _data(20, 8, 37, True)
+    )
     ref = _ref(h, w, b, t, label_smoothing=0.1)
     got = chunked_linear_cross_entropy(
         h, w, t, b, label_smoothing=0.1, chunk_size=8, mode=mode, backend="triton"

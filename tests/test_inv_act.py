@@ -28,6 +28,7 @@ from slimact.ops.inv_act import (
     unpack_bits_ref,
 )
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels' device (real or interpreted)
 KINDS = ap.KINDS
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # L∞ of dx/dy against exact autograd on N(0, 3²) inputs. newton: the y-rounding floor near T
@@ -234,6 +235,7 @@ def test_triton_kernels_match_ref(kind, dtype, mode, variant):
     n = 2051  # not a multiple of the block or of 8
     x = (torch.randn(n) * 4).to(dtype)
     x[:6] = torch.tensor([math.nan, math.inf, -30.0, 0.0, ap.BRANCH[kind].T, -3.0]).to(dtype)
+    x = x.to(DEV)
     y_ref, p_ref = inv_act_fwd_ref(x, kind, variant)
     y_tri, p_tri = inv_act_fwd_triton(x, kind, variant)
     ulp = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
@@ -241,7 +243,7 @@ def test_triton_kernels_match_ref(kind, dtype, mode, variant):
     assert torch.allclose(y_tri[fin].float(), y_ref[fin].float(), rtol=2 * ulp, atol=1e-6)
     if variant == "bitmask":  # T compared in fp32 by both
         assert torch.equal(p_tri, p_ref)
-    dy = torch.randn(n).to(dtype)
+    dy = torch.randn(n).to(dtype).to(DEV)
     d_ref = inv_act_bwd_ref(dy, y_ref, p_ref, kind, mode, variant)
     d_tri = inv_act_bwd_triton(dy, y_ref, p_ref, kind, mode, variant)
     assert torch.equal(d_ref.isnan(), d_tri.isnan())
@@ -251,7 +253,7 @@ def test_triton_kernels_match_ref(kind, dtype, mode, variant):
 
 @needs_triton
 def test_triton_backend_autograd_end_to_end():
-    x = torch.randn(3, 50, requires_grad=True)
+    x = torch.randn(3, 50, device=DEV, requires_grad=True)
     y = inv_gelu(x, "tanh", backend="triton")
     dy = torch.randn_like(y)
     (g,) = torch.autograd.grad(y, x, dy)

@@ -107,7 +107,10 @@ def test_triton_matches_ref(dtype, n, bits, symmetric):
         Q.dequantize(a, dtype=dtype, backend="ref"),
         Q.dequantize(b, dtype=dtype, backend="triton"),
     )
-    torch.testing.assert_close(ya.float(), yb.float(), rtol=torch.finfo(dtype).eps, atol=0)
+    # one rounding apart at most: a GPU kernel may fuse q * scale + offset into one FMA
+    eps = torch.finfo(dtype).eps
+    atol = eps * float(ya.float().abs().max()) if not symmetric else 0.0
+    torch.testing.assert_close(ya.float(), yb.float(), rtol=eps, atol=atol)
 
 
 @pytest.mark.skipif(not Q.triton_available(), reason="triton is not importable")

@@ -150,7 +150,7 @@ def quantize_ref(
     nonfinite = F.pad(~finite, (0, pad)).view(groups, gs).sum(1, dtype=torch.int32)
     div = divisor(bits, symmetric, paper_scale)
     if symmetric:
-        scale, offset = xp.abs().amax(1) / div, None
+        scale, offset = _div(xp.abs().amax(1), div), None
         v = xp * _inverse(scale)[:, None]
     else:
         if pad:
@@ -162,10 +162,16 @@ def quantize_ref(
         else:
             mx, mn = xp.amax(1), xp.amin(1)
         offset = (mx + mn) * 0.5
-        scale = (mx - mn) / div
+        scale = _div(mx - mn, div)
         v = (xp - offset[:, None]) * _inverse(scale)[:, None]
     u = (torch.floor(v + 0.5).clamp_(lo, hi) + bias).to(torch.uint8).view(-1)
     return Quantized(_pack(u, n, bits), scale, offset, nonfinite, n, bits, gs)
+
+
+def _div(a: torch.Tensor, d: float) -> torch.Tensor:
+    """``a / d`` correctly rounded, as the kernels' ``div_rn``: CUDA divides a tensor by a Python
+    scalar as a multiplication by its reciprocal, which can be one ulp off."""
+    return a / torch.full_like(a, d)
 
 
 def _inverse(scale: torch.Tensor) -> torch.Tensor:
@@ -196,7 +202,7 @@ def channel_scale(x2d: torch.Tensor, bits: int = 4, paper_scale: bool = False):
         counts = (~torch.isfinite(x2d)).sum(0, dtype=torch.int32)
     else:
         counts = torch.zeros_like(amax, dtype=torch.int32)
-    return amax / divisor(bits, True, paper_scale), counts
+    return _div(amax, divisor(bits, True, paper_scale)), counts
 
 
 def quantize_channelwise_ref(
