@@ -264,3 +264,17 @@ def test_codec_policy_names_match_what_the_transforms_do():
         assert _installs_policy(model) == is_codec, name
         checked += 1
     assert checked >= 15
+
+
+@pytest.mark.parametrize(
+    "first, second", [("compiled-int8", "recompute"), ("recompute", "compiled-int4")]
+)
+def test_compiled_blocks_and_checkpointing_are_refused_together(first, second):
+    model = build_model("llama-tiny")
+    with pytest.raises(ValueError, match="do not compose"):
+        slimact.apply(model, f"{first}+{second}")
+    assert applied_strategies(model) == []
+    slimact.apply(model, first)
+    with pytest.raises(ValueError, match="do not compose"):
+        slimact.apply(model, second)  # across calls too
+    assert applied_strategies(model) == [first]

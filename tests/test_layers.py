@@ -140,3 +140,13 @@ def test_the_checker_catches_a_cycle_and_an_upward_import():
     assert _cycles(edges) == [["slimact.meter", "slimact.sites"]]
     assert layer_of("slimact.meter") > layer_of("slimact.sites")
     assert layer_of("slimact.strategies.int4") > layer_of("slimact.codecs.quant")
+
+
+def test_no_source_file_over_600_lines():
+    """Issue 15: files stay readable (the style guide aims at ~400; 600 is the hard limit)."""
+    long = {
+        str(p.relative_to(SRC)): n
+        for p in (SRC / "slimact").rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 600
+    }
+    assert long == {}, long

@@ -19,6 +19,8 @@ Composition rule (checked before anything is applied, in one spec and across ``a
 * Everything else is a site transform (``invact``, ``invact-act``, ``recompute``,
   ``chunked-ce``, ``cola``, ``cola-m``, ``none``) and composes with the others and with one codec
   policy in any order: ``invact+int4``, ``invact+recompute+prac``, ``invact+int4+chunked-ce``.
+* Compiled blocks (``compiled-none``, ``compiled-int8``, ``compiled-int4``) do not compose with
+  per-block checkpointing (``recompute``, ``cola-m``): an error, whatever the order.
 * A spec names each strategy once: ``int4+int4`` or ``invact+invact-act`` (one config class
   twice) is an error. A site transform may be applied again by a later ``apply`` call (e.g. to
   other modules through ``filter_fn``): sites it already changed are skipped and reported as
@@ -190,6 +192,23 @@ def _check_composition(parts: list[tuple[str, StrategyConfig]], spec: object) ->
         )
 
 
+COMPILED_PREFIX = "compiled-"  # slimact.compiled: blocks compiled with traced codec hooks
+CHECKPOINTING = frozenset({"recompute", "cola-m"})  # per-block checkpointing transforms
+
+
+def _check_compiled(labels: list[str], spec: object) -> None:
+    """Compiled blocks (``compiled-*``) and per-block checkpointing do not compose: compiling a
+    checkpointed block fails inside inductor, and checkpointing a compiled one is untested."""
+    compiled = [x for x in labels if x.startswith(COMPILED_PREFIX)]
+    ckpt = [x for x in labels if x.split("@", 1)[0] in CHECKPOINTING]
+    if compiled and ckpt:
+        raise ValueError(
+            f"strategy {spec!r}: {compiled[0]!r} compiles each block with its codec inside, "
+            f"and {ckpt[0]!r} checkpoints blocks; the two do not compose (apply one of them; "
+            f"{compiled[0]!r} composes with invact and chunked-ce)"
+        )
+
+
 _ONE_POLICY = "only one codec policy can decide how each saved tensor is stored"
 
 
@@ -221,6 +240,7 @@ def apply(
     """
     parts = _resolve_named(strategy)
     before = applied_strategies(model)
+    _check_compiled([*before, *(label for label, _ in parts)], strategy)
     for label, cfg in parts:
         if not _is_codec_policy(cfg):
             continue
