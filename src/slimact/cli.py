@@ -21,6 +21,7 @@ import json
 import logging
 import sys
 
+from slimact.budget import add_budget_argument
 from slimact.utils import MissingDependency
 
 # name -> (module, add-arguments function, run function, help). Run functions return an exit code.
@@ -108,7 +109,7 @@ def _run_strategies(args: argparse.Namespace) -> int:
 def _add_memory(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-tiny")
     p.add_argument("--strategy", default="recompute", help="name, or names joined by '+'")
-    p.add_argument("--budget", default=None, help="memory budget for 'auto': 25%% | 6GiB | bytes")
+    add_budget_argument(p)
     from slimact.train.config import TrainConfig
 
     micro = "default: slimact train's micro-batch"

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from slimact import dist as sdist
+from slimact.budget import add_budget_argument
 from slimact.registry import with_budget
 from slimact.train.config import BASELINES, DEVICES, DIST_MODES, TrainConfig
 from slimact.train.loop import TrainResult, train
@@ -39,7 +40,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
     a("--model", default=d["model"], help="registered model name (see `slimact models`)")
     a("--strategy", default=d["strategy"], help="strategy name, or names joined by '+'")
-    a("--budget", default=None, help="memory budget for strategy 'auto': 25%% | 6GiB | bytes")
+    add_budget_argument(parser)
     a("--steps", type=int, default=d["steps"], help="optimizer steps")
     a("--batch", type=int, default=d["batch"], help="sequences per micro-batch")
     a("--seq", type=int, default=d["seq"], help="tokens per sequence (<= the model's max)")
