@@ -245,6 +245,7 @@ def _case(model: str, points: tuple[str, ...], **kw) -> ModelCase:
 
 
 VOCAB = 32_000  # a real tokenizer's vocabulary (LLaMA's): the loss head's true weight
+VOCAB_LARGE = 128_256  # Llama 3's: the head holds two thirds of none's saved bytes
 VOCAB_QUICK_POINTS = (
     "none",
     "recompute",
@@ -329,6 +330,16 @@ def _full() -> Suite:
                 train_steps=10,
                 eval_batches=2,
                 vocab_size=VOCAB,
+            ),
+            _case(
+                "llama-20m",
+                ("none", "recompute", "int4", "chunked-ce", "auto@10%", "anchor:torch-checkpoint"),
+                batch=2,
+                seq=128,
+                timing_steps=3,
+                train_steps=4,
+                eval_batches=1,
+                vocab_size=VOCAB_LARGE,
             ),
             _case("cola-20m", ALL_POINTS, batch=4, seq=128, timing_steps=5, train_steps=60),
             _case(
