@@ -36,8 +36,10 @@ AOTAutograd chose for the whole graph, unnamed (``layers.0:saved#k``). That is e
 meter and harmless for ``none`` / ``recompute`` / ``invact`` (which act inside the op, and whose
 custom ops are opaque to the compiler), but a codec policy (``int4``, ``prac``, ``auto``) chooses
 codecs by site name and would silently store everything raw. So :func:`compile_blocks` leaves
-the blocks of a model with a codec policy eager and reports why; the root (embedding, loss) stays
-eager in every case, which keeps the router's entry and the norm checks outside the graphs.
+the blocks of a model with a codec policy eager and reports why (the ``compiled-int8`` /
+``compiled-int4`` strategies, ``slimact.compiled``, put codecs inside compiled blocks); the root
+(embedding, loss) stays eager in every case, which keeps the router's entry and the norm checks
+outside the graphs.
 """
 
 from __future__ import annotations
@@ -275,7 +277,8 @@ def compile_blocks(
                     path,
                     "compile",
                     "left eager: a codec policy names sites by module and op, which a compiled "
-                    "graph hides (its saves would all be kept raw)",
+                    "graph hides (its saves would all be kept raw); for codecs inside compiled "
+                    "blocks use strategy compiled-int8 or compiled-int4 instead",
                     skipped=True,
                 )
             )
