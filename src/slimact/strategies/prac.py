@@ -29,7 +29,7 @@ state and one payload serve the group; ``prac_report`` lists each group's member
 
 Step clock and checkpoints: t counts training forwards (grad enabled) of the root module; every
 codec updates Q1 when t % T1 == 0 and Q2 when t % T2 == 0 (Alg. 1; with grad accumulation each
-micro-batch is a forward). Defaults T1 = 20 with the randomized range finder and T2 = 1 (why, and
+micro-batch is a forward). Defaults T1 = 5 with the randomized range finder and T2 = 1 (why, and
 how to get the paper's 500/500: ``codecs/prac.py``). The codecs' state (Q1, Q2, generator, clock) is exposed as
 ``slimact.state.state_of(model).stateful["prac"]`` with ``state_dict``/``load_state_dict``.
 
@@ -111,7 +111,7 @@ class PracConfig(StrategyConfig):
     overrides: tuple[tuple[str, int | float, int | float], ...] = ()
     keep: tuple[str, ...] = ()
     gate_modules: tuple[str, ...] = ("*mlp",)
-    t1: int = 20
+    t1: int = 5
     t2: int = 1
     svd: str = "randomized"
     niter: int = 2
