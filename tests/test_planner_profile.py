@@ -209,3 +209,22 @@ def test_bad_arguments():
         profile_model(model, x, codecs=("int3",))
     with pytest.raises(ValueError, match="repeats"):
         profile_model(model, x, repeats=0)
+
+
+def test_inputs_of_modules_with_extreme_weights_stay_exact():
+    """A recomputation from a lossy copy multiplies the copy's error by the module's weights
+    (issue 14.4: a 1e20 weight gave gradient cosine 0.13), so such inputs are lossless."""
+    torch.manual_seed(0)
+    x = torch.randint(0, 257, (2, 33), generator=torch.Generator().manual_seed(0))
+
+    def mlp_input_lossy(model) -> bool:
+        prof = profile_model(model, x[:, :-1], x[:, 1:], codecs=["int8"], repeats=1, reform=False)
+        kind = prof.kinds[0]
+        (mlp,) = [m for m in kind.modules if m.path == "mlp"]
+        return all(kind.storages[sid].lossy_ok for sid in mlp.inputs)
+
+    model = slimact.build_model("llama-tiny")
+    assert mlp_input_lossy(model)
+    with torch.no_grad():
+        model.layers[0].mlp.gate_proj.weight[3, 5] = 1e20
+    assert not mlp_input_lossy(model)

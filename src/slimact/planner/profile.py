@@ -81,6 +81,27 @@ from slimact.planner.reforms import measure_head_reform, measure_reform, reform_
 # helpers
 
 
+EXTREME_WEIGHT_RATIO = 1e4  # max |w| over median |w| of one parameter: Gaussian init gives ~10
+
+
+def _extreme_weights(module: nn.Module) -> bool:
+    """Does a parameter of ``module`` hold a value ``EXTREME_WEIGHT_RATIO`` times its median
+    magnitude? Recomputing such a module from a lossy copy of its input multiplies the copy's
+    error by that value (issue 14.4: a 1e20 weight gave gradient cosine 0.13), so its inputs
+    are only stored exactly."""
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.numel() < 16 or not p.is_floating_point():
+                continue
+            a = p.detach().abs().float().flatten()
+            med = float(a.median())
+            if not math.isfinite(float(a.max())) or float(a.max()) > EXTREME_WEIGHT_RATIO * max(
+                med, 1e-30
+            ):
+                return True
+    return False
+
+
 def lossy_allowed(site: str, t: torch.Tensor) -> bool:
     """Lossy codecs only where the ``int4`` strategy would compress (``role_of``)."""
     return role_of(site, t, min_numel=1024) is not None
@@ -395,6 +416,9 @@ class _Profiler:
                     kp.storages.append(StorageProfile(sid, nm, [], nb, list(a.shape), dt, lossy))
                     self.views[f"{rep}|{nm}"] = a
                 ins.append(self.by_ptr[ptr])
+            if ins and _extreme_weights(self.modules[path]):
+                for sid in ins:  # a recomputation from a lossy copy: the weights amplify its error
+                    kp.storages[sid].lossy_ok = False
             internal = [
                 s for s in kp.storages
                 if s.sites and s.id not in ins and "!extern" not in s.sites
@@ -410,7 +434,7 @@ class _Profiler:
             kp.modules.append(ModuleProfile(rel, type(module).__name__, ins, t, flops))
 
 
-PROFILE_FORMAT = 3  # bumped when what a profile records changes: old cache entries miss
+PROFILE_FORMAT = 4  # bumped when what a profile records changes: old cache entries miss
 _unwritable: set[str] = set()  # cache directories already warned about (one warning each)
 
 
