@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 import slimact
 from slimact.compare import grad_cosine
-from slimact.compiled import TRACE_CALLS, forward_live_bytes
+from slimact.compiled import TRACE_CALLS, compiled_saved_tensors, forward_live_bytes
 from slimact.envinfo import machine_info
 from slimact.hf import compile_blocks, graph_breaks
 from slimact.models import build_model
@@ -91,20 +91,12 @@ def compiled_saves(model, loss) -> dict[str, int]:
     held = [*model.parameters(), *model.buffers()]
     params = {t.untyped_storage().data_ptr() for t in held}
     seen_ptrs, out = set(params), {}
-    stack, seen = [loss.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == "CompiledFunctionBackward":
-            for t in node.saved_tensors:
-                st = t.untyped_storage()
-                if st.data_ptr() not in seen_ptrs:
-                    seen_ptrs.add(st.data_ptr())
-                    key = str(t.dtype).replace("torch.", "")
-                    out[key] = out.get(key, 0) + st.nbytes()
-        stack.extend(f for f, _ in node.next_functions)
+    for t in compiled_saved_tensors(loss):
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen_ptrs:
+            seen_ptrs.add(st.data_ptr())
+            key = str(t.dtype).replace("torch.", "")
+            out[key] = out.get(key, 0) + st.nbytes()
     return out
 
 

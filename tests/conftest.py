@@ -37,3 +37,22 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def tiny_causal_lm():
+    """``build(arch, vocab, layers, max_pos)``: a small random Hugging Face causal LM, "llama" or
+    "qwen2" (tied embeddings), seeded; skips where transformers is not installed."""
+    t = pytest.importorskip("transformers")
+
+    def build(arch: str, vocab: int = 512, layers: int = 1, max_pos: int = 32):
+        dec = dict(
+            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        if arch == "llama":
+            return t.LlamaForCausalLM(t.LlamaConfig(**dec))
+        return t.Qwen2ForCausalLM(t.Qwen2Config(**dec, tie_word_embeddings=True))
+
+    return build

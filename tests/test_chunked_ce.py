@@ -323,21 +323,9 @@ def test_probe_skips_heads_that_are_not_linear_plus_ce():
 
 
 # ----------------------------------------------------------------------------- Hugging Face
-def _hf(arch: str):
-    t = pytest.importorskip("transformers")
-    dec = dict(
-        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    if arch == "llama":
-        return t.LlamaForCausalLM(t.LlamaConfig(**dec))
-    return t.Qwen2ForCausalLM(t.Qwen2Config(**dec, tie_word_embeddings=True))
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_hf_causal_lm(arch):
-    base = _hf(arch)
+def test_hf_causal_lm(arch, tiny_causal_lm):
+    base = tiny_causal_lm(arch)
     model = slimact.apply(copy.deepcopy(base), "chunked-ce")
     (change,) = slimact.applied(model)
     assert not change.skipped and "labels" in change.detail

@@ -267,16 +267,7 @@ def test_hooks_are_inlined(compiled_model, strategy):
     _grads(model)
     loss = model(X, targets=Y).loss
     assert C.TRACE_CALLS == before
-    saved = []
-    stack, seen = [loss.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == "CompiledFunctionBackward":
-            saved.extend(node.saved_tensors)
-        stack.extend(f for f, _ in node.next_functions)
+    saved = C.compiled_saved_tensors(loss)
     assert any(t.dtype == torch.uint8 for t in saved)
     # statistics (..., 1) stay exact fp32
     assert any(t.dtype == torch.float32 and t.shape[-1] == 1 and t.dim() == 3 for t in saved)

@@ -110,20 +110,8 @@ def test_auto_ten_percent_plans_the_head_lazily(tmp_path):
     assert any(c.path == "lm_head" for c in slimact.applied(model) if not c.skipped)
 
 
-def _hf(arch: str):
-    t = pytest.importorskip("transformers")
-    dec = dict(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    if arch == "llama":
-        return t.LlamaForCausalLM(t.LlamaConfig(**dec))
-    return t.Qwen2ForCausalLM(t.Qwen2Config(**dec, tie_word_embeddings=True))
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_hf_causal_lm_plans_the_head(arch, tmp_path):
+def test_hf_causal_lm_plans_the_head(arch, tmp_path, tiny_causal_lm):
     """The planner profiles a Hugging Face causal LM with its ``labels`` (its loss included), so
     ``auto@10%`` sees the logits, reformulates the head, and keeps the budget exactly."""
     ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
@@ -140,10 +128,10 @@ def test_hf_causal_lm_plans_the_head(arch, tmp_path):
             {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
         )
 
-    base = _hf(arch)
+    base = tiny_causal_lm(arch, V, layers=2, max_pos=64)
     base.train()
     base_bytes, base_loss, base_grads = step(base)
-    model = _hf(arch)
+    model = tiny_causal_lm(arch, V, layers=2, max_pos=64)
     model.train()
     cfg = AutoConfig(budget="10%", cache=str(tmp_path), repeats=1, codecs=())
     slimact.apply(model, cfg)

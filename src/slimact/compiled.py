@@ -320,6 +320,23 @@ def compile_with_codec(
 
 
 # ----------------------------------------------------------------------------- measuring
+def compiled_saved_tensors(loss: torch.Tensor) -> list[torch.Tensor]:
+    """What the compiled regions of ``loss``'s graph keep for backward: the saved tensors of
+    every ``CompiledFunctionBackward`` node reachable from ``loss.grad_fn`` (packed payloads
+    where the codec hooks were inlined)."""
+    out: list[torch.Tensor] = []
+    stack, seen = [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CompiledFunctionBackward":
+            out.extend(node.saved_tensors)
+        stack.extend(f for f, _ in node.next_functions)
+    return out
+
+
 def forward_live_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
     """Run ``fn()`` (a forward returning the loss) under the CPU profiler; return the bytes it
     left alive (allocations minus frees, the returned loss included) and its result.
