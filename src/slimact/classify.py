@@ -21,6 +21,7 @@ Everything here is pure inspection: nothing is patched, nothing registered.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from typing import Any
@@ -157,7 +158,12 @@ def classify_norm(module: nn.Module, device: torch.device) -> tuple[str | None, 
 
 def label_arg(model: nn.Module) -> tuple[str, int] | None:
     """The forward's label parameter and its positional index (self excluded)."""
-    params = list(inspect.signature(type(model).forward).parameters)[1:]
+    return _label_arg_of(type(model))
+
+
+@functools.cache
+def _label_arg_of(cls: type) -> tuple[str, int] | None:  # read per root call: once per class
+    params = list(inspect.signature(cls.forward).parameters)[1:]
     for name in ("labels", "targets"):
         if name in params:
             return name, params.index(name)
