@@ -127,7 +127,7 @@ class Meter:
         """A cast of a parameter was saved (``sites.listening_casts``): counted apart."""
         self.report.param_casts += 1
         storage = t.untyped_storage()
-        key = (str(t.device), storage.data_ptr())
+        key = (str(t.device), sites.storage_key(t))
         if storage.nbytes() and key not in self._cast_storages:
             self._cast_storages.add(key)
             self._alive.append(t)
@@ -149,7 +149,7 @@ class Meter:
             self.report.sites.append(rec)
         for t in ev.stored:
             storage = t.untyped_storage()
-            key = (str(t.device), storage.data_ptr())
+            key = (str(t.device), sites.storage_key(t))
             if storage.nbytes() == 0:
                 continue
             owner = self._by_storage.get(key)

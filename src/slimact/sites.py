@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
 
@@ -84,8 +85,13 @@ class _State(threading.local):
 _state = _State()
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of ``t``'s storage: its data pointer; for a meta or fake tensor (every pointer is
+    0) the storage object's own address, so shapes-only runs keep their storage sharing."""
+    storage = t.untyped_storage()
+    if t.device.type == "meta" or isinstance(t, FakeTensor):
+        return storage._cdata
+    return storage.data_ptr()
 
 
 def current_module() -> str:
@@ -108,7 +114,7 @@ def _is_excluded(t: torch.Tensor) -> bool:
     if isinstance(t, nn.Parameter):
         return True
     try:
-        return _storage_key(t) in _state.excluded and t.untyped_storage().nbytes() > 0
+        return storage_key(t) in _state.excluded and t.untyped_storage().nbytes() > 0
     except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
         return False
 
@@ -298,10 +304,8 @@ def _param_storages(model: nn.Module) -> set[int]:
     """Storage keys of parameters and buffers (an FSDP2 DTensor: its local shard)."""
     keys = set()
     for t in (*model.parameters(), *model.buffers()):
-        if t.device.type == "meta":
-            continue
         try:
-            keys.add(_storage_key(getattr(t, "_local_tensor", t)))
+            keys.add(storage_key(getattr(t, "_local_tensor", t)))
         except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
             pass
     return keys
