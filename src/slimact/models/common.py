@@ -4,6 +4,8 @@ The blocks are written in plain PyTorch, one small module per op, so that every 
 saves for backward lands in a module whose path names it (a *site*, see ``slimact.sites``).
 ``RMSNorm`` follows the Hugging Face LLaMA formulation (fp32 statistics, ``x * rsqrt(mean(x²)+eps)
 * w``); it saves its input, the per-row ``rstd`` and the normalized ``x̂`` (2nd + n elements).
+Its ``rsqrt`` is ``slimact.ops.rms_norm.rsqrt``: the same forward and saves, with a backward that
+does not underflow float32 when the residual stream is huge (autograd's ``-½·g·rstd³`` does).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from slimact.ops.rms_norm import rsqrt
 
 
 @dataclass
@@ -126,7 +130,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
-        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        rstd = rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # (..., 1)
         return self.weight * (x * rstd).to(dtype)
 
 

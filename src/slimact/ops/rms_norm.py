@@ -11,6 +11,13 @@ cost of one elementwise multiply in backward, with the same forward and the same
 reference up to fp32 re-association. ``prac`` uses it so a norm stores one compressed tensor (its
 input, as prac.txt's Table 3 assumes), and the backward then differentiates at the reconstructed
 input X̃ with the exact rstd. The plain-PyTorch reference is ``ops.inv_norm.rms_norm_ref``.
+
+``rsqrt`` is the statistic's op for the op-by-op RMSNorm of slimact's models: ``torch.rsqrt`` with
+a backward that does not underflow. Autograd differentiates ``r = u^-½`` as ``-½·g·r³``; with a
+residual stream of 1e17 (one extreme weight is enough) ``r³`` is 1e-54, below float32's range, so
+the norm's whole projection term vanishes and the gradient is wrong (cosine −0.1 against the
+float64 truth, issue 14.4). Computing ``-½·((g·r)·r)·r`` keeps every partial product in range
+(``g·r`` is O(|dy|·√d)). It saves the same tensor (r) under the same site name (``rsqrt#0``).
 """
 
 from __future__ import annotations
@@ -19,6 +26,27 @@ import torch
 
 from slimact import sites
 from slimact.ops.inv_norm import rms_norm_fwd, rms_norm_ref
+
+
+class RsqrtFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, u):
+        r = torch.rsqrt(u)  # (..., 1)
+        ctx.save_for_backward(r)
+        return r
+
+    @staticmethod
+    def backward(ctx, g):
+        (r,) = ctx.saved_tensors
+        return -0.5 * ((g * r) * r) * r  # = -½·g·r³, without forming r³
+
+
+def rsqrt(u: torch.Tensor) -> torch.Tensor:
+    """``torch.rsqrt(u)`` whose backward does not underflow for large ``u`` (see above)."""
+    if not (torch.is_grad_enabled() and u.requires_grad):
+        return torch.rsqrt(u)
+    with sites.role("rsqrt"):
+        return RsqrtFunction.apply(u)
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -54,4 +82,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) ->
         return RMSNormFunction.apply(x, weight, eps)
 
 
-__all__ = ["RMSNormFunction", "rms_norm", "rms_norm_ref"]
+__all__ = ["RMSNormFunction", "RsqrtFunction", "rms_norm", "rms_norm_ref", "rsqrt"]
