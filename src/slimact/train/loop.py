@@ -175,7 +175,6 @@ class _Trainer:
         self.tokens_seen = 0
         self.saved_bytes: int | None = None
         self.evolver: PlanEvolver | None = None
-        self._evolver_checked = False
         self.checks_logged = 0  # budget-check events already in the metrics
         self.ckpts = RunCheckpoints(config, self.dist, self.model, self.optimizer)
         self.ckpts.skipped = skipped
@@ -189,12 +188,14 @@ class _Trainer:
             stateful = state_of(self.model).stateful
             for name, sd in state.get("strategy_state", {}).items():  # e.g. PRAC's subspaces
                 stateful[name].load_state_dict(sd)
-            single = self.dist.world_size == 1  # the evolver runs single-process only
-            self.evolver = restore_planner(self.model, self.ckpt, self.step, self.run_dir, single)
-            self._evolver_checked = self.evolver is not None
+            self.evolver = restore_planner(self.model, self.ckpt, self.step, self.run_dir, True)
             check = budget_check_of(self.model)
             self.checks_logged = len(check.events) if check is not None else 0
             set_rng_state(state["rng"])  # last: nothing may draw random numbers after this
+        else:  # built before step 1, so step 1 is tracked (adacc.txt §3.4)
+            self.evolver = PlanEvolver.for_model(self.model, log_path=self.run_dir / PLAN_LOG)
+        if self.evolver is not None and not self.dist.is_main:
+            self.evolver.log_path = None  # rank 0 logs; every rank takes part in the decision
         self.log: MetricsLog | _NullLog = _NullLog()
         if self.dist.is_main:
             self.log = MetricsLog(self.run_dir, resume_step=self.step if self.ckpt else None)
@@ -229,16 +230,9 @@ class _Trainer:
         return sdist.mean_across(loss, self.device), norm
 
     def _evolve_plan(self) -> None:
-        """Adacc §3.4 for ``auto``: sample at backed-off steps, re-plan on drift, between steps.
-
-        Single-process only (ranks would have to agree on a new plan); the evolver exists once
-        the ``auto`` runtime has its planner, i.e. after the first forward at the latest.
-        """
-        if self.dist.world_size > 1:
-            return
-        if self.evolver is None and not self._evolver_checked:
-            self.evolver = PlanEvolver.for_model(self.model, log_path=self.run_dir / PLAN_LOG)
-            self._evolver_checked = True
+        """Adacc §3.4 for ``auto``: at back-off tracking steps (step 1 first) re-solve on the
+        tracked figures and swap plans between steps; under DDP/FSDP every rank calls it and
+        rank 0 decides for all (``slimact.planner.evolve``)."""
         if self.evolver is not None:
             self.evolver.on_step(self.step, self.model)
 

@@ -1,0 +1,415 @@
+"""Adaptive policy evolution (adacc.txt §3.4): track the data, re-solve, swap plans between steps.
+
+Outliers, and with them the payload of outlier-separated codecs, change during training (adacc.txt
+Fig. 4: fast early, stable later), so a plan solved at step 0 can overrun its budget or waste
+time later. ``PlanEvolver`` does what §3.4 describes:
+
+- **tracking iterations** by exponential back-off: steps 1, 2, 4, ..., ``cap``, then every
+  ``cap`` steps (``backoff_steps``; the paper's intervals 1, 2, ..., 2^n with 2^n = ``cap``; it
+  does not say what follows 2^n, we keep the last interval). Step 1 is tracked: the evolver
+  exists before the first forward (``slimact.train`` builds it with the model);
+- **what is tracked**, during a tracking step's forward (the plan's codec policy shows the
+  evolver every saved tensor, each (block, storage) once): the outlier-channel count (Z-score > 3,
+  ``count_outlier_channels``) and, for every non-stateful candidate codec of the profile, the
+  payload bytes (the compression rate, ``CRate_i``) *and* the encode and decode seconds, measured
+  once on the real activation (the paper re-measures only rates; times are ours, since a codec's
+  speed on outlier-heavy data and the machine's load both drift). Also the stored bytes of the
+  forward (the meter), against the budget. Storages the current plan recomputes are not saved,
+  so not seen: they keep their figures;
+- **re-planning**, after every tracking step (``on_step``), whatever the drift (the paper: "at
+  each tracking iteration ... inputs the updated tensor information into the MILP cost model"):
+  per-block bytes and outlier counts replace the profile's; a kind's codec times become the
+  median over its sampled blocks (the profile times one block per kind, §3.3); the MILP is
+  re-solved for the same budget. *Beyond the paper* (it installs any changed policy): the new
+  plan is installed when the current plan no longer fits the budget under the updated figures,
+  or when the new one is predicted faster by more than ``min_gain`` of the current plan's time
+  (both plans costed on the same updated profile, ``plan_cost``), so that timing noise does not
+  swap plans back and forth; ``min_gain=0`` installs every faster plan. Codec instances of
+  unchanged storages keep their state across a swap (``PlanRuntime.set_plan``);
+- **events** (``events``; ``log_path``: one JSON line each): step, drifts (bytes, times, outlier
+  channels), measured stored bytes and budget, the re-solve's verdict (``reason``), the changed
+  sites/modules, predicted bytes and time of both plans, seconds spent tracking and solving.
+
+**Ranks** (torchrun DDP / FSDP2): every rank tracks its own rows of the batch; at each tracking
+step the rows go to rank 0 (``gather_object``), which merges them conservatively (bytes,
+outliers, times: the largest over ranks, so the plan fits and is costed on every rank), updates
+its profile, solves and decides; its plan (changed or not) is broadcast and installed by every
+rank whose plan differs, so all ranks run the same plan from the next step on (plans solved
+lazily on each rank's own rows at step 1 are reconciled at once). Rank 0's profile is the one
+re-solved from and checkpointed; the log is written by rank 0 only.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+import torch.nn as nn
+
+from slimact import sites
+from slimact.classify import hidden_channels
+from slimact.codecs.build import build_codec
+from slimact.codecs.outlier import count_outlier_channels
+from slimact.meter import Meter
+from slimact.planner.apply import runtime_of
+from slimact.planner.plan import Plan, Profile, abs_site
+from slimact.planner.profile import _payload_bytes, run_policy
+from slimact.planner.solve import solve_plan
+
+PLANNER_THREAD = "slimact-planner"  # the worker thread slimact.planner.apply profiles in
+
+
+def is_tracking_step(step: int, cap: int) -> bool:
+    if step < 1:
+        return False
+    if step <= cap:
+        return step & (step - 1) == 0 or step == cap
+    return step % cap == 0
+
+
+def backoff_steps(cap: int, limit: int) -> list[int]:
+    """Tracking iterations up to ``limit``: 1, 2, 4, ..., cap, then every ``cap`` steps."""
+    if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
+        raise ValueError(f"cap must be an int >= 1, got {cap!r}")
+    return [s for s in range(1, limit + 1) if is_tracking_step(s, cap)]
+
+
+def plan_diff(old: Plan, new: Plan) -> list[tuple[str, str, str]]:
+    """(site or module, old action, new action) for everything that changed."""
+    a, b = old.site_actions(), new.site_actions()
+    return [(k, a.get(k, "keep"), b.get(k, "keep")) for k in sorted(set(a) | set(b))
+            if a.get(k, "keep") != b.get(k, "keep")]  # fmt: skip
+
+
+def plan_cost(plan: Plan, profile: Profile) -> tuple[int, float]:
+    """(stored bytes, added seconds) of ``plan`` under ``profile``'s current figures, costed as
+    ``solve.make_plan`` costs a solution, so an installed plan and a re-solved one compare."""
+    kinds = {(k.kind, b): k for k in profile.kinds for b in k.blocks}
+    total_b, total_t = 0, 0.0
+    for lp in plan.layers:
+        kind = kinds.get((lp.kind, lp.block))
+        if kind is None:
+            raise ValueError(f"plan block {lp.block!r} ({lp.kind}) is not in the profile")
+        sid = {s.name: s.id for s in kind.storages}
+        total_t += sum(m.recompute_s for m in kind.modules if m.path in lp.recompute)
+        total_t += sum(max(r.delta_s, 0.0) for r in kind.reforms if r.path in lp.reform)
+        total_b += sum(r.extra_bytes for r in kind.reforms if r.path in lp.reform)
+        for name, action, _, _ in lp.storages:
+            s = kind.storages[sid[name]]
+            if action in s.codecs:
+                st = s.codecs[action]
+                total_t += st.encode_s + st.decode_s
+                total_b += kind.bytes_of(lp.block, s.id, action)
+            elif action in ("keep", "checkpoint input"):
+                total_b += kind.bytes_of(lp.block, s.id, "raw")
+    return total_b, total_t
+
+
+@dataclass(frozen=True)
+class EvolveConfig:
+    """``cap``: back-off cap (tracking steps 1, 2, 4, ..., cap, then every cap). ``min_gain``:
+    a re-solved plan that is not needed for the budget replaces the current one only if it is
+    predicted faster by more than this share of the current plan's time. ``time_codecs``:
+    re-measure codec encode/decode seconds at tracking steps (not only bytes)."""
+
+    cap: int = 64
+    min_gain: float = 0.02
+    time_codecs: bool = True
+
+    def __post_init__(self) -> None:
+        backoff_steps(self.cap, 1)
+        if not isinstance(self.min_gain, (int, float)) or not 0 <= self.min_gain < 1:
+            raise ValueError(f"EvolveConfig.min_gain must be in [0, 1), got {self.min_gain!r}")
+        if not isinstance(self.time_codecs, bool):
+            raise ValueError(f"EvolveConfig.time_codecs must be a bool, got {self.time_codecs!r}")
+
+
+def _world() -> int:
+    return tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
+
+
+class PlanEvolver:
+    """Re-plans a model's applied plan at tracking steps (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: EvolveConfig | None = None,
+        *,
+        log_path: str | Path | None = None,
+        solve_options: dict[str, Any] | None = None,
+        **fields: Any,
+    ) -> None:
+        rt = runtime_of(model)
+        if rt is None:
+            raise ValueError("model has no slimact plan; apply 'auto@<budget>' or a Plan first")
+        self.config = config if config is not None else EvolveConfig(**fields)
+        if config is not None and fields:
+            raise ValueError(f"give an EvolveConfig or its fields, not both: {sorted(fields)}")
+        self.model, self.rt = model, rt
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.solve_options = dict(solve_options or rt.solve_options)
+        self.events: list[dict[str, Any]] = []
+        self._rows: dict[str, dict[str, Any]] = {}  # owner site -> tracked figures
+        self._sites: dict[str, tuple[int, str, int]] = {}
+        self._indexed: Any = None  # the profile ``_sites`` indexes (a re-plan replaces it)
+        self._measured: list[int] = []
+        self._open: list[tuple[Any, Meter] | None] = []
+        self._track_s = 0.0
+        self._armed = False
+        self._hooks = [
+            model.register_forward_pre_hook(self._pre, prepend=True),
+            model.register_forward_hook(self._post, always_call=True),
+        ]
+        self._arm(1)
+
+    @property
+    def cap(self) -> int:
+        return self.config.cap
+
+    @classmethod
+    def for_model(cls, model: nn.Module, **kwargs: Any) -> PlanEvolver | None:
+        """An evolver if ``model`` carries a plan runtime with a planner, else None."""
+        rt = runtime_of(model)
+        return cls(model, **kwargs) if rt is not None and rt.planner is not None else None
+
+    def remove(self) -> None:
+        """Stop tracking: the hooks and the runtime's observer go."""
+        for h in self._hooks:
+            h.remove()
+        self._armed = False
+        self.rt.observer = None
+
+    # -- tracking ---------------------------------------------------------------------------------
+    def _arm(self, step: int) -> None:
+        self._armed = is_tracking_step(step, self.cap)
+        self._rows, self._measured, self._track_s = {}, [], 0.0
+        self.rt.observer = self._observe if self._armed else None
+
+    def _pre(self, module: nn.Module, args: tuple) -> None:
+        live = self._armed and torch.is_grad_enabled()
+        if not live or threading.current_thread().name == PLANNER_THREAD:
+            self._open.append(None)
+            return
+        meter = Meter(self.model)
+        ctx = sites.listening(meter)
+        ctx.__enter__()
+        self._open.append((ctx, meter))
+
+    def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        entry = self._open.pop() if self._open else None
+        if entry is not None:
+            ctx, meter = entry
+            ctx.__exit__(None, None, None)
+            self._measured.append(int(meter.report.total_bytes))
+            meter.release()
+
+    def _index(self) -> None:
+        prof = self._indexed = self.rt.profile
+        self._sites = {
+            abs_site(x, b): (ki, b, s.id)
+            for ki, kind in enumerate(prof.kinds)
+            for b in kind.blocks
+            for s in kind.storages
+            for x in s.sites
+            if x != "!extern"
+        }
+
+    @torch.no_grad()
+    def _observe(self, site: str, t: torch.Tensor) -> None:
+        prof = self.rt.profile
+        if prof is None:
+            return
+        if not self._sites or self._indexed is not prof:
+            self._index()
+        key = self._sites.get(site)
+        if key is None:
+            return
+        ki, b, sid = key
+        s = prof.kinds[ki].storages[sid]
+        owner = abs_site(s.sites[0], b)
+        if owner in self._rows:
+            return
+        t0 = time.perf_counter()
+        row: dict[str, Any] = {"bytes": {}, "times": {}}
+        if t.is_floating_point() and t.dim() > 0 and t.numel():
+            row["outliers"] = count_outlier_channels(t, channels=hidden_channels(t))
+        for c in s.codecs:
+            codec = build_codec(c, t)
+            if codec.state_dict():  # stateful (PRAC): payload fixed by its rank, SVD amortized
+                continue
+            e0 = time.perf_counter()
+            stored = run_policy(codec, [(site, t.detach())])
+            e1 = time.perf_counter()
+            if self.config.time_codecs:
+                for st in stored:
+                    st.unpack()
+                row["times"][c] = [e1 - e0, time.perf_counter() - e1]
+            row["bytes"][c] = _payload_bytes(stored)
+        self._rows[owner] = row
+        self._track_s += time.perf_counter() - t0
+
+    # -- the step hook ---------------------------------------------------------------------------
+    def on_step(self, step: int, model: nn.Module | None = None) -> dict[str, Any] | None:
+        """Call after optimizer step ``step`` (1-based) on every rank; re-plans between steps."""
+        event = None
+        if self._armed:
+            event = self._check(step)
+        self._arm(step + 1)
+        return event
+
+    def _check(self, step: int) -> dict[str, Any] | None:
+        world = _world()
+        mine = {"rows": self._rows, "measured": max(self._measured, default=0),
+                "track_s": self._track_s}  # fmt: skip
+        if world == 1:
+            event = self._decide(step, [mine])
+            return self._log(event) if event is not None else None
+        gathered: list[Any] = [None] * world if tdist.get_rank() == 0 else []
+        tdist.gather_object(mine, gathered if tdist.get_rank() == 0 else None, dst=0)
+        msg: list[Any] = [None, None]
+        if tdist.get_rank() == 0:
+            event = self._decide(step, gathered)
+            plan = self.rt.plan
+            msg = [event, plan.to_dict() if plan is not None else None]
+        tdist.broadcast_object_list(msg, src=0)
+        event, plan_d = msg
+        if tdist.get_rank() != 0 and plan_d is not None:
+            new = Plan.from_dict(plan_d)
+            if self.rt.plan is None or plan_diff(self.rt.plan, new):
+                self.rt.set_plan(new)
+                self._sites = {}
+        if event is None:
+            return None
+        event["world"] = world
+        return self._log(event)  # every rank keeps it; only rank 0 has a log_path in training
+
+    def _merge(self, ranks: list[dict[str, Any]]) -> dict[tuple[int, str, int], dict[str, Any]]:
+        """Rows of every rank by storage key: the largest bytes, outliers and times."""
+        out: dict[tuple[int, str, int], dict[str, Any]] = {}
+        for r in ranks:
+            for owner, row in r["rows"].items():
+                key = self._sites.get(owner)
+                if key is None:
+                    continue
+                m = out.setdefault(key, {"bytes": {}, "times": {}})
+                if "outliers" in row:
+                    m["outliers"] = max(m.get("outliers", 0), row["outliers"])
+                for c, v in row["bytes"].items():
+                    m["bytes"][c] = max(m["bytes"].get(c, 0), v)
+                for c, v in row["times"].items():
+                    old = m["times"].get(c, [0.0, 0.0])
+                    m["times"][c] = [max(old[0], v[0]), max(old[1], v[1])]
+        return out
+
+    def _decide(self, step: int, ranks: list[dict[str, Any]]) -> dict[str, Any] | None:
+        rt, old = self.rt, self.rt.plan
+        prof = rt.profile
+        if old is None or prof is None:
+            return None
+        if not self._sites or self._indexed is not prof:
+            self._index()
+        rows = self._merge(ranks)
+        measured = max(r["measured"] for r in ranks)
+        event: dict[str, Any] = {
+            "step": step, "sampled": len(rows), "measured_bytes": measured,
+            "budget": old.budget, "budget_bytes": int(old.budget_bytes),
+            "track_s": max(r["track_s"] for r in ranks),
+        }  # fmt: skip
+        event.update(self._update_profile(prof, rows))
+        cur_b, cur_t = plan_cost(old, prof)
+        event.update(current_bytes=cur_b, current_time_s=cur_t)
+        t0 = time.perf_counter()
+        try:
+            new = solve_plan(prof, old.budget, **self.solve_options)
+        except ValueError as e:
+            event.update(applied=False, changed=[], reason="infeasible", error=str(e))
+            return event
+        event["solve_s"] = time.perf_counter() - t0
+        new_b, new_t = plan_cost(new, prof)
+        changed = plan_diff(old, new)
+        over = cur_b > old.budget_bytes
+        faster = new_t < cur_t * (1 - self.config.min_gain)
+        if not changed:
+            reason = "same plan"
+        elif over:
+            reason = "current plan over budget"
+        elif faster:
+            reason = "faster"
+        else:
+            reason = f"gain below min_gain={self.config.min_gain}"
+        apply = bool(changed) and (over or faster)
+        if apply:
+            rt.set_plan(new)
+            self._sites = {}
+        event.update(
+            applied=apply, reason=reason, changed=[list(c) for c in changed] if apply else [],
+            predicted_bytes=new_b, predicted_time_s=new_t, n_differ=len(changed),
+        )  # fmt: skip
+        return event
+
+    @staticmethod
+    def _update_profile(prof: Profile, rows: dict) -> dict[str, Any]:
+        """Write the tracked figures into ``prof``; returns the drifts against its old ones."""
+        d_bytes = d_time = 0.0
+        n_out = d_out = 0
+        samples: dict[tuple[int, int, str], list[list[float]]] = {}
+        for (ki, b, sid), row in rows.items():
+            kind = prof.kinds[ki]
+            cell = kind.per_block.setdefault(b, {}).setdefault(str(sid), {})
+            for c, v in row["bytes"].items():
+                old = kind.bytes_of(b, sid, c)
+                if old:
+                    d_bytes = max(d_bytes, abs(v - old) / old)
+                cell[c] = int(v)
+            if "outliers" in row:
+                n_out += row["outliers"]
+                d_out += abs(row["outliers"] - cell.get("outliers", row["outliers"]))
+                cell["outliers"] = int(row["outliers"])
+            for c, v in row["times"].items():
+                samples.setdefault((ki, sid, c), []).append(v)
+        for (ki, sid, c), vs in samples.items():
+            st = prof.kinds[ki].storages[sid].codecs[c]
+            enc = statistics.median(v[0] for v in vs)
+            dec = statistics.median(v[1] for v in vs)
+            before = st.encode_s + st.decode_s
+            if before > 0:
+                d_time = max(d_time, abs(enc + dec - before) / before)
+            st.encode_s, st.decode_s = enc, dec
+        return {
+            "drift": d_bytes, "bytes_drift": d_bytes, "time_drift": d_time,
+            "outlier_channels": n_out, "outlier_change": d_out,
+        }  # fmt: skip
+
+    def _log(self, event: dict[str, Any]) -> dict[str, Any]:
+        self.events.append(event)
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.log_path.open("a") as f:
+                f.write(json.dumps(event) + "\n")
+        return event
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state (the profile it re-solves from is the runtime's: save it apart)."""
+        return {"cap": self.cap, "min_gain": self.config.min_gain, "events": list(self.events)}
+
+    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        """Restore after optimizer step ``step``: the next tracked step is as if never stopped."""
+        if state["cap"] != self.cap or state.get("min_gain", self.config.min_gain) != (
+            self.config.min_gain
+        ):
+            raise ValueError(
+                f"evolver state has cap={state['cap']}, min_gain={state.get('min_gain')}; this "
+                f"evolver has cap={self.cap}, min_gain={self.config.min_gain}"
+            )
+        self.events = list(state["events"])
+        self._sites = {}
+        self._arm(step + 1)
