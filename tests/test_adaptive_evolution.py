@@ -191,3 +191,12 @@ def test_ranks_install_the_same_plan_at_the_same_step(tmp_path, mode):
     assert [e and e["step"] for e in r0["events"]] == [1, 2, None]
     assert r0["events"] == r1["events"] and r0["events"][0]["world"] == WORLD
     assert (tmp_path / "log0.jsonl").exists() and (tmp_path / "log1.jsonl").exists()
+
+
+def test_frozen_evolver_tracks_but_never_installs():
+    model, plan, _ = _planned(("int4",), 1e-7, 1e-5)
+    ev = PlanEvolver(model, cap=4, replan=False)
+    _step(model)
+    event = ev.on_step(1)
+    assert event["applied"] is False and event["reason"].endswith("(not installed: replan=False)")
+    assert ev.rt.plan is plan and event["n_differ"] > 0

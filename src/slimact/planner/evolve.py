@@ -117,18 +117,21 @@ class EvolveConfig:
     """``cap``: back-off cap (tracking steps 1, 2, 4, ..., cap, then every cap). ``min_gain``:
     a re-solved plan that is not needed for the budget replaces the current one only if it is
     predicted faster by more than this share of the current plan's time. ``time_codecs``:
-    re-measure codec encode/decode seconds at tracking steps (not only bytes)."""
+    re-measure codec encode/decode seconds at tracking steps (not only bytes). ``replan``:
+    False tracks and re-solves but never installs (a frozen plan's figures, for comparison)."""
 
     cap: int = 64
     min_gain: float = 0.02
     time_codecs: bool = True
+    replan: bool = True
 
     def __post_init__(self) -> None:
         backoff_steps(self.cap, 1)
         if not isinstance(self.min_gain, (int, float)) or not 0 <= self.min_gain < 1:
             raise ValueError(f"EvolveConfig.min_gain must be in [0, 1), got {self.min_gain!r}")
-        if not isinstance(self.time_codecs, bool):
-            raise ValueError(f"EvolveConfig.time_codecs must be a bool, got {self.time_codecs!r}")
+        for name in ("time_codecs", "replan"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EvolveConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
 
 def _world() -> int:
@@ -345,7 +348,9 @@ class PlanEvolver:
             reason = "faster"
         else:
             reason = f"gain below min_gain={self.config.min_gain}"
-        apply = bool(changed) and (over or faster)
+        apply = bool(changed) and (over or faster) and self.config.replan
+        if bool(changed) and (over or faster) and not apply:
+            reason = f"{reason} (not installed: replan=False)"
         if apply:
             rt.set_plan(new)
             self._sites = {}
