@@ -232,6 +232,8 @@ class _OpTracker(TorchFunctionMode):
     """Records which Python-level torch function is running, so saves can name their op."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if torch.compiler.is_compiling():  # names nothing there; a mutation would break the graph
+            return func(*args, **(kwargs or {}))  # (inside a traced autograd.Function's backward)
         outer, outer_args = _state.op, _state.op_args
         if outer is None:
             _state.op = getattr(func, "__name__", None) or str(func)

@@ -18,6 +18,9 @@ residual stream of 1e17 (one extreme weight is enough) ``r³`` is 1e-54, below f
 the norm's whole projection term vanishes and the gradient is wrong (cosine −0.1 against the
 float64 truth, issue 14.4). Computing ``-½·((g·r)·r)·r`` keeps every partial product in range
 (``g·r`` is O(|dy|·√d)). It saves the same tensor (r) under the same site name (``rsqrt#0``).
+Under ``torch.compile`` it is plain ``torch.rsqrt`` (dynamo would trace the Function as a
+higher-order op and break the graph on the site router's bookkeeping), so compiled blocks keep
+autograd's formula.
 """
 
 from __future__ import annotations
@@ -43,8 +46,8 @@ class RsqrtFunction(torch.autograd.Function):
 
 def rsqrt(u: torch.Tensor) -> torch.Tensor:
     """``torch.rsqrt(u)`` whose backward does not underflow for large ``u`` (see above)."""
-    if not (torch.is_grad_enabled() and u.requires_grad):
-        return torch.rsqrt(u)
+    if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and u.requires_grad):
+        return torch.rsqrt(u)  # compiled: the graph's own backward (a Function would break it)
     with sites.role("rsqrt"):
         return RsqrtFunction.apply(u)
 
