@@ -21,9 +21,12 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_time(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` runs after one warm-up."""
-    fn()
+def median_time(
+    fn: Callable[[], Any], repeats: int, device: torch.device, warmup: bool = True
+) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs after one warm-up (``warmup``)."""
+    if warmup:
+        fn()
     times = []
     for _ in range(max(1, repeats)):
         sync(device)

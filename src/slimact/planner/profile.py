@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import time
 import warnings
@@ -52,20 +51,22 @@ from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
 from slimact import sites
-from slimact.classify import (
-    hidden_channels,
-    label_arg,
-    role_of,
-)
-from slimact.codecs.base import Codec, codec_names, get_codec, storage_nbytes
+from slimact.classify import hidden_channels, label_arg
+from slimact.codecs.base import codec_names
 from slimact.codecs.build import build_codec
 from slimact.codecs.outlier import count_outlier_channels
-from slimact.codecs.saving import CodecPolicy, SharedStored
 from slimact.meter import measure
-from slimact.planner.measure import call_module, detach, median_time, sync
+from slimact.planner.codecstats import (
+    _extreme_weights,
+    _payload_bytes,
+    _worth_trying,
+    codec_stat,
+    lossy_allowed,
+    run_policy,
+)
+from slimact.planner.measure import call_module, detach, median_time
 from slimact.planner.plan import (
     ROOT,
-    CodecStat,
     KindProfile,
     ModuleProfile,
     Profile,
@@ -77,107 +78,23 @@ from slimact.planner.plan import (
 )
 from slimact.planner.reforms import measure_head_reform, measure_reform, reform_candidates
 
-# ---------------------------------------------------------------------------------------------
-# helpers
-
-
-EXTREME_WEIGHT_RATIO = 1e4  # max |w| over median |w| of one parameter: Gaussian init gives ~10
-
-
-def _extreme_weights(module: nn.Module) -> bool:
-    """Does a parameter of ``module`` hold a value ``EXTREME_WEIGHT_RATIO`` times its median
-    magnitude? Recomputing such a module from a lossy copy of its input multiplies the copy's
-    error by that value (issue 14.4: a 1e20 weight gave gradient cosine 0.13), so its inputs
-    are only stored exactly."""
-    with torch.no_grad():
-        for p in module.parameters():
-            if p.numel() < 16 or not p.is_floating_point():
-                continue
-            a = p.detach().abs().float().flatten()
-            med = float(a.median())
-            if not math.isfinite(float(a.max())) or float(a.max()) > EXTREME_WEIGHT_RATIO * max(
-                med, 1e-30
-            ):
-                return True
-    return False
-
-
-def lossy_allowed(site: str, t: torch.Tensor) -> bool:
-    """Lossy codecs only where the ``int4`` strategy would compress (``role_of``)."""
-    return role_of(site, t, min_numel=1024) is not None
-
-
-def run_policy(codec: Codec, views: list[tuple[str, torch.Tensor]]) -> list[Any]:
-    """Store ``views`` through a fresh ``CodecPolicy`` that gives every view ``codec``."""
-    policy = CodecPolicy(lambda site, t: codec)
-    return [policy(site, t) for site, t in views]
-
-
-def _payload_bytes(stored: list[Any]) -> int:
-    tensors, seen = [], set()
-    for st in stored:
-        base = st.base if isinstance(st, SharedStored) else st
-        if id(base) not in seen:
-            seen.add(id(base))
-            tensors.extend(base.tensors())
-    return storage_nbytes(tensors)
-
-
-@torch.no_grad()
-def codec_stat(
-    name: str, views: list[tuple[str, torch.Tensor]], repeats: int, device: torch.device
-) -> CodecStat | None:
-    """Measure codec ``name`` on a storage's views; None if it does not apply."""
-    codec = build_codec(name, views[0][1])
-    try:
-        t0 = time.perf_counter()
-        stored = run_policy(codec, views)
-        sync(device)
-        first = time.perf_counter() - t0
-        decoded = [st.unpack() for st in stored]
-    except (TypeError, ValueError, RuntimeError, NotImplementedError):
-        return None
-    num = den = 0.0
-    for (_, t), y in zip(views, decoded):
-        num += float((y.double() - t.double()).pow(2).sum())
-        den += float(t.double().pow(2).sum())
-    nbytes = _payload_bytes(stored)
-    enc = median_time(lambda: run_policy(codec, views), repeats, device)
-    dec = median_time(lambda: [st.unpack() for st in run_policy(codec, views)], repeats, device)
-    dec = max(dec - enc, 0.0)
-    period = getattr(codec.config, "t1", None)
-    if codec.state_dict() and isinstance(period, int) and period > 0:
-        enc += max(first - enc, 0.0) / period  # amortized subspace update (PRAC's SVD)
-    rel = math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
-    sqnr = math.inf if num == 0 else (10 * math.log10(den / num) if den > 0 else -math.inf)
-    return CodecStat(nbytes, enc, dec, rel, sqnr)
-
-
-def _worth_trying(name: str, views: list, lossy_ok: bool, device: torch.device) -> bool:
-    """Cheap pre-checks before timing codec ``name`` on a storage.
-
-    A subspace codec (PRAC family: config fields ``r1``/``r2``) stores its n x r fp32 basis per
-    storage, so it cannot beat the raw tensor when n * r * 4 >= raw bytes (prac.txt: PRAC pays
-    off when tokens >> n); building that basis for a wide tensor (n = 32000 logits) costs
-    minutes, so it is skipped. Where only exact codecs qualify, exactness is first tried on the
-    first 64 rows (a lossy codec is lossy there too)."""
-    t = views[0][1]
-    cfg = get_codec(name).config
-    if hasattr(cfg, "r1") and hasattr(cfg, "r2") and t.dim() > 0:
-        n = t.shape[-1]
-        r = sum(int(v * n) if isinstance(v, float) else int(v) for v in (cfg.r1, cfg.r2))
-        if n * r * 4 >= t.untyped_storage().nbytes():
-            return False
-    if lossy_ok or t.dim() == 0:
-        return True
-    head = t.detach().reshape(-1, t.shape[-1])[:64] if t.dim() > 1 else t.detach()[:4096]
-    st = codec_stat(name, [("trial", head.contiguous())], 1, device)
-    return st is not None and st.rel_err == 0.0
+__all__ = [
+    "autocast_state",
+    "cache_path",
+    "cached_profile",
+    "codec_stat",
+    "lossy_allowed",
+    "profile_key",
+    "profile_model",
+    "profile_shapes",
+    "run_policy",
+    "static_memory",
+]
 
 
 def static_memory(model: nn.Module, optimizer: str = "adamw") -> dict[str, int]:
     """Parameter, gradient and optimizer-state bytes; AdamW states measured on meta twins."""
-    params = list({p.untyped_storage().data_ptr(): p for p in model.parameters()}.values())
+    params = list({sites.storage_key(p): p for p in model.parameters()}.values())
     p_bytes = sum(p.untyped_storage().nbytes() for p in params)
     trainable = [p for p in params if p.requires_grad]
     g_bytes = sum(p.numel() * p.element_size() for p in trainable)
@@ -276,11 +193,57 @@ def profile_model(
     )
 
 
+def profile_shapes(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    targets: torch.Tensor | None = None,
+    *,
+    optimizer: str = "adamw",
+    name: str = "",
+) -> Profile:
+    """The structure of ``profile_model``'s result from one forward on fake tensors: every kind's
+    storages (sites, sharers, exact bytes, shapes, dtypes), its modules' inputs and FLOPs,
+    baseline and static bytes; no times, codecs, reformulations nor lossy flags (no values).
+
+    ``model`` and the ids are fake: built under ``torch._subclasses.fake_tensor.FakeTensorMode``,
+    and this is called under that mode (fake tensors keep CPU kernels' shapes, SDPA's included,
+    which the meta device does not)."""
+    t_start = time.perf_counter()
+    prof = _Profiler(model, input_ids.device, [], 1, shapes_only=True)
+    report = prof.forward(input_ids, input_ids if targets is None else targets)
+    kinds = []
+    for sig, members in prof.groups:
+        kp = KindProfile(sig, list(members), [], [], [])
+        prof.by_ptr = {}
+        prof._storages(kp, members[0])
+        prof._modules(kp, members[0])
+        kinds.append(kp)
+    return Profile(
+        model=name or type(model).__name__,
+        batch=int(input_ids.shape[0]),
+        seq=int(input_ids.shape[-1]),
+        dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
+        device=str(input_ids.device),
+        baseline_bytes=int(report.total_bytes),
+        static=static_memory(model, optimizer),
+        kinds=kinds,
+        meta={"training": bool(model.training), "profile_s": time.perf_counter() - t_start},
+    )
+
+
 class _Profiler:
     """State of one profiling pass: the captured views, module inputs and the meter's report."""
 
-    def __init__(self, model: nn.Module, device: torch.device, codecs: list[str], repeats: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        codecs: list[str],
+        repeats: int,
+        shapes_only: bool = False,
+    ):
         self.model, self.device, self.codecs, self.repeats = model, device, codecs, repeats
+        self.shapes_only = shapes_only  # fake tensors: structure, bytes and FLOPs, no values
         self.modules = dict(model.named_modules())
         self.blocks = sites.block_paths(model)
         groups: dict[str, list[str]] = {}
@@ -289,7 +252,7 @@ class _Profiler:
         self.groups = [*groups.items(), (ROOT, [""])]
         self.reps = [g[1][0] for g in self.groups]
         ts = (*model.parameters(), *model.buffers())
-        self.skip = {t.untyped_storage().data_ptr() for t in ts}
+        self.skip = {sites.storage_key(t) for t in ts}
         self.views: dict[str, torch.Tensor] = {}
         self.captured: dict[str, list] = {}  # path -> [args, kwargs, output]
 
@@ -322,8 +285,11 @@ class _Profiler:
         listen = lambda ev: self.views.setdefault(ev.site, detach(ev.tensor))  # noqa: E731
         try:
             with torch.enable_grad(), measure(self.model, input_ids.numel()) as meter:
-                with sites.listening(listen):
-                    self.model(input_ids, **{self.label: targets})
+                with sites.listening(listen):  # fake ids have no values to check
+                    call = (
+                        partial(nn.Module.__call__, self.model) if self.shapes_only else self.model
+                    )
+                    call(input_ids, **{self.label: targets})
         finally:
             for h in handles:
                 h.remove()
@@ -391,12 +357,12 @@ class _Profiler:
             foreign = len(same) != 1 + len(rec.shared_with)  # a saver in another block
             t = self.views[rec.site]
             names = [rel_site(x, rep) for x in same] + (["!extern"] if foreign else [])
-            lossy = lossy_allowed(rec.site, t) and not foreign
+            lossy = not self.shapes_only and lossy_allowed(rec.site, t) and not foreign
             sid = len(kp.storages)
             kp.storages.append(
                 StorageProfile(sid, names[0], names, rec.bytes, list(rec.shape), rec.dtype, lossy)
             )
-            self.by_ptr[t.untyped_storage().data_ptr()] = sid
+            self.by_ptr[sites.storage_key(t)] = sid
 
     def _modules(self, kp: KindProfile, rep: str) -> None:
         for path, (args, kwargs, _) in list(self.captured.items()):
@@ -405,18 +371,18 @@ class _Profiler:
             rel = rel_site(path, rep)
             ins = []
             flat = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-            for a in [a for a in flat if a.untyped_storage().data_ptr() not in self.skip]:
-                ptr = a.untyped_storage().data_ptr()
+            for a in [a for a in flat if sites.storage_key(a) not in self.skip]:
+                ptr = sites.storage_key(a)
                 if ptr not in self.by_ptr:  # an input nobody saves: stored only if checkpointed
                     sid = self.by_ptr[ptr] = len(kp.storages)
                     nm = f"{rel}:input#{len(ins)}"
                     dt = str(a.dtype).replace("torch.", "")
                     nb = a.untyped_storage().nbytes()
-                    lossy = lossy_allowed(f"{rel}:linear#0", a)
+                    lossy = not self.shapes_only and lossy_allowed(f"{rel}:linear#0", a)
                     kp.storages.append(StorageProfile(sid, nm, [], nb, list(a.shape), dt, lossy))
                     self.views[f"{rep}|{nm}"] = a
                 ins.append(self.by_ptr[ptr])
-            if ins and _extreme_weights(self.modules[path]):
+            if ins and not self.shapes_only and _extreme_weights(self.modules[path]):
                 for sid in ins:  # a recomputation from a lossy copy: the weights amplify its error
                     kp.storages[sid].lossy_ok = False
             internal = [
@@ -427,7 +393,8 @@ class _Profiler:
             if not internal or (not rep and not rel):
                 continue
             module = self.modules[path]
-            t = median_time(partial(call_module, module, args, kwargs), self.repeats, self.device)
+            run = partial(call_module, module, args, kwargs)
+            t = 0.0 if self.shapes_only else median_time(run, self.repeats, self.device)
             with FlopCounterMode(display=False) as fc:
                 call_module(module, args, kwargs)
             flops = int(fc.get_total_flops())

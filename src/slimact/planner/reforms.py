@@ -86,12 +86,12 @@ def measure_reform(prof: Any, kp: KindProfile, rep: str, rel: str) -> None:
     base_sites = {x for s in kp.storages for x in s.sites}
     new_names = {rel_site(ev.site, rep) for ev in events}
     silenced = [x for x in base_sites if inside(site_module(x), rel) and x not in new_names]
-    out_ptr = out.untyped_storage().data_ptr() if isinstance(out, torch.Tensor) else -1
-    out_sid = prof.by_ptr.get(out0.untyped_storage().data_ptr()) if out0 is not None else None
+    out_ptr = sites.storage_key(out) if isinstance(out, torch.Tensor) else -1
+    out_sid = prof.by_ptr.get(sites.storage_key(out0)) if out0 is not None else None
     savers: dict[str, list[str]] = {}
     extra, seen = 0, set()
     for ev in events:
-        ptr = ev.tensor.untyped_storage().data_ptr()
+        ptr = sites.storage_key(ev.tensor)
         sid = out_sid if ptr == out_ptr else prof.by_ptr.get(ptr)
         if sid is not None:  # its output (saved by the next op too), or an input saved again
             savers.setdefault(str(sid), []).append(rel_site(ev.site, rep))
@@ -137,16 +137,14 @@ def measure_head_reform(prof: Any, kp: KindProfile) -> None:
     if sites.block_of(path, prof.blocks) or prof.targets is None:
         return
     h0 = prof.captured[path][0][0]
-    h_sid = prof.by_ptr.get(h0.untyped_storage().data_ptr())
+    h_sid = prof.by_ptr.get(sites.storage_key(h0))
     changes = apply_chunked_ce(model, ChunkedCEConfig(probe=False))
     events: list[sites.SavedEvent] = []
     inputs: list[int] = []
     try:
         if not [c for c in changes if not c.skipped]:
             return
-        hook = head.register_forward_pre_hook(
-            lambda m, a: inputs.append(a[0].untyped_storage().data_ptr())
-        )
+        hook = head.register_forward_pre_hook(lambda m, a: inputs.append(sites.storage_key(a[0])))
         try:
             with torch.enable_grad(), measure(model), sites.listening(events.append):
                 model(prof.input_ids, **{prof.label: prof.targets})
@@ -163,7 +161,7 @@ def measure_head_reform(prof: Any, kp: KindProfile) -> None:
     for ev in root:
         if ev.site in base_sites:
             continue
-        ptr = ev.tensor.untyped_storage().data_ptr()
+        ptr = sites.storage_key(ev.tensor)
         sid = h_sid if ptr in inputs else prof.by_ptr.get(ptr)
         if sid is not None:  # the head's input h, the targets: stored already, one more saver
             savers.setdefault(str(sid), []).append(ev.site)
