@@ -29,6 +29,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-rel-err", type=float, default=0.25, help="per-tensor cap (<0: no cap; default 0.25)"
     )
     p.add_argument("--repeats", type=int, default=3, help="timing repeats (median)")
+    p.add_argument(
+        "--profile",
+        default="auto",
+        choices=["auto", "full", "scaled"],
+        help="full: build and profile the model; scaled: shapes from fake tensors, times from a "
+        "one-block twin at --profile-tokens (auto: scaled above 2 GiB of parameters)",
+    )
+    p.add_argument(
+        "--profile-tokens", type=int, default=64, help="scaled: the twin's batch x seq cap"
+    )
     p.add_argument("--cache", default="", help="profile cache dir ('none' disables)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -42,30 +52,61 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from slimact.models import build_model
+    from slimact.models.registry import get_spec
     from slimact.planner import plan_for
+    from slimact.planner.scaled import (
+        SCALED_FROM_BYTES,
+        ScaledConfig,
+        cached_profile_scaled,
+        param_bytes,
+        profile_scaled,
+    )
+    from slimact.planner.solve import solve_plan
     from slimact.utils import default_device, seed_everything
 
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    dtype = dtype[args.dtype]
     seed_everything(args.seed)
     device = args.device or default_device()
-    model = build_model(args.model, device=device).to(dtype[args.dtype])
-    if args.seq > model.config.max_seq_len:
+    if args.seq > get_spec(args.model).config.max_seq_len:
         raise ValueError(f"seq {args.seq} exceeds {args.model}'s max_seq_len")
+    mode = args.profile
+    if mode == "auto":
+        mode = "scaled" if param_bytes(args.model, dtype) > SCALED_FROM_BYTES else "full"
     codecs = tuple(c.strip() for c in args.codecs.split(",")) if args.codecs else None
-    plan = plan_for(
-        model, args.batch, args.seq, args.budget, seed=args.seed, layers=args.layers,
-        codecs=codecs, recompute=not args.no_recompute, reform=not args.no_reform,
-        max_quality=args.max_quality,
+    options = dict(
+        layers=args.layers, codecs=codecs, recompute=not args.no_recompute,
+        reform=not args.no_reform, max_quality=args.max_quality,
         max_rel_err=None if args.max_rel_err < 0 else args.max_rel_err,
-        repeats=args.repeats, cache=None if args.cache == "none" else args.cache,
     )  # fmt: skip
+    cache = None if args.cache == "none" else args.cache
+    scaled = None
+    if mode == "scaled":
+        cfg = ScaledConfig(args.profile_tokens, codecs, args.repeats, not args.no_reform, args.seed)
+        if cache is None:
+            prof = profile_scaled(args.model, args.batch, args.seq, cfg, dtype=dtype, device=device)
+        else:
+            prof = cached_profile_scaled(
+                args.model, args.batch, args.seq, cfg, dtype=dtype, device=device,
+                cache_dir=cache or None,
+            )  # fmt: skip
+        scaled = prof.meta["scaled"]
+        plan = solve_plan(prof, args.budget, **options)
+    else:
+        model = build_model(args.model, device=device).to(dtype)
+        plan = plan_for(
+            model, args.batch, args.seq, args.budget, seed=args.seed, repeats=args.repeats,
+            cache=cache, **options,
+        )  # fmt: skip
     if args.out:
         plan.save(args.out)
     if args.json:  # planning time split: profiling (cached: the original run's) and the MILP
         times = {"solve_time_s": plan.solve_s, "profile_time_s": dict(plan.meta).get("profile_s")}
-        print(json.dumps(plan.to_dict() | times))
+        print(json.dumps(plan.to_dict() | times | {"profile": {"mode": mode, "scaled": scaled}}))
     else:
         print(plan.table())
+        if scaled:
+            print(f"profile: scaled ({scaled['rule']})")
     return 0
