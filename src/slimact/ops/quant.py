@@ -89,9 +89,11 @@ def _limits(bits: int) -> tuple[int, int, int]:
 
 
 def _pack(u: torch.Tensor, n: int, bits: int) -> torch.Tensor:
-    """u: uint8 biased codes (even length >= n) -> packed bytes (exactly ceil(n/2) for 4 bits)."""
+    """u: uint8 biased codes (length >= n) -> packed bytes (exactly ceil(n/2) for 4 bits)."""
     if bits == 8:
         return u[:n].contiguous()
+    if u.numel() % 2:  # an odd group size times an odd group count (per-token rows)
+        u = F.pad(u, (0, 1))
     pairs = u.view(-1, 2)
     return (pairs[:, 0] | (pairs[:, 1] << 4))[: (n + 1) // 2].contiguous()
 

@@ -1,0 +1,94 @@
+"""Per-token INT4: adacc.txt §3.2's naive baseline (Fig. 3b(i)), one scale per token.
+
+"A straightforward approach is to compress activations from FP16 to INT4 using per-token
+quantization": every row of the ``[tokens, C]`` memory view (``C = channels``, or the last
+dimension) gets one fp32 symmetric scale ``S = max|row| / 8`` with the paper's divisor, and every
+value becomes ``clip(round(x / S), -8, 7)`` (Eq. 2), outliers included. This is what the paper's
+evaluation calls *Quantization* and reports as diverging (§4.2-4.3); the ``int4-naive`` strategy
+stores every floating-point activation through it.
+
+It is a baseline, not a candidate: it is not in the codec registry (so the planner never profiles
+it) and it runs the plain-PyTorch path (``slimact.ops.quant.quantize_ref``: a row is a group of
+``C`` values, any ``C``) on every device. Bytes: ``ceil(n/2)`` for the codes plus 4 per token.
+
+The project's rules hold as in ``slimact.codecs.quant``: NaN/inf are kept exactly beside the
+codes, and a tensor whose range the fp32 arithmetic cannot represent faithfully (squares that
+overflow float32, a row more than ``max_range`` times the median row) is stored exactly
+(``Codec.fallback``, reported per site by the saving policy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slimact.codecs.base import Codec, CodecConfig, Packed, exact_value
+from slimact.codecs.quant import (
+    DEFAULT_MAX_RANGE,
+    channel_view,
+    check_common,
+    check_input,
+    check_max_range,
+    nonfinite_payload,
+    quantized_from,
+    quantized_payload,
+    quantized_problem,
+    restore_nonfinite,
+    row_stats,
+)
+from slimact.ops.quant import dequantize_ref, quantize_ref
+
+
+@dataclass(frozen=True)
+class TokenQuantConfig(CodecConfig):
+    """One symmetric scale per row of the ``[-1, channels]`` view (``channels=0``: last dim)."""
+
+    bits: int = 4
+    channels: int = 0
+    paper_scale: bool = True  # adacc.txt's S = max|x| / 8 (INT4)
+    nonfinite: str = "exact"
+    max_range: float | None = DEFAULT_MAX_RANGE
+
+    def __post_init__(self) -> None:
+        check_common(self, self.bits, self.nonfinite, "ref")
+        check_max_range(self, self.max_range)
+        if not isinstance(self.channels, int) or self.channels < 0:
+            raise ValueError(
+                f"TokenQuantConfig.channels must be an int >= 0, got {self.channels!r}"
+            )
+        if not isinstance(self.paper_scale, bool):
+            raise ValueError(
+                f"TokenQuantConfig.paper_scale must be a bool, got {self.paper_scale!r}"
+            )
+
+    def build(self) -> Codec:  # not registered (see the module docstring)
+        return TokenQuantCodec(self)
+
+
+class TokenQuantCodec(Codec):
+    config: TokenQuantConfig
+
+    def encode(self, x: torch.Tensor) -> Packed:
+        check_input(self, x)
+        c = self.config
+        if x.numel() == 0:
+            x2d = x.reshape(0, 1)
+        else:
+            x2d = channel_view(self, x, c.channels)
+        width = max(1, x2d.shape[1])
+        rows = row_stats(x2d, 0, c.max_range)
+        q = quantize_ref(x2d, c.bits, width, True, c.paper_scale)
+        tensors = quantized_payload(q)
+        tensors.update(nonfinite_payload(self, x, q.nonfinite, c.nonfinite))
+        reason = quantized_problem(x2d, 0, c.max_range, rows, q)
+        if reason is not None:
+            return self.fallback(x, reason)
+        meta = {"numel": q.numel, "bits": c.bits, "group_size": width}
+        return Packed(tensors, tuple(x.shape), x.dtype, x.device, meta)
+
+    def decode(self, packed: Packed) -> torch.Tensor:
+        if (y := exact_value(packed)) is not None:
+            return y
+        y = dequantize_ref(quantized_from(packed), dtype=packed.dtype)
+        return restore_nonfinite(y, packed.tensors).view(packed.shape)
