@@ -74,6 +74,12 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "run",
         "run a benchmark suite (quick | full | gpu) and regenerate BENCHMARKS.md",
     ),
+    "maxbatch": (
+        "slimact.bench.maxbatch",
+        "add_arguments",
+        "run",
+        "the largest batch whose measured step peak fits a memory cap, per strategy",
+    ),
 }
 
 
