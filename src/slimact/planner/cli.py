@@ -28,7 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-rel-err", type=float, default=0.25, help="per-tensor cap (<0: no cap; default 0.25)"
     )
-    p.add_argument("--repeats", type=int, default=3, help="timing repeats (median)")
+    p.add_argument(
+        "--repeats", type=int, default=None, help="timing repeats, median (default 3; scaled: 1)"
+    )
     p.add_argument(
         "--profile",
         default="auto",
@@ -84,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     cache = None if args.cache == "none" else args.cache
     scaled = None
     if mode == "scaled":
-        cfg = ScaledConfig(args.profile_tokens, codecs, args.repeats, not args.no_reform, args.seed)
+        repeats = args.repeats or 1  # the twin's times are scaled: one timed run each
+        cfg = ScaledConfig(args.profile_tokens, codecs, repeats, not args.no_reform, args.seed)
         if cache is None:
             prof = profile_scaled(args.model, args.batch, args.seq, cfg, dtype=dtype, device=device)
         else:
@@ -97,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         model = build_model(args.model, device=device).to(dtype)
         plan = plan_for(
-            model, args.batch, args.seq, args.budget, seed=args.seed, repeats=args.repeats,
+            model, args.batch, args.seq, args.budget, seed=args.seed, repeats=args.repeats or 3,
             cache=cache, **options,
         )  # fmt: skip
     if args.out:

@@ -60,11 +60,12 @@ SCALING = (
 
 @dataclass(frozen=True)
 class ScaledConfig:
-    """``max_tokens``: the twin's batch x seq cap (batch reduced first, then seq)."""
+    """``max_tokens``: the twin's batch x seq cap (batch reduced first, then seq); ``repeats``:
+    timed runs per measurement (median), one by default: the scaled times are estimates."""
 
     max_tokens: int = 64
     codecs: tuple[str, ...] | None = None
-    repeats: int = 3
+    repeats: int = 1
     reform: bool = True
     seed: int = 0
 

@@ -1,0 +1,220 @@
+"""One profiling pass (``profile.profile_model``, ``profile.profile_shapes``): the forward under
+the meter, the captured module inputs and saved views, and per kind its storages, recompute
+candidates, codec statistics, reformulations and per-block rows (see ``slimact.planner.profile``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import partial
+
+import torch
+import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from slimact import sites
+from slimact.classify import hidden_channels, label_arg
+from slimact.codecs.build import build_codec
+from slimact.codecs.outlier import count_outlier_channels
+from slimact.meter import measure
+from slimact.planner.codecstats import (
+    _extreme_weights,
+    _payload_bytes,
+    _worth_trying,
+    codec_stat,
+    lossy_allowed,
+    run_policy,
+)
+from slimact.planner.measure import call_module, detach, median_time
+from slimact.planner.plan import (
+    ROOT,
+    KindProfile,
+    ModuleProfile,
+    StorageProfile,
+    abs_site,
+    inside,
+    rel_site,
+    site_module,
+)
+from slimact.planner.reforms import measure_head_reform, measure_reform, reform_candidates
+
+__all__ = ["Profiler", "kind_signature"]
+
+
+def kind_signature(module: nn.Module) -> str:
+    parts = [
+        (n, type(m).__name__, tuple(tuple(p.shape) for p in m.parameters(recurse=False)))
+        for n, m in module.named_modules()
+    ]
+    digest = hashlib.sha1(repr(parts).encode()).hexdigest()[:8]
+    return f"{type(module).__name__}-{digest}"
+
+
+class Profiler:
+    """State of one profiling pass: the captured views, module inputs and the meter's report."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        codecs: list[str],
+        repeats: int,
+        shapes_only: bool = False,
+    ):
+        self.model, self.device, self.codecs, self.repeats = model, device, codecs, repeats
+        self.shapes_only = shapes_only  # fake tensors: structure, bytes and FLOPs, no values
+        self.modules = dict(model.named_modules())
+        self.blocks = sites.block_paths(model)
+        groups: dict[str, list[str]] = {}
+        for b in self.blocks:
+            groups.setdefault(kind_signature(self.modules[b]), []).append(b)
+        self.groups = [*groups.items(), (ROOT, [""])]
+        self.reps = [g[1][0] for g in self.groups]
+        ts = (*model.parameters(), *model.buffers())
+        self.skip = {sites.storage_key(t) for t in ts}
+        self.views: dict[str, torch.Tensor] = {}
+        self.captured: dict[str, list] = {}  # path -> [args, kwargs, output]
+
+    def region(self, path: str) -> str | None:
+        """The rep block a module is profiled in ("" = root), or None (a non-rep block)."""
+        b = sites.block_of(path, self.blocks)
+        if b:
+            return b if b in self.reps else None
+        ok = path and not isinstance(self.modules[path], (nn.ModuleList, nn.Sequential))
+        return "" if ok else None
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor):
+        def pre(mod, args, kwargs, path):
+            if path not in self.captured:
+                kw = {k: detach(v) for k, v in kwargs.items()}
+                self.captured[path] = [tuple(detach(a) for a in args), kw, None]
+
+        def post(mod, args, kwargs, out, path):
+            self.captured[path][2] = out.detach() if isinstance(out, torch.Tensor) else None
+
+        handles = []
+        for path, m in self.modules.items():
+            if self.region(path) is not None:
+                handles.append(
+                    m.register_forward_pre_hook(partial(pre, path=path), with_kwargs=True)
+                )
+                handles.append(m.register_forward_hook(partial(post, path=path), with_kwargs=True))
+        self.input_ids, self.targets = input_ids, targets
+        self.label = (label_arg(self.model) or ("targets", 1))[0]  # HF: labels
+        listen = lambda ev: self.views.setdefault(ev.site, detach(ev.tensor))  # noqa: E731
+        try:
+            with torch.enable_grad(), measure(self.model, input_ids.numel()) as meter:
+                with sites.listening(listen):  # fake ids have no values to check
+                    call = (
+                        partial(nn.Module.__call__, self.model) if self.shapes_only else self.model
+                    )
+                    call(input_ids, **{self.label: targets})
+        finally:
+            for h in handles:
+                h.remove()
+        self.report = meter.report
+        self.owner_of = {sh: rec.site for rec in self.report.sites for sh in rec.shared_with}
+        return self.report
+
+    def kind(self, sig: str, members: list[str], reform: bool, per_block: bool) -> KindProfile:
+        rep = members[0]
+        kp = KindProfile(sig, list(members), [], [], [])
+        self.by_ptr: dict[int, int] = {}
+        self._storages(kp, rep)
+        self._modules(kp, rep)
+        for s in kp.storages:
+            if s.bytes >= 4096:
+                vs = self._views(s, rep) or [(s.name, self.views[f"{rep}|{s.name}"])]
+                for c in self.codecs:
+                    if not _worth_trying(c, vs, s.lossy_ok, self.device):
+                        continue
+                    st = codec_stat(c, vs, self.repeats, self.device)
+                    if st is not None and (s.lossy_ok or st.rel_err == 0.0) and st.bytes < s.bytes:
+                        s.codecs[c] = st
+        if reform:
+            block = self.modules[rep] if rep else self.model
+            for rel in reform_candidates(block, self.device):
+                if rel or rep:
+                    measure_reform(self, kp, rep, rel)
+            if not rep:
+                measure_head_reform(self, kp)
+        for b in members if per_block else [rep]:
+            with torch.no_grad():
+                kp.per_block[b] = {
+                    str(s.id): row for s in kp.storages if (row := self._row(s, b, rep))
+                }
+        return kp
+
+    def _views(self, s: StorageProfile, block: str) -> list[tuple[str, torch.Tensor]]:
+        names = [abs_site(x, block) for x in s.sites if x != "!extern"]
+        return [(n, self.views[n]) for n in names if n in self.views]
+
+    def _row(self, s: StorageProfile, b: str, rep: str) -> dict[str, int]:
+        vs = self._views(s, b)
+        if not s.sites or not vs:
+            return {}
+        t = vs[0][1]
+        row = {"raw": t.untyped_storage().nbytes()}
+        if t.is_floating_point() and t.dim() > 0 and t.numel():
+            row["outliers"] = count_outlier_channels(t, channels=hidden_channels(t))
+        for c, st in s.codecs.items():
+            codec = build_codec(c, t)
+            stateful = bool(codec.state_dict())
+            row[c] = st.bytes if b == rep or stateful else _payload_bytes(run_policy(codec, vs))
+        return row
+
+    def _storages(self, kp: KindProfile, rep: str) -> None:
+        for rec in self.report.sites:
+            if rec.site in self.owner_of or rec.block != rep or rec.bytes == 0:
+                continue
+            if rec.site not in self.views:
+                continue
+            same = [rec.site]
+            same += [
+                x for x in rec.shared_with if sites.block_of(site_module(x), self.blocks) == rep
+            ]
+            foreign = len(same) != 1 + len(rec.shared_with)  # a saver in another block
+            t = self.views[rec.site]
+            names = [rel_site(x, rep) for x in same] + (["!extern"] if foreign else [])
+            lossy = not self.shapes_only and lossy_allowed(rec.site, t) and not foreign
+            sid = len(kp.storages)
+            kp.storages.append(
+                StorageProfile(sid, names[0], names, rec.bytes, list(rec.shape), rec.dtype, lossy)
+            )
+            self.by_ptr[sites.storage_key(t)] = sid
+
+    def _modules(self, kp: KindProfile, rep: str) -> None:
+        for path, (args, kwargs, _) in list(self.captured.items()):
+            if self.region(path) != rep:
+                continue
+            rel = rel_site(path, rep)
+            ins = []
+            flat = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            for a in [a for a in flat if sites.storage_key(a) not in self.skip]:
+                ptr = sites.storage_key(a)
+                if ptr not in self.by_ptr:  # an input nobody saves: stored only if checkpointed
+                    sid = self.by_ptr[ptr] = len(kp.storages)
+                    nm = f"{rel}:input#{len(ins)}"
+                    dt = str(a.dtype).replace("torch.", "")
+                    nb = a.untyped_storage().nbytes()
+                    lossy = not self.shapes_only and lossy_allowed(f"{rel}:linear#0", a)
+                    kp.storages.append(StorageProfile(sid, nm, [], nb, list(a.shape), dt, lossy))
+                    self.views[f"{rep}|{nm}"] = a
+                ins.append(self.by_ptr[ptr])
+            if ins and not self.shapes_only and _extreme_weights(self.modules[path]):
+                for sid in ins:  # a recomputation from a lossy copy: the weights amplify its error
+                    kp.storages[sid].lossy_ok = False
+            internal = [
+                s for s in kp.storages
+                if s.sites and s.id not in ins and "!extern" not in s.sites
+                and all(inside(site_module(x), rel) for x in s.sites)
+            ]  # fmt: skip
+            if not internal or (not rep and not rel):
+                continue
+            module = self.modules[path]
+            run = partial(call_module, module, args, kwargs)
+            t = 0.0 if self.shapes_only else median_time(run, self.repeats, self.device)
+            with FlopCounterMode(display=False) as fc:
+                call_module(module, args, kwargs)
+            flops = int(fc.get_total_flops())
+            kp.modules.append(ModuleProfile(rel, type(module).__name__, ins, t, flops))
