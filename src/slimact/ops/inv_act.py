@@ -7,27 +7,34 @@ the meter counts it once) plus ``s = [x < T]`` bit-packed 8 per uint8 (§2: bit 
 ``i // 8``), and backward computes ``dx = dy·f'(f⁻¹(y; s))`` (``slimact.ops.inv_act_approx``).
 Net cost of the activation: n/8 bytes instead of n·sizeof(dtype), i.e. −97% (fp32) / −94% (bf16).
 
-Variants (``variant=``):
+Variants (``variant=``), i.e. what is saved beside y:
 
-* ``"bitmask"`` (default): y exact, mask in a separate uint8 tensor.
-* ``"lsb"`` (§2.1 precision bit): s is written into y's least significant mantissa bit, so nothing
-  extra is saved, but the forward output is off by up to 1 ulp (2⁻²³ relative in fp32, 2⁻⁷ in
-  bf16) — every later layer sees the perturbed y.
-* sign-bit (§2.1) is *not* offered: it stores ``f(x) − min f`` with the sign bit replaced by s,
-  which is no longer the tensor the next layer consumes; the consumer must undo the bit trick
-  (``(Y ^ S) + C``) inside its own forward and backward, i.e. a fused Act+Linear (or Act·Up)
-  Function per consumer type. It would save the last n/8 bytes; the bitmask already gets 97%.
+* ``"bitmask"`` (default): y exact, s in a separate uint8 tensor (n/8 bytes).
+* ``"lsb"`` (§2.1 precision bit): s is written into y's least significant mantissa bit; nothing
+  extra is saved, but the forward output is off by up to 1 ulp (2⁻²³ in fp32, 2⁻⁷ in bf16).
+* ``"near-branch"`` (bf16 / fp16 only): one byte per element (n bytes, −50% in bf16). Code 0/1
+  is s for an x away from T; codes 2..255 hold x itself, as its 16-bit pattern minus T's + 128,
+  for the ±126 representable values nearest T ([−2.53, −0.65] for SiLU in bf16).
 
-Kernels: ``_fwd_kernel`` computes y and the packed mask in one pass (BLOCK is a multiple of 8 so
-each program writes whole bytes); ``_bwd_kernel`` unpacks the bit and evaluates g(y, s) in fp32.
-Both are used for CUDA tensors when triton is importable (or ``backend="triton"``, which also runs
-on CPU under ``TRITON_INTERPRET=1``); ``*_ref`` are the plain-PyTorch path used on CPU and in tests.
+**The 16-bit floor.** Near T, ``f(x) ≈ f(T) + C(x−T)²/2`` and ``f'(x) ≈ C(x−T)``, so an error δ
+in y (half an ulp of |f(T)| ≈ 0.17–0.28: 1e-3 in bf16, 6e-5 in fp16) moves the recovered f' by
+``≈ δ/|x−T|``, capped at ``√(2Cδ)`` at T: 1.5e-2 (bf16), 5–7e-3 (fp16). No 1-bit scheme does
+better: y itself no longer tells those x apart. torch's own autograd reads x and only rounds dx
+(half an ulp of |f'| ≤ 1.1: 3.9e-3 in bf16), so the bit costs ≈4× torch's worst derivative error in
+bf16, confined to |x−T| ≲ 0.3, where |f'| < 0.1 (RMS over a whole tensor: see
+``benchmarks/results/inv_act.md``). ``near-branch`` reads the exact x there, so its worst error is
+torch's own (≤ 1.02× measured); elsewhere δ/|x−T| is below torch's rounding. Trade-off: 8× the
+mask's bytes (1 B vs 1 bit per element); the ``invact`` strategy offers it as
+``invact@bf16=exact-near-branch`` and keeps the 1-bit default (see ``reformulate.activations``).
+
+Paths: CUDA tensors with triton installed run the Triton kernels (``ops.inv_act_triton``; also on
+CPU under ``TRITON_INTERPRET=1`` with ``backend="triton"``). Elsewhere the ``*_ref`` functions run,
+compiled by inductor (``ops.inv_act_compiled``: one fused loop instead of ~150 small eager ops)
+for tensors of ≥ ``MIN_NUMEL`` elements; ``backend="torch"`` runs them eagerly (the reference).
 
 ``torch.compile``: under dynamo the op goes through two ``torch.library`` custom ops,
-``slimact::inv_act_fwd`` (x -> y, packed) and ``slimact::inv_act_bwd`` (dy, y, packed -> dx), tied
-by ``register_autograd``. They are opaque to the compiler (the bit unpacking and the Newton
-inversion's masked updates are data-dependent and would break the graph), so a compiled block
-containing an inverted activation is one graph, and AOTAutograd saves exactly y + packed.
+``slimact::inv_act_fwd`` (x -> y, side) and ``slimact::inv_act_bwd`` (dy, y, side -> dx), tied
+by ``register_autograd``; opaque to the compiler, so AOTAutograd saves exactly y + side.
 """
 
 from __future__ import annotations
@@ -38,12 +45,29 @@ import torch
 import torch.nn.functional as F
 
 from slimact import sites
-from slimact.ops.inv_act_approx import BRANCH, KINDS, MODES, NEWTON_ITERS, dinv_ref
+from slimact.ops import inv_act_compiled
+from slimact.ops.inv_act_approx import (
+    BRANCH,
+    KINDS,
+    MODES,
+    dinv_ref,
+    dinv_table,
+    f_q_df,
+    newton_table,
+)
 
-VARIANTS = ("bitmask", "lsb")
-BACKENDS = ("auto", "torch", "triton")
+VARIANTS = ("bitmask", "lsb", "near-branch")
+BACKENDS = ("auto", "torch", "inductor", "triton")
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_HALF = (torch.bfloat16, torch.float16)
 _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+# 16-bit pattern of T rounded to each half dtype, as a signed int (the near-branch code's origin)
+_T_BITS = {
+    (k, dt): int(torch.tensor(BRANCH[k].T, dtype=dt).view(torch.int16))
+    for k in KINDS
+    for dt in _HALF
+}
+NEAR_HALF_WIDTH = 126  # codes 2..255 <-> bit offsets -126..127 from T's pattern
 
 
 def _check(x: torch.Tensor, kind: str, mode: str, variant: str, backend: str) -> None:
@@ -64,16 +88,20 @@ def _check(x: torch.Tensor, kind: str, mode: str, variant: str, backend: str) ->
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if variant == "lsb" and x.dtype == torch.float64:
         raise TypeError("variant='lsb' supports float32, bfloat16 and float16, got float64")
+    if variant == "near-branch" and x.dtype not in _HALF:
+        raise TypeError(f"variant='near-branch' supports bfloat16 and float16, got {x.dtype}")
 
 
+# ----------------------------------------------------------------------------- references
 def pack_bits_ref(s: torch.Tensor) -> torch.Tensor:
-    """Bool tensor -> uint8 of ceil(n/8) bytes; element i is bit i % 8 of byte i // 8."""
-    flat = s.reshape(-1).to(torch.uint8)
-    pad = (-flat.numel()) % 8
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    shifts = torch.arange(8, device=flat.device, dtype=torch.uint8)
-    return (flat.view(-1, 8) << shifts).sum(-1, dtype=torch.uint8)
+    """Bool tensor -> uint8 of ceil(n/8) bytes; element i is bit i % 8 of byte i // 8. Written
+    as 8 strided slices OR-ed together: pointwise over bytes, so inductor makes it one loop."""
+    flat = s.reshape(-1).to(torch.int32)
+    rows = F.pad(flat, (0, (-flat.numel()) % 8)).view(-1, 8)  # (ceil(n/8), 8)
+    out = rows[:, 0]
+    for k in range(1, 8):
+        out = out | (rows[:, k] << k)
+    return out.to(torch.uint8)
 
 
 def unpack_bits_ref(packed: torch.Tensor, n: int) -> torch.Tensor:
@@ -97,309 +125,161 @@ def get_lsb_ref(y: torch.Tensor) -> torch.Tensor:
     return (y.view(_INT_VIEW[y.dtype]) & 1).bool()
 
 
-def inv_act_fwd_ref(x: torch.Tensor, kind: str, variant: str = "bitmask"):
-    """(y, packed mask or None). y is torch's own f(x); for 'lsb' its last bit holds s."""
-    y = act_ref(x, kind)
-    s = (x if x.dtype == torch.float64 else x.float()) < BRANCH[
-        kind
-    ].T  # T not rounded to x's dtype
+def near_code_ref(x: torch.Tensor, s: torch.Tensor, kind: str) -> torch.Tensor:
+    """x (*shape) bf16/fp16, s = [x < T] -> uint8 (*shape): 2 + 126 + (bits(x) − bits(T)) for
+    the 254 values nearest T (same sign, so the bit offset is monotone in |x|), else s."""
+    k = x.view(torch.int16).to(torch.int32) - _T_BITS[(kind, x.dtype)]
+    near = (k >= -NEAR_HALF_WIDTH) & (k <= NEAR_HALF_WIDTH + 1)
+    return torch.where(near, k + NEAR_HALF_WIDTH + 2, s.to(torch.int32)).to(torch.uint8)
+
+
+def near_decode_ref(code: torch.Tensor, kind: str, dtype: torch.dtype):
+    """uint8 code -> (s, near, x): x is exact where ``near`` (garbage elsewhere)."""
+    c = code.to(torch.int32)
+    bits = c - (NEAR_HALF_WIDTH + 2) + _T_BITS[(kind, dtype)]
+    x = bits.to(torch.int16).view(dtype)
+    near = c >= 2
+    return torch.where(near, x.float() < BRANCH[kind].T, c == 1), near, x
+
+
+def fwd_side_ref(x: torch.Tensor, y: torch.Tensor, kind: str, variant: str) -> torch.Tensor:
+    """What the forward keeps beside y = f(x): the packed bits, the near-branch code, or (lsb)
+    y with s in its last bit. x, y: (*shape); T compared in x's precision, not rounded to it."""
+    s = (x if x.dtype == torch.float64 else x.float()) < BRANCH[kind].T
     if variant == "lsb":
-        return set_lsb_ref(y, s), None
-    return y, pack_bits_ref(s)
+        return set_lsb_ref(y, s)
+    if variant == "near-branch":
+        return near_code_ref(x, s, kind).reshape(-1)  # (n,)
+    return pack_bits_ref(s)  # (ceil(n/8),)
 
 
-def inv_act_bwd_ref(dy, y, packed, kind: str, mode: str = "newton", variant: str = "bitmask"):
-    s = get_lsb_ref(y) if variant == "lsb" else unpack_bits_ref(packed, y.numel()).view(y.shape)
-    g = dinv_ref(y, s, kind, mode)
+def inv_act_fwd_ref(x: torch.Tensor, kind: str, variant: str = "bitmask"):
+    """(y, side or None). y is torch's own f(x); for 'lsb' its last bit holds s."""
+    y = act_ref(x, kind)
+    side = fwd_side_ref(x, y, kind, variant)
+    return (side, None) if variant == "lsb" else (y, side)
+
+
+def _branch(y, side, kind: str, variant: str):
+    """(s, near, x): the branch bit of every element; for 'near-branch' also where x is stored
+    and its exact value (near and x are None otherwise)."""
+    if variant == "near-branch":
+        return near_decode_ref(side.view(y.shape), kind, y.dtype)
+    s = get_lsb_ref(y) if variant == "lsb" else unpack_bits_ref(side, y.numel()).view(y.shape)
+    return s, None, None
+
+
+def _dx(dy, g, near, x, kind: str) -> torch.Tensor:
+    if near is not None:
+        g = torch.where(near, f_q_df(x.float(), kind)[2], g)  # torch's own f'(x), in fp32
     return (dy.to(g.dtype) * g).to(dy.dtype)
 
 
-# ----------------------------------------------------------------------------- Triton kernels
-_KERNELS: dict = {}
+def inv_act_bwd_ref(dy, y, side, kind: str, mode: str = "newton", variant: str = "bitmask"):
+    """dy, y: (*shape), side as the forward returned it -> dx (*shape)."""
+    s, near, x = _branch(y, side, kind, variant)
+    return _dx(dy, dinv_ref(y, s, kind, mode), near, x, kind)
 
 
-def _build_kernels() -> None:
-    """Define the Triton kernels on first use (so TRITON_INTERPRET is read then, not at import).
-
-    They are bound as module globals so the jit functions can call each other by name.
-    """
-    global triton, tl, _f_q_df, _log_q, _dinv, _fwd_kernel, _bwd_kernel
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _f_q_df(x, KIND: tl.constexpr):
-        if KIND == 0:
-            q = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
-            df = q + x * tl.exp(-0.5 * x * x) * 0.3989422804014327
-        elif KIND == 1:
-            u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-            q = tl.sigmoid(2.0 * u)
-            df = q + x * 2.0 * q * (1.0 - q) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
-        else:
-            q = tl.sigmoid(x)
-            df = q * (1.0 + x * (1.0 - q))
-        return x * q, q, df
-
-    @triton.jit
-    def _log_q(x, q, KIND: tl.constexpr):
-        if KIND == 0:
-            r = tl.log(q)
-        else:
-            if KIND == 1:
-                z = 1.5957691216057308 * (x + 0.044715 * x * x * x)
-            else:
-                z = x
-            r = tl.minimum(z, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(z)))
-        return r
-
-    @triton.jit
-    def _dinv(
-        y, s, KIND: tl.constexpr, MODE: tl.constexpr, T, FT_HI, FT_LO, K, ITERS: tl.constexpr
-    ):
-        # y: fp32 block, s: bool block. Mirrors inv_act_approx.dinv_newton_ref / dinv_paper_ref.
-        t = tl.maximum((y - FT_HI) - FT_LO, 0.0)
-        r = tl.sqrt(t)
-        if MODE == 1:  # paper, Eqs. 5-8 (App. A.2; SiLU tables relabelled)
-            if KIND == 2:
-                left = (
-                    0.217177007595768
-                    - 0.507684370508263 * r
-                    + 0.079631397669175 * t
-                    + 0.357494204859375 * t * t
-                ) * (1.0 - y) + y
-                c = (
-                    0.002696163985044
-                    * (-5.770613302664509 - t)
-                    * (-5.770613302664509 - t)
-                    * (-5.770613302664509 - t)
-                )
-                sig = 1.0 + (
-                    -1.310856402130980 + 0.848589647031652 * r - 0.162990512595109 * t
-                ) * tl.exp(c)
-                right = sig * (1.0 - y) + y
-            else:
-                t = tl.maximum(y + 0.16997120747990369, 0.0)
-                r = tl.sqrt(t)
-                yl = tl.minimum(y, 0.0)
-                inner = (
-                    tl.abs(1.2947087 * y * y + tl.abs(1.98055565 * y + 0.22730362) - 0.038978495)
-                    + 1.3295193
-                )
-                left = (
-                    1.6311011311381
-                    * tl.sqrt(tl.maximum(y + 0.16997246666667, 0.0))
-                    * (2.0 * yl - 0.06261728 * tl.sqrt(-yl))
-                    * inner
-                )
-                c = (
-                    0.032146736769376
-                    * (-2.119885089843949 - t)
-                    * (-2.119885089843949 - t)
-                    * (-2.119885089843949 - t)
-                )
-                right = 1.0 + (
-                    -1.383717971214795 + 1.558420184350027 * r + 0.044045748018110 * t
-                ) * tl.exp(c)
-            out = tl.where(s, left, right)
-        else:  # newton
-            sign = tl.where(s, -1.0, 1.0)
-            x = T + sign * K * r
-            x = tl.where((~s) & (y > 0.0), tl.maximum(x, y), x)
-            for _ in tl.static_range(ITERS):
-                fx, q, g = _f_q_df(x, KIND)
-                Fx = sign * tl.sqrt(tl.maximum((fx - FT_HI) - FT_LO, 0.0))
-                ratio = tl.where(tl.abs(g) > 1e-6, 2.0 * Fx / g, K)
-                x = x - (Fx - sign * r) * ratio
-                x = tl.where(s, tl.minimum(x, T), tl.maximum(x, T))
-            L = tl.log(tl.maximum(-y, 1.1754943508222875e-38))
-            if KIND == 2:
-                xt = L - tl.log(tl.maximum(-L, 1.0))
-            else:
-                xt = -tl.sqrt(tl.maximum(-2.0 * L - 1.8378770664093453, 1.0))
-            xt = tl.minimum(xt, T)
-            for _ in tl.static_range(ITERS):
-                fx, q, g = _f_q_df(xt, KIND)
-                resid = tl.log(-xt) + _log_q(xt, q, KIND) - L
-                step = resid * fx / g
-                ok = (step == step) & (tl.abs(step) < float("inf"))
-                step = tl.where(ok, step, -0.5)
-                xt = tl.minimum(xt - step, T)
-            x = tl.where(s & (y > 0.5 * (FT_HI + FT_LO)), xt, x)
-            out = _f_q_df(x, KIND)[2]
-        out = tl.where(s & (y >= 0.0), 0.0, out)
-        out = tl.where(y == float("inf"), 1.0, out)
-        return tl.where(y != y, y, out)
-
-    @triton.jit
-    def _fwd_kernel(
-        x_ptr,
-        y_ptr,
-        m_ptr,
-        n,
-        T,
-        KIND: tl.constexpr,
-        LSB: tl.constexpr,
-        BITS: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = _f_q_df(x, KIND)[0]
-        s = x < T
-        yo = y.to(y_ptr.dtype.element_ty)
-        if LSB:  # §2.1 precision bit: s replaces the last mantissa bit
-            if BITS == 32:
-                yi = yo.to(tl.int32, bitcast=True)
-                yo = ((yi & -2) | s.to(tl.int32)).to(tl.float32, bitcast=True)
-            else:
-                yi = yo.to(tl.int16, bitcast=True)
-                yo = ((yi & -2) | s.to(tl.int16)).to(y_ptr.dtype.element_ty, bitcast=True)
-        tl.store(y_ptr + offs, yo, mask=mask)
-        if not LSB:
-            bits = tl.reshape((s & mask).to(tl.int32), (BLOCK // 8, 8))
-            byte = tl.sum(bits << tl.arange(0, 8)[None, :], axis=1).to(tl.uint8)
-            boffs = pid * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
-            tl.store(m_ptr + boffs, byte, mask=boffs < (n + 7) // 8)
-
-    @triton.jit
-    def _bwd_kernel(
-        dy_ptr,
-        y_ptr,
-        m_ptr,
-        dx_ptr,
-        n,
-        T,
-        FT_HI,
-        FT_LO,
-        K,
-        KIND: tl.constexpr,
-        MODE: tl.constexpr,
-        LSB: tl.constexpr,
-        BITS: tl.constexpr,
-        ITERS: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        yraw = tl.load(y_ptr + offs, mask=mask, other=0.0)
-        if LSB:
-            if BITS == 32:
-                s = (yraw.to(tl.int32, bitcast=True) & 1) != 0
-            else:
-                s = (yraw.to(tl.int16, bitcast=True) & 1) != 0
-        else:
-            byte = tl.load(m_ptr + offs // 8, mask=mask, other=0).to(tl.int32)
-            s = ((byte >> (offs % 8)) & 1) != 0
-        y = yraw.to(tl.float32)
-        g = _dinv(y, s, KIND, MODE, T, FT_HI, FT_LO, K, ITERS)
-        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + offs, (dy * g).to(dx_ptr.dtype.element_ty), mask=mask)
-
-    _KERNELS.update(fwd=_fwd_kernel, bwd=_bwd_kernel)
+def inv_act_bwd_dense(dy8, y8, side, table, *, kind: str, mode: str, variant: str):
+    """:func:`inv_act_bwd_ref` in pointwise form, what inductor compiles (``inv_act_compiled``):
+    dy8, y8: (ceil(n/8), 8), zero-padded; side: packed (ceil(n/8),), code (ceil(n/8), 8) or
+    None. Row j holds byte j's 8 bits, so unpacking is a broadcast, not a gather; mode 'newton'
+    reads g from ``table`` (``inv_act_approx.newton_table``) instead of solving."""
+    if variant == "bitmask":
+        shifts = torch.arange(8, device=y8.device, dtype=torch.int32)
+        s, near, x = ((side.view(-1, 1).to(torch.int32) >> shifts) & 1).bool(), None, None
+    else:
+        s, near, x = _branch(y8, side, kind, variant)
+    g = dinv_ref(y8, s, kind, mode) if mode == "paper" else dinv_table(y8, s, kind, table)
+    return _dx(dy8, g, near, x, kind)
 
 
-_BLOCK = 1024
-
-
-def inv_act_fwd_triton(x: torch.Tensor, kind: str, variant: str = "bitmask"):
-    if not _KERNELS:
-        _build_kernels()
-    fwd = _KERNELS["fwd"]
-    x = x.contiguous()
-    n = x.numel()
-    y = torch.empty_like(x)
-    packed = torch.empty((n + 7) // 8, dtype=torch.uint8, device=x.device)
-    if n:
-        fwd[(triton.cdiv(n, _BLOCK),)](
-            x,
-            y,
-            packed,
-            n,
-            BRANCH[kind].T,
-            KIND=KINDS.index(kind),
-            LSB=variant == "lsb",
-            BITS=x.element_size() * 8,
-            BLOCK=_BLOCK,
-        )
-    return y, (None if variant == "lsb" else packed)
-
-
-def inv_act_bwd_triton(dy, y, packed, kind: str, mode: str = "newton", variant: str = "bitmask"):
-    if not _KERNELS:
-        _build_kernels()
-    bwd = _KERNELS["bwd"]
-    dy = dy.contiguous()
-    n = y.numel()
-    dx = torch.empty_like(y)
-    b = BRANCH[kind]
-    if n:
-        bwd[(triton.cdiv(n, _BLOCK),)](
-            dy,
-            y,
-            y if packed is None else packed,
-            dx,
-            n,
-            b.T,
-            b.fT_hi,
-            b.fT_lo,
-            b.K,
-            KIND=KINDS.index(kind),
-            MODE=MODES.index(mode),
-            LSB=variant == "lsb",
-            BITS=y.element_size() * 8,
-            ITERS=NEWTON_ITERS,
-            BLOCK=_BLOCK,
-        )
-    return dx
-
-
+# ----------------------------------------------------------------------------- dispatch
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _use_triton(x: torch.Tensor, backend: str) -> bool:
-    if backend == "torch" or x.dtype == torch.float64:
-        return False
-    if backend == "triton":
+def _triton():
+    """The Triton module, imported on first use (optional dependency; TRITON_INTERPRET is
+    read then)."""
+    from slimact.ops import inv_act_triton
+
+    return inv_act_triton
+
+
+def inv_act_fwd_triton(x: torch.Tensor, kind: str, variant: str = "bitmask"):
+    return _triton().inv_act_fwd_triton(x, kind, variant)
+
+
+def inv_act_bwd_triton(dy, y, packed, kind: str, mode: str = "newton", variant: str = "bitmask"):
+    return _triton().inv_act_bwd_triton(dy, y, packed, kind, mode, variant)
+
+
+def _path(x: torch.Tensor, backend: str, variant: str) -> str:
+    """'triton', 'inductor' or 'torch' for this tensor."""
+    if backend == "triton" and variant != "near-branch" and x.dtype != torch.float64:
         if not triton_available():
             raise RuntimeError("backend='triton' but triton is not installed (pip install triton)")
-        return True
-    return x.is_cuda and triton_available()
+        return "triton"
+    if backend == "auto" and x.is_cuda and variant != "near-branch" and triton_available():
+        return "triton" if x.dtype != torch.float64 else "torch"
+    if x.dtype != torch.float64 and (
+        backend == "inductor"
+        or (backend == "auto" and not x.is_cuda and x.numel() >= inv_act_compiled.MIN_NUMEL)
+    ):
+        return "inductor"
+    return "torch"
+
+
+def _fwd(x: torch.Tensor, kind: str, variant: str, backend: str):
+    """x contiguous (*shape) -> (y (*shape), side or None)."""
+    path = _path(x, backend, variant)
+    if path == "triton":
+        return inv_act_fwd_triton(x, kind, variant)
+    if path == "torch":
+        return inv_act_fwd_ref(x, kind, variant)
+    y = act_ref(x, kind)  # torch's kernel: bit-identical forward; the side is one fused loop
+    side = inv_act_compiled.call(fwd_side_ref, x.view(-1), y.view(-1), kind=kind, variant=variant)
+    return (side.view(y.shape), None) if variant == "lsb" else (y, side)
+
+
+def _bwd(dy, y, side, kind: str, mode: str, variant: str, backend: str):
+    """dy contiguous, y (*shape), side -> dx (*shape)."""
+    path = _path(y, backend, variant)
+    if path == "triton":
+        return inv_act_bwd_triton(dy, y, side, kind, mode, variant)
+    if path == "torch":
+        return inv_act_bwd_ref(dy, y, side, kind, mode, variant)
+    n = y.numel()
+    pad = (-n) % 8  # transformer shapes have none; else one padded copy
+    dy8, y8 = (F.pad(t.reshape(-1), (0, pad)).view(-1, 8) for t in (dy, y))
+    if variant == "near-branch":
+        side = F.pad(side, (0, pad)).view(-1, 8)
+    table = newton_table(kind)
+    dx = inv_act_compiled.call(
+        inv_act_bwd_dense, dy8, y8, side, table, kind=kind, mode=mode, variant=variant
+    )
+    return (dx.view(-1)[:n] if pad else dx).view(y.shape)
 
 
 # ----------------------------------------------------------------------------- autograd
 class InvActFunction(torch.autograd.Function):
-    """Saves y (the output itself) + the packed branch bit; backward: dy·f'(f⁻¹(y; s))."""
+    """Saves y (the output itself) + the side tensor; backward: dy·f'(f⁻¹(y; s))."""
 
     @staticmethod
     def forward(ctx, x, kind, mode, variant, backend):
-        xc = x.contiguous()
-        if _use_triton(xc, backend):
-            y, packed = inv_act_fwd_triton(xc, kind, variant)
-        else:
-            y, packed = inv_act_fwd_ref(xc, kind, variant)
+        y, side = _fwd(x.contiguous(), kind, variant, backend)
         ctx.cfg = (kind, mode, variant, backend)
-        if packed is None:
-            ctx.save_for_backward(y)
-        else:
-            ctx.save_for_backward(y, packed)
+        ctx.save_for_backward(*((y,) if side is None else (y, side)))
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        # dy, y: (*shape) -> dx: (*shape); packed: (ceil(numel/8),) uint8
+        # dy, y: (*shape) -> dx: (*shape); side: (ceil(numel/8),) or (numel,) uint8
         kind, mode, variant, backend = ctx.cfg
-        saved = ctx.saved_tensors
-        y, packed = saved[0], (saved[1] if len(saved) > 1 else None)
-        dy = dy.contiguous()
-        if _use_triton(y, backend):
-            dx = inv_act_bwd_triton(dy, y, packed, kind, mode, variant)
-        else:
-            dx = inv_act_bwd_ref(dy, y, packed, kind, mode, variant)
+        y, *side = ctx.saved_tensors
+        dx = _bwd(dy.contiguous(), y, side[0] if side else None, kind, mode, variant, backend)
         return dx, None, None, None, None
 
 
@@ -408,22 +288,21 @@ class InvActFunction(torch.autograd.Function):
 def _inv_act_fwd_op(
     x: torch.Tensor, kind: str, mode: str, variant: str, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # x: (*shape) -> y: (*shape), packed: (ceil(numel/8),) uint8 ((0,) for 'lsb'); mode is
-    # only read by the backward (setup_context keeps it)
+    # x: (*shape) -> y: (*shape), side: (ceil(numel/8),) / (numel,) uint8 ((0,) for 'lsb'); mode
+    # is only read by the backward (setup_context keeps it)
     xc = x.contiguous()
-    if _use_triton(xc, backend):
-        y, packed = inv_act_fwd_triton(xc, kind, variant)
-    else:
-        y, packed = inv_act_fwd_ref(xc, kind, variant)
-    return y, (xc.new_empty(0, dtype=torch.uint8) if packed is None else packed)
+    y, side = _fwd(xc, kind, variant, backend)
+    return y, (xc.new_empty(0, dtype=torch.uint8) if side is None else side)
+
+
+def _side_numel(x: torch.Tensor, variant: str) -> int:
+    return {"lsb": 0, "near-branch": x.numel()}.get(variant, (x.numel() + 7) // 8)
 
 
 @_inv_act_fwd_op.register_fake
 def _(x, kind, mode, variant, backend):
-    n = 0 if variant == "lsb" else (x.numel() + 7) // 8
-    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(
-        n, dtype=torch.uint8
-    )
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return y, x.new_empty(_side_numel(x, variant), dtype=torch.uint8)
 
 
 @torch.library.custom_op("slimact::inv_act_bwd", mutates_args=())
@@ -437,11 +316,8 @@ def _inv_act_bwd_op(
     backend: str,
 ) -> torch.Tensor:
     # dy, y: (*shape) -> dx: (*shape)
-    packed_or_none = None if variant == "lsb" else packed
-    dy = dy.contiguous()
-    if _use_triton(y, backend):
-        return inv_act_bwd_triton(dy, y, packed_or_none, kind, mode, variant)
-    return inv_act_bwd_ref(dy, y, packed_or_none, kind, mode, variant)
+    side = None if variant == "lsb" else packed
+    return _bwd(dy.contiguous(), y, side, kind, mode, variant, backend)
 
 
 @_inv_act_bwd_op.register_fake

@@ -246,6 +246,62 @@ def dinv_newton_ref(y: torch.Tensor, s: torch.Tensor, kind: str, iters: int | No
     return torch.where(torch.isnan(yc), yc, out).view(y.shape)
 
 
+# ----------------------------------------------------------------------------- table form
+TABLE_SEGMENTS = 4096  # linear pieces per region (3 regions): 48 KiB of fp32 per kind
+TABLE_U_RIGHT = 4.6  # right branch: u = √(y − f(T)) ≤ 4.6 (y ≤ 20.9); beyond it f' = 1 in fp32
+_TABLES: dict[str, torch.Tensor] = {}
+
+
+def _regions(kind: str) -> tuple[tuple[float, float], ...]:
+    """(lo, hi) of the coordinate per region: right u, left u (near T), tail v = log(−y)."""
+    fT = BRANCH[kind].fT
+    tiny = torch.finfo(torch.float32).tiny
+    return (
+        (0.0, TABLE_U_RIGHT),
+        (0.0, math.sqrt(-0.5 * fT)),
+        (math.log(tiny), math.log(-0.5 * fT)),
+    )
+
+
+def newton_table(kind: str) -> torch.Tensor:
+    """(3·(TABLE_SEGMENTS + 1),) fp32 node values, region by region: g = f'(f⁻¹(y)) over
+    u = √(y − f(T)) on the right branch and on the left one near T, and g / y over v = log(−y)
+    on the left tail; from the float64 Newton solve (12 steps). Built once per kind, on use."""
+    if kind not in _TABLES:
+        n, b = TABLE_SEGMENTS, BRANCH[kind]
+        rows = []
+        for region, (lo, hi) in enumerate(_regions(kind)):
+            t = torch.linspace(lo, hi, n + 1, dtype=torch.float64)
+            y = -torch.exp(t) if region == 2 else b.fT + t * t
+            g = dinv_newton_ref(y, torch.full_like(y, region > 0, dtype=torch.bool), kind, 12)
+            rows.append(g / y if region == 2 else g)
+        _TABLES[kind] = torch.cat(rows).float()
+    return _TABLES[kind]
+
+
+def dinv_table(y: torch.Tensor, s: torch.Tensor, kind: str, table: torch.Tensor) -> torch.Tensor:
+    """g(y, s) by linear interpolation in :func:`newton_table` (one sqrt, one log, two table
+    reads; interpolation error < 1e-6, under fp32's conditioning floor): the pointwise form
+    inductor compiles for the CPU path (``inv_act_compiled``). fp32 in and out."""
+    b, n = BRANCH[kind], TABLE_SEGMENTS
+    (_, ur), (_, ul), (v0, v1) = _regions(kind)
+    yc = y.float()
+    u = torch.sqrt(torch.clamp((yc - b.fT_hi) - b.fT_lo, min=0.0))
+    v = torch.log(torch.clamp(-yc, min=torch.finfo(torch.float32).tiny))
+    tail = s & (yc > 0.5 * b.fT)
+    pos = torch.where(tail, (v - v0) * (n / (v1 - v0)), u * torch.where(s, n / ul, n / ur))
+    pos = torch.clamp(torch.nan_to_num(pos, nan=0.0), min=0.0, max=n - 1e-3)  # a valid index
+    seg = torch.floor(pos)
+    t = pos - seg
+    idx = seg.to(torch.int64) + torch.where(tail, 2 * (n + 1), torch.where(s, n + 1, 0))
+    lo = table[idx]
+    p = lo + t * (table[idx + 1] - lo)
+    out = torch.where(tail, p * yc, p)
+    out = torch.where(~s & (u >= ur), 1.0, out)
+    out = torch.where(s & (yc >= 0), 0.0, out)
+    return torch.where(torch.isnan(yc), yc, out)
+
+
 def dinv_ref(y: torch.Tensor, s: torch.Tensor, kind: str, mode: str = "newton") -> torch.Tensor:
     """g(y, s) = f'(f⁻¹(y; s)) in the compute dtype (fp32, or fp64 for fp64 y)."""
     check_kind_mode(kind, mode)

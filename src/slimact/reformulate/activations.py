@@ -34,6 +34,7 @@ paths, state_dict unchanged; copies and pickles of the model carry their own swa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -44,18 +45,24 @@ from slimact import sites
 from slimact.classify import classify_activation, classify_norm, is_activation_leaf, rms_eps
 from slimact.hf_inputs import dummy_inputs, is_hf_model
 from slimact.modules.inv_act import NormInvertibility
-from slimact.ops.inv_act import VARIANTS, inv_act
+from slimact.ops.inv_act import BACKENDS, inv_act
 from slimact.ops.inv_act_approx import KINDS, MODES
 from slimact.ops.inv_norm import inv_layer_norm, inv_rms_norm, invertible
 from slimact.patching import override_forward, pop_attr, run_all
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig
 
+BF16_MODES = ("floor", "exact-near-branch")
+
 
 @dataclass(frozen=True)
 class InvActConfig(StrategyConfig):
     """``mode``: f'(f⁻¹) evaluation ('newton' | 'paper'); ``variant``: 'bitmask' | 'lsb';
-    ``ops``: activation kinds to swap; ``norms``: also invert RMSNorm/LayerNorm;
-    ``probe``: verify on a dummy forward that the next op saves the output."""
+    ``bf16``: for bfloat16 / float16 inputs (autocast included), 'floor' keeps the variant (1 bit
+    per element, derivative error up to ~4x torch's own near the branch point) and
+    'exact-near-branch' stores x exactly near it (1 byte per element; torch's own error; see
+    ``ops.inv_act``); ``ops``: activation kinds to swap; ``norms``: also invert
+    RMSNorm/LayerNorm; ``probe``: verify on a dummy forward that the next op saves the output.
+    Spec form: ``invact@bf16=exact-near-branch,mode=paper``."""
 
     mode: str = "newton"
     variant: str = "bitmask"
@@ -64,19 +71,42 @@ class InvActConfig(StrategyConfig):
     max_bias_ratio: float = 4.0
     probe: bool = True
     backend: str = "auto"
+    bf16: str = "floor"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.variant not in VARIANTS:
-            raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
+        if self.variant not in ("bitmask", "lsb"):
+            raise ValueError(f"variant must be 'bitmask' or 'lsb', got {self.variant!r}")
+        if self.bf16 not in BF16_MODES:
+            raise ValueError(f"bf16 must be one of {BF16_MODES}, got {self.bf16!r}")
         bad = [k for k in self.ops if k not in KINDS]
         if bad or not isinstance(self.ops, tuple):
             raise ValueError(f"ops must be a tuple drawn from {KINDS}, got {self.ops!r}")
         if not self.max_bias_ratio > 0:
             raise ValueError(f"max_bias_ratio must be > 0, got {self.max_bias_ratio}")
-        if self.backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {self.backend!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+
+    @classmethod
+    def from_spec(cls, spec: str) -> InvActConfig:
+        """``"invact@bf16=exact-near-branch"`` -> the registered default with that field set
+        (string fields: bf16, mode, variant, backend)."""
+        name, _, body = spec.partition("@")
+        kwargs = {}
+        for item in filter(None, (part.strip() for part in body.split(","))):
+            key, sep, value = (x.strip() for x in item.partition("="))
+            if not sep or key not in _SPEC_FIELDS:
+                raise ValueError(
+                    f"strategy spec {spec!r}: {item!r} must be key=value with key one of "
+                    f"{', '.join(_SPEC_FIELDS)}"
+                )
+            kwargs[key] = value
+        base = cls(norms=False) if name.strip() == "invact-act" else cls()
+        return dataclasses.replace(base, **kwargs)
+
+
+_SPEC_FIELDS = ("bf16", "mode", "variant", "backend")
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -155,7 +185,9 @@ def _patch(module: nn.Module, wrapper, args: tuple, action: str, path: str, deta
     return AppliedChange(path, action, detail, undo=undo)
 
 
-def _act_forward(inner, kind, mode, variant, backend, x):
+def _act_forward(inner, kind, mode, variant, backend, bf16, x):
+    if bf16 == "exact-near-branch" and x.dtype in (torch.bfloat16, torch.float16):
+        variant = "near-branch"
     return inv_act(x, kind, mode=mode, variant=variant, backend=backend)
 
 
@@ -260,7 +292,7 @@ def apply_invact(
             else "unverified (no dummy input to probe the consumer)"
         )
         if what == "act":
-            fwd = (_act_forward, (kind, config.mode, config.variant, config.backend))
+            fwd = (_act_forward, (kind, config.mode, config.variant, config.backend, config.bf16))
         else:
             m._slimact_inv = NormInvertibility(config.max_bias_ratio)
             w, b = getattr(m, "weight", None), getattr(m, "bias", None)
