@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 import slimact
 from slimact import dist as sdist
 from slimact.planner import install, profile_model, solve_plan
+from slimact.planner.adaptive import BudgetCheck
 from slimact.planner.evolve import EvolveConfig, PlanEvolver, plan_cost, plan_diff
 from slimact.train import TrainConfig, train
 
@@ -165,6 +166,7 @@ def _rank_worker(rank: int, port: int, out: str, mode: str) -> None:
         plan = solve_plan(prof, "25%", **opts)
         install(model, plan=plan, profile=prof, solve_options=opts)
         ev = PlanEvolver(model, cap=2, log_path=Path(out) / f"log{rank}.jsonl")
+        check = BudgetCheck(model)  # judges the largest bytes over ranks: one verdict
         before = copy.deepcopy(plan.site_actions())
         wrapped = sdist.wrap(model, mode)
         actions, events = [], []
@@ -173,7 +175,8 @@ def _rank_worker(rank: int, port: int, out: str, mode: str) -> None:
             events.append(ev.on_step(step))
             actions.append(ev.rt.plan.site_actions())
         with open(Path(out) / f"rank{rank}.json", "w") as f:
-            json.dump({"before": before, "actions": actions, "events": events}, f)
+            json.dump({"before": before, "actions": actions, "events": events,
+                       "checks": check.events}, f)  # fmt: skip
     finally:
         sdist.teardown()
 
@@ -191,6 +194,8 @@ def test_ranks_install_the_same_plan_at_the_same_step(tmp_path, mode):
     assert [e and e["step"] for e in r0["events"]] == [1, 2, None]
     assert r0["events"] == r1["events"] and r0["events"][0]["world"] == WORLD
     assert (tmp_path / "log0.jsonl").exists() and (tmp_path / "log1.jsonl").exists()
+    verdict = [[(c["measured_bytes"], c["action"]) for c in r["checks"]] for r in (r0, r1)]
+    assert verdict[0] and verdict[0] == verdict[1]  # the largest bytes over ranks, one verdict
 
 
 def test_frozen_evolver_tracks_but_never_installs():

@@ -8,6 +8,9 @@ parameter dtype or autocast state) or more than ``tolerance`` (2%) over its budg
 before the next forward: the model is profiled again under the current conditions (cache
 bypassed) and the MILP re-solved. If the re-planned plan still misses, or nothing can re-plan
 (a loaded ``Plan``), a ``BudgetWarning`` names the budget, the measured bytes and the gap.
+Under torchrun every rank judges the largest measured bytes over ranks, so all ranks take the
+same verdict (the plans they re-solve are reconciled by ``PlanEvolver`` at its next tracking
+step, rank 0 deciding).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from contextlib import ExitStack
 from typing import Any
 
 import torch
+import torch.distributed as tdist
 import torch.nn as nn
 
 from slimact import sites
@@ -49,6 +53,19 @@ __all__ = [
     "is_tracking_step",
     "plan_diff",
 ]
+
+
+def _max_over_ranks(n: int) -> int:
+    """The largest ``n`` over ranks (under torchrun), so every rank reaches the same verdict:
+    a re-plan on some ranks only would run the profiling forward's collectives on those only."""
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
+        return n
+    dev = (
+        torch.device("cuda", torch.cuda.current_device()) if tdist.get_backend() == "nccl" else None
+    )
+    t = torch.tensor([n], dtype=torch.int64, device=dev)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    return int(t.item())
 
 
 class BudgetWarning(RuntimeWarning):
@@ -122,7 +139,7 @@ class BudgetCheck:
             return
         stack, meter, cond = entry
         stack.close()
-        measured = int(meter.report.total_bytes)
+        measured = _max_over_ranks(int(meter.report.total_bytes))
         meter.release()
         if self.rt.plan is not None and self.rt.plan.layers:
             self._judge(measured, cond)
