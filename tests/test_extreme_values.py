@@ -12,7 +12,7 @@ models' own RMSNorms still differentiate ``rsqrt`` with autograd; a gradient mus
 fp32 exact autograd *or* with the truth.
 
 A codec that cannot represent a tensor stores it exactly and says so (a ``RuntimeWarning`` naming
-the site, the meter's action ``<codec>:exact``); normal inputs never trigger that.
+the site, the meter's action ``codec:<name>:exact``); normal inputs never trigger that.
 """
 
 from __future__ import annotations
@@ -331,7 +331,7 @@ def test_policy_reports_each_site_once():
     with pytest.warns(RuntimeWarning, match=r"site m:linear#0: stored exactly.*overflow"):
         stored = policy("m:linear#0", x)
     assert exact_value(stored.packed) is x or torch.equal(stored.unpack(), x)
-    assert stored.action == "int4:exact"
+    assert stored.action == "codec:int4:exact"
     policy.reset()
     with warnings.catch_warnings():
         warnings.simplefilter("error")

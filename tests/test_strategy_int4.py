@@ -43,11 +43,11 @@ def test_int4_roles_memory_and_gradients(name):
     actions = {r.site: r.action for r in rep.sites}
     first = ("layers.0.", "h.0.")
     sdpa = [s for s in actions if "scaled_dot_product_attention" in s and s.startswith(first)]
-    assert [actions[s] for s in sdpa[:3]] == ["int8-channel"] * 3  # q, k, v
+    assert [actions[s] for s in sdpa[:3]] == ["codec:int8-channel"] * 3  # q, k, v
     assert all(actions[s] == "keep" for s in sdpa[3:])  # output, logsumexp
     assert actions[":cross_entropy#0"] == "keep"
     linear = [s for s in actions if s.endswith(":linear#0") and "attn" not in s]
-    assert linear and all(actions[s] == "int4-outlier-g16" for s in linear)
+    assert linear and all(actions[s] == "codec:int4-outlier-g16" for s in linear)
 
 
 def test_ablations_order_and_revert():
@@ -77,9 +77,9 @@ def test_dropout_masks_are_bit_packed():
         model(x, targets=x).loss.backward()
     # CPU dropout saves its float noise {0, 1/(1-p)}; CUDA saves a bool mask: both -> 1 bit
     masks = [r for r in m.report.sites if r.op == "dropout"]
-    assert len(masks) == 3 and all(r.action == "bits" for r in masks)
+    assert len(masks) == 3 and all(r.action == "codec:bits" for r in masks)
     in_sdpa = [r for r in m.report.sites if r.op == "scaled_dot_product_attention"]
-    assert [r.action for r in in_sdpa].count("bits") == 1  # the math path's attention dropout
+    assert [r.action for r in in_sdpa].count("codec:bits") == 1  # the math path's attention dropout
     for r in masks:
         n = torch.Size(r.shape).numel()
         assert r.bytes <= -(-n // 8) + (4 if r.dtype != "bool" else 0)
@@ -152,8 +152,8 @@ def test_composes_with_an_invact_style_function():
         block.mlp.act_fn.forward = act
     rep, _, _ = run(m, x, "int4")
     kinds = {(r.op, r.dtype): r.action for r in rep.sites if r.op == "inv_silu"}
-    assert kinds[("inv_silu", "float32")] == "int4-outlier-g16"
-    assert kinds[("inv_silu", "uint8")] == "keep"  # packed bits are left alone
+    assert kinds[("inv_silu", "float32")] == "codec:int4-outlier-g16"
+    assert kinds[("inv_silu", "uint8")] == "reformulate:inv_silu"  # packed bits: left alone
 
 
 def test_nonfinite_activations_come_back_nonfinite():

@@ -40,6 +40,8 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
+from slimact import actions
+
 
 class Stored(Protocol):
     """What a policy returns in place of a kept tensor (e.g. a codec's packed payload)."""
@@ -179,7 +181,11 @@ def _pack(t: torch.Tensor) -> Any:
             break
     if _state.listeners:
         kept = [t] if stored is None else stored.tensors()
-        action = "keep" if stored is None else getattr(stored, "action", type(stored).__name__)
+        action = (
+            actions.for_role(op)
+            if stored is None
+            else getattr(stored, "action", None) or actions.codec(type(stored).__name__)
+        )
         event = SavedEvent(site, module, op, t, kept, action)
         for listener in list(_state.listeners):
             listener(event)
@@ -203,7 +209,7 @@ def hold(t: torch.Tensor, role: str) -> None:
     ):
         return
     site, module = _next_site(role)
-    event = SavedEvent(site, module, role, t, [t], "hold")
+    event = SavedEvent(site, module, role, t, [t], actions.KEEP)  # kept as is, outside autograd
     for listener in list(_state.listeners):
         listener(event)
 

@@ -152,6 +152,28 @@ def codec_name(config: CodecConfig) -> str:
     return best
 
 
+# fields that size a codec to its tensor (or pick an implementation) rather than change what it
+# stores: left out of labels, so one site reads the same label in every step
+_UNLABELED = frozenset({"channels", "backend", "seed", "nonfinite", "max_range"})
+_SHORT = {"group_size": "g", "bits": "b"}
+
+
+def codec_label(config: CodecConfig) -> str:
+    """``<name>[/<params>]``: the nearest registered name (``codec_name``) and the parameters
+    that differ from its defaults, e.g. ``prac/r1=0.5,r2=0.1`` or ``int4-outlier/g32``."""
+    name = codec_name(config)
+    default = _CODECS.get(name)
+    if default is None or type(default) is not type(config):
+        return name
+    diffs = []
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if f.name in _UNLABELED or value == getattr(default, f.name):
+            continue
+        diffs.append(f"{_SHORT[f.name]}{value}" if f.name in _SHORT else f"{f.name}={value}")
+    return f"{name}/{','.join(diffs)}" if diffs else name
+
+
 def get_codec(spec: str | CodecConfig) -> Codec:
     """Build a codec from a registered name or a config."""
     if isinstance(spec, CodecConfig):

@@ -27,8 +27,8 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 import torch.nn as nn
 
-from slimact import sites
-from slimact.codecs.base import Codec, CodecConfig, Packed, codec_name
+from slimact import actions, sites
+from slimact.codecs.base import Codec, Packed, codec_label
 from slimact.patching import override_forward
 from slimact.registry import AppliedChange
 
@@ -81,8 +81,8 @@ class CodecStored:
 
     @property
     def action(self) -> str:
-        label = codec_label(self.codec.config)
-        return f"{label}:exact" if self.fallback is not None else label
+        """``codec:<label>``, with ``:exact`` when the codec stored this tensor exactly."""
+        return actions.codec(codec_label(self.codec.config), exact=self.fallback is not None)
 
 
 class SharedStored:
@@ -123,11 +123,6 @@ class SharedStored:
 
 
 Assign = Callable[[str, torch.Tensor], "Codec | None"]
-
-
-def codec_label(config: CodecConfig) -> str:
-    """The report label of a codec config (see ``codec_name``)."""
-    return codec_name(config)
 
 
 def exact(device: torch.device) -> AbstractContextManager:

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 
-from slimact import sites
+from slimact import actions, sites
 from slimact.classify import hidden_channels
 from slimact.codecs.build import build_codec
 from slimact.codecs.outlier import count_outlier_channels
@@ -102,12 +102,12 @@ def plan_cost(plan: Plan, profile: Profile) -> tuple[int, float]:
         total_t += sum(max(r.delta_s, 0.0) for r in kind.reforms if r.path in lp.reform)
         total_b += sum(r.extra_bytes for r in kind.reforms if r.path in lp.reform)
         for name, action, _, _ in lp.storages:
-            s = kind.storages[sid[name]]
-            if action in s.codecs:
-                st = s.codecs[action]
+            s, act = kind.storages[sid[name]], actions.parse(action)
+            if act.kind == actions.CODEC and act.detail in s.codecs:
+                st = s.codecs[act.detail]
                 total_t += st.encode_s + st.decode_s
-                total_b += kind.bytes_of(lp.block, s.id, action)
-            elif action in ("keep", "checkpoint input"):
+                total_b += kind.bytes_of(lp.block, s.id, act.detail)
+            elif act.kind == actions.KEEP:
                 total_b += kind.bytes_of(lp.block, s.id, "raw")
     return total_b, total_t
 

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from slimact import actions
 from slimact.budget import Budget
 from slimact.registry import StrategyConfig
 from slimact.utils import fmt_bytes
@@ -225,6 +226,15 @@ class LayerPlan:
     baseline_bytes: int = 0
     predicted_bytes: int = 0
     predicted_time_s: float = 0.0
+    reform_kinds: tuple[tuple[str, str], ...] = ()  # (reformulated module, its kind)
+
+    def __post_init__(self) -> None:  # rows speak slimact.actions' vocabulary (old plans too)
+        rows = tuple((n, actions.normalize(a), b, p) for n, a, b, p in self.storages)
+        object.__setattr__(self, "storages", rows)
+
+    def reform_action(self, path: str) -> str:
+        kind = dict(self.reform_kinds).get(path)
+        return actions.reformulate(actions.reform_op(kind) if kind else "inverted")
 
     def signature(self) -> tuple:
         return (self.kind, self.recompute, self.reform, tuple(s[:2] for s in self.storages))
@@ -256,19 +266,19 @@ class Plan(StrategyConfig):
         return None
 
     def site_actions(self) -> dict[str, str]:
-        """Every planned site (absolute name) -> 'keep' | 'codec:<name>' | 'dropped' ...;
-        modules -> 'recompute' | 'reform:<kind>'."""
+        """Every planned site (absolute name) and module (``<path>:``) -> its action, in
+        ``slimact.actions``' words: keep / recompute / codec:<name> / reformulate:<op>."""
         out: dict[str, str] = {}
         for lp in self.layers:
             for path in lp.recompute:
-                out[abs_path(path, lp.block) + ":"] = "recompute"
+                out[abs_path(path, lp.block) + ":"] = actions.RECOMPUTE
             for path in lp.reform:
-                out[abs_path(path, lp.block) + ":"] = "reform"
+                out[abs_path(path, lp.block) + ":"] = lp.reform_action(path)
             for name, action, _, _ in lp.storages:
                 out[abs_site(name, lp.block)] = action
             for codec, sites_ in lp.codecs:
                 for s in sites_:
-                    out[abs_site(s, lp.block)] = f"codec:{codec}"
+                    out[abs_site(s, lp.block)] = actions.codec(codec)
         return out
 
     def to_dict(self) -> dict:
@@ -295,6 +305,7 @@ class Plan(StrategyConfig):
                     "reform": tuple(lp["reform"]),
                     "codecs": tuple((c, tuple(s)) for c, s in lp["codecs"]),
                     "storages": tuple(tuple(s) for s in lp["storages"]),
+                    "reform_kinds": tuple(tuple(r) for r in lp.get("reform_kinds", ())),
                 }
             )
             for lp in d.get("layers", ())
@@ -315,16 +326,14 @@ class Plan(StrategyConfig):
             lp = lps[0]
             names = ", ".join(p.block or "(outside blocks)" for p in lps)
             lines.append(f"== {names}  [{lp.kind}]")
-            if lp.recompute:
-                lines.append(
-                    f"   recompute: {', '.join(p or '(whole block)' for p in lp.recompute)}"
-                )
-            if lp.reform:
-                lines.append(f"   reformulate: {', '.join(lp.reform)}")
-            lines.append(f"   {'storage':<44} {'action':<16} {'bytes':>11} {'planned':>11}")
+            for path in lp.recompute:
+                lines.append(f"   {path or '(whole block)'}: {actions.RECOMPUTE}")
+            for path in lp.reform:
+                lines.append(f"   {path or '(whole block)'}: {lp.reform_action(path)}")
+            lines.append(f"   {'storage':<44} {'action':<26} {'bytes':>11} {'planned':>11}")
             for name, action, before, after in lp.storages:
                 lines.append(
-                    f"   {name:<44} {action:<16} {fmt_bytes(before):>11} {fmt_bytes(after):>11}"
+                    f"   {name:<44} {action:<26} {fmt_bytes(before):>11} {fmt_bytes(after):>11}"
                 )
             lines.append(
                 f"   per block: {fmt_bytes(lp.baseline_bytes)} -> {fmt_bytes(lp.predicted_bytes)}"

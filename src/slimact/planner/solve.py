@@ -5,13 +5,14 @@ memory counted), the smallest feasible byte count is solved first, so a budget b
 error naming that smallest budget, then the time-optimal decision under the budget is solved
 and turned into one ``LayerPlan`` per block (``make_plan``): recomputed and reformulated modules,
 the codec of each encoded storage with every site that saves it, and one row per storage
-(keep / <codec> / dropped / not stored / checkpoint input) with its bytes before and after.
+(keep / codec:<name> / recompute, in ``slimact.actions``' words) with its bytes before and after.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from slimact import actions
 from slimact.budget import Budget
 from slimact.planner.milp import Problem
 from slimact.planner.plan import LayerPlan, Plan, Profile
@@ -89,11 +90,12 @@ def make_plan(
             for s in kind.storages:
                 raw = kind.bytes_of(b, s.id, "raw")
                 if s.id in drop:
-                    act, after = ("dropped" if s.sites else "not stored"), 0
+                    act, after = actions.RECOMPUTE, 0
                 elif s.id in d.codecs:
-                    act, after = d.codecs[s.id], kind.bytes_of(b, s.id, d.codecs[s.id])
+                    c = d.codecs[s.id]
+                    act, after = actions.codec(c), kind.bytes_of(b, s.id, c)
                 else:
-                    act, after = ("keep" if s.sites else "checkpoint input"), raw
+                    act, after = actions.KEEP, raw  # a checkpoint's input too
                 if s.sites or after:
                     rows.append((s.name, act, raw if s.sites else 0, after))
             layers.append(
@@ -107,6 +109,9 @@ def make_plan(
                     baseline_bytes=sum(r[2] for r in rows),
                     predicted_bytes=sum(r[3] for r in rows) + extra,
                     predicted_time_s=t,
+                    reform_kinds=tuple(
+                        (r.path, r.kind) for r in kind.reforms if r.path in d.reform
+                    ),
                 )  # fmt: skip
             )
     return Plan(
