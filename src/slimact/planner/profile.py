@@ -27,6 +27,11 @@ expensive measurements run on one block per kind (the first) and are shared by i
 - **static memory**: parameters + gradients + optimizer states; AdamW's states are measured by
   stepping a real ``torch.optim.AdamW`` on meta-device twins of the parameters.
 
+``profile_shapes`` runs the same pass on fake tensors (``FakeTensorMode``): the structure and exact
+bytes without values or times; ``slimact.planner.scaled`` builds a big model's profile from it and
+a measured one-block twin. The pass itself is ``slimact.planner.profiler.Profiler``, the codec
+measurements ``slimact.planner.codecstats``.
+
 Outside the blocks (embedding, final norm, head, loss) is profiled the same way as a kind
 ``(root)`` with one instance whose module paths are absolute. Timings are medians over
 ``repeats`` after one warm-up. ``cached_profile`` stores the result as JSON, keyed by
