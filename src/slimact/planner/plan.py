@@ -340,6 +340,15 @@ class Plan(StrategyConfig):
                 f", +{lp.predicted_time_s * 1e3:.2f} ms"
             )
         ratio = self.predicted_bytes / self.baseline_bytes if self.baseline_bytes else 0.0
+        described = dict(self.meta).get("describes")
+        if described:  # slimact.planner.describe: read from one measured step, not solved
+            lines += [
+                "",
+                f"model {self.model}  batch {self.batch} x seq {self.seq}  {self.dtype}",
+                f"strategy {described}: activations measured {fmt_bytes(self.baseline_bytes)}"
+                f" (none) -> {fmt_bytes(self.predicted_bytes)} ({ratio:.1%})",
+            ]
+            return "\n".join(lines)
         lines += [
             "",
             f"model {self.model}  batch {self.batch} x seq {self.seq}  {self.dtype}",

@@ -217,6 +217,12 @@ def _checked(model: nn.Module, changes: list[AppliedChange], replanner=None):  #
 
 
 def apply_plan(model: nn.Module, plan: Plan, filter_fn: FilterFn | None = None):
+    described = dict(plan.meta).get("describes")
+    if described:
+        raise ValueError(
+            f"this Plan describes what strategy {described!r} does (slimact.planner.describe); "
+            f"apply the strategy itself: slimact.apply(model, {described!r})"
+        )
     if not plan.layers:
         raise ValueError(
             "strategy 'plan' needs a solved Plan: slimact.apply(model, Plan.load(path)) or "
