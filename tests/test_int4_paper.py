@@ -193,7 +193,7 @@ def test_naive_bytes_measured():
     sites = {r.site: r for r in rep.sites}
     down = sites["layers.0.mlp.down_proj:linear#0"]  # [B*S, 172] fp32 -> codes + 1 scale/token
     n = b * s * 172
-    assert down.action == "TokenQuantConfig" and down.bytes == n // 2 + 4 * b * s
+    assert down.action == "codec:int4-token" and down.bytes == n // 2 + 4 * b * s
     qkv_in = sites["layers.0.self_attn.q_proj:linear#0"]  # shared by k/v_proj: counted once
     assert qkv_in.bytes == b * s * 64 // 2 + 4 * b * s
     assert sites["layers.0.self_attn.k_proj:linear#0"].bytes == 0

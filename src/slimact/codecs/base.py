@@ -160,7 +160,11 @@ _SHORT = {"group_size": "g", "bits": "b"}
 
 def codec_label(config: CodecConfig) -> str:
     """``<name>[/<params>]``: the nearest registered name (``codec_name``) and the parameters
-    that differ from its defaults, e.g. ``prac/r1=0.5,r2=0.1`` or ``int4-outlier/g32``."""
+    that differ from its defaults, e.g. ``prac/r1=0.5,r2=0.1`` or ``int4-outlier/g32``. A codec
+    that is not registered (not a planner candidate) may name itself with a ``label`` property."""
+    own = getattr(config, "label", None)
+    if isinstance(own, str) and own:
+        return own
     name = codec_name(config)
     default = _CODECS.get(name)
     if default is None or type(default) is not type(config):

@@ -50,6 +50,11 @@ class TokenQuantConfig(CodecConfig):
     nonfinite: str = "exact"
     max_range: float | None = DEFAULT_MAX_RANGE
 
+    @property
+    def label(self) -> str:
+        """The report label (``codec:int4-token``): not a registered codec, so no name of its own."""
+        return f"int{self.bits}-token" + ("" if self.paper_scale else "/paper_scale=False")
+
     def __post_init__(self) -> None:
         check_common(self, self.bits, self.nonfinite, "ref")
         check_max_range(self, self.max_range)
