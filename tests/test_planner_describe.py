@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import slimact
 from slimact import actions
+from slimact.cli import main
 from slimact.planner.describe import describe
 from slimact.planner.plan import Plan
 from slimact.registry import strategy_names
@@ -87,3 +90,19 @@ def test_a_described_plan_is_not_applied(ids):
 def test_a_bad_spec_fails_before_any_work(ids):
     with pytest.raises(ValueError, match="int5"):
         describe(_model("llama-tiny"), "int5", ids)
+
+
+@pytest.mark.parametrize("spec", ["recompute", "invact+int4"])
+def test_plan_cli_prints_any_strategy(spec, capsys):
+    argv = ["plan", "--model", "llama-tiny", "--batch", "2", "--seq", "16", "--strategy", spec]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["meta"]["describes"] == spec and out["site_actions"]
+    assert {actions.parse(a).kind for a in out["site_actions"].values()} <= set(actions.KINDS)
+    assert main(argv) == 0
+    assert f"strategy {spec}: activations measured" in capsys.readouterr().out
+
+
+def test_plan_cli_needs_a_budget_or_a_strategy(capsys):
+    assert main(["plan", "--model", "llama-tiny", "--batch", "2", "--seq", "16"]) != 0
+    assert "exactly one of --budget" in capsys.readouterr().err

@@ -1,6 +1,10 @@
 """``slimact plan``: profile a model, solve the MILP for a budget, print (or save) the plan.
 
     slimact plan --model llama-20m --batch 4 --seq 256 --budget 25% [--json] [--out plan.json]
+    slimact plan --model llama-20m --batch 4 --seq 256 --strategy int4 [--json]
+
+With ``--strategy NAME`` it prints the plan any strategy amounts to (``slimact.planner.describe``:
+one measured step beside ``none``, every storage's action and bytes in the same words).
 
 The profile is cached (``--cache DIR``, default ``~/.cache/slimact/profiles``), so re-planning
 for another budget only re-solves. ``slimact.apply(model, Plan.load("plan.json"))`` applies a
@@ -19,7 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-20m", help="registered model name")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
-    add_budget_argument(p, required=True, what="the plan")
+    add_budget_argument(p, what="the plan (required unless --strategy)")
+    p.add_argument(
+        "--strategy",
+        default=None,
+        help="print the plan this strategy (any spec, e.g. int4, invact+recompute, auto@25%%) "
+        "amounts to, read from one measured step, instead of solving for --budget",
+    )
     p.add_argument("--layers", default="ends", choices=["uniform", "ends", "each"])
     p.add_argument("--codecs", default=None, help="comma-separated candidate codecs (default all)")
     p.add_argument("--no-recompute", action="store_true")
@@ -74,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or default_device()
     if args.seq > get_spec(args.model).config.max_seq_len:
         raise ValueError(f"seq {args.seq} exceeds {args.model}'s max_seq_len")
+    if (args.strategy is None) == (args.budget is None):
+        raise ValueError("slimact plan needs exactly one of --budget (solve) or --strategy NAME")
+    if args.strategy is not None:
+        return _print(args, _described(args, device, dtype), "measured", None)
     mode = args.profile
     if mode == "auto":
         mode = "scaled" if param_bytes(args.model, dtype) > SCALED_FROM_BYTES else "full"
@@ -103,6 +117,23 @@ def run(args: argparse.Namespace) -> int:
             model, args.batch, args.seq, args.budget, seed=args.seed, repeats=args.repeats or 3,
             cache=cache, **options,
         )  # fmt: skip
+    return _print(args, plan, mode, scaled)
+
+
+def _described(args: argparse.Namespace, device, dtype):
+    import torch
+
+    from slimact.models import build_model
+    from slimact.planner.describe import describe
+
+    model = build_model(args.model, device=device).to(dtype)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(device)
+    return describe(model, args.strategy, ids, name=args.model)
+
+
+def _print(args: argparse.Namespace, plan, mode: str, scaled) -> int:
     if args.out:
         plan.save(args.out)
     if args.json:  # planning time split: profiling (cached: the original run's) and the MILP
