@@ -58,6 +58,8 @@ def test_config_is_validated():
         EvolveConfig(cap=0)
     with pytest.raises(ValueError, match=r"min_gain must be in \[0, 1\), got 1.5"):
         EvolveConfig(min_gain=1.5)
+    with pytest.raises(ValueError, match="time_band must be >= 1, got 0.5"):
+        EvolveConfig(time_band=0.5)
     model, _, _ = _planned(("int8",), 1e-3, 5e-2)
     with pytest.raises(ValueError, match="not both"):
         PlanEvolver(model, EvolveConfig(), cap=4)
@@ -80,6 +82,7 @@ def test_time_drift_alone_changes_the_plan(tmp_path):
     _step(model)
     event = ev.on_step(1)
     assert event["bytes_drift"] == 0.0 and event["time_drift"] > 10
+    assert event["time_factors"]["int4"] > 10  # rescaled: far outside the 2x noise band
     assert event["applied"] is True and event["reason"] in ("faster", "current plan over budget")
     assert any(new == "recompute" for _, _, new in event["changed"])
     assert event["predicted_time_s"] < event["current_time_s"]
