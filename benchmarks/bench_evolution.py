@@ -54,27 +54,33 @@ def run(arm: str, args: argparse.Namespace, work: Path) -> dict:
         progress=False, baseline="off", threads=1, ckpt_every=0, keep_last=1, seed=0,
     )  # fmt: skip
     load0, t0 = load_average(), time.perf_counter()
-    res = train(cfg)
+    diverged = None
+    try:
+        res = train(cfg)
+    except FloatingPointError as e:  # a non-finite loss: recorded, the other arms still run
+        res, diverged = None, str(e)
     log = work / arm / "plan_changes.jsonl"
     events = [json.loads(s) for s in log.read_text().splitlines()] if log.exists() else []
+    history = [json.loads(s) for s in (work / arm / "metrics.jsonl").read_text().splitlines()]
     return {
         "arm": arm,
         "strategy": strategy,
         "wall_s": time.perf_counter() - t0,
         "load_avg": [load0, load_average()],
-        "final_train_loss": res.final_train_loss,
-        "final_val_loss": res.final_val_loss,
-        "first_step_saved_bytes": res.saved_bytes,
-        "step_time_s": res.step_time_s,
-        "losses": [r["loss"] for r in res.history],
-        "eval": [(r["step"], r["eval_loss"]) for r in res.history if "eval_loss" in r],
+        "diverged": diverged,
+        "final_train_loss": res.final_train_loss if res else None,
+        "final_val_loss": res.final_val_loss if res else None,
+        "first_step_saved_bytes": res.saved_bytes if res else None,
+        "step_time_s": res.step_time_s if res else None,
+        "losses": [r["loss"] for r in history],
+        "eval": [(r["step"], r["eval_loss"]) for r in history if "eval_loss" in r],
         "events": events,
     }
 
 
 def markdown(out: dict) -> str:
     a = out["args"]
-    none = next(r for r in out["runs"] if r["arm"] == "none")
+    none = next(r for r in out["runs"] if r["arm"] == "none")  # the first arm
     lines = [
         "# Adaptive policy evolution (adacc.txt §3.4)",
         "",
@@ -89,12 +95,27 @@ def markdown(out: dict) -> str:
     ]
     for r in out["runs"]:
         n = sum(1 for e in r["events"] if e.get("applied"))
-        dt = (r["final_train_loss"] / none["final_train_loss"] - 1) if r is not none else 0.0
-        dv = (r["final_val_loss"] / none["final_val_loss"] - 1) if r is not none else 0.0
+        if r["diverged"]:
+            lines.append(f"| {r['arm']} | {r['diverged']} | | | | | {n} |")
+            continue
+        dt = r["final_train_loss"] / none["final_train_loss"] - 1
+        dv = r["final_val_loss"] / none["final_val_loss"] - 1
         lines.append(
             f"| {r['arm']} | {r['final_train_loss']:.4f} | {dt:+.2%} | {r['final_val_loss']:.4f} "
             f"| {dv:+.2%} | {r['step_time_s'] or 0:.3f} | {n if r['arm'] != 'none' else '-'} |"
         )
+    evals = {r["arm"]: dict(r["eval"]) for r in out["runs"]}
+    steps = sorted({s for e in evals.values() for s in e})
+    lines += [
+        "",
+        "Validation loss at the eval steps:",
+        "",
+        "| step | " + " | ".join(evals) + " |",
+        "| ---: |" + " ---: |" * len(evals),
+    ]
+    for s in steps:
+        cells = [f"{e[s]:.4f}" if s in e else "-" for e in evals.values()]
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
     for r in out["runs"]:
         if not r["events"]:
             continue
@@ -132,20 +153,22 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     torch.set_num_threads(1)
-    load0 = load_average()
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ["SLIMACT_CACHE_DIR"] = str(Path(tmp) / "profiles")  # one shared profile
-        runs = [run(arm, args, Path(tmp)) for arm in args.arms.split(",")]
+    load0, machine = load_average(), machine_info()  # the commit the code was loaded from
     out = {
         "command": " ".join(["python", *sys.argv]),
         "args": vars(args) | {"out": str(args.out)},
-        "machine": machine_info(),
-        "load_avg": [load0, load_average()],
-        "runs": runs,
+        "machine": machine,
+        "load_avg": [load0, None],
+        "runs": [],
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "evolution.json").write_text(json.dumps(out, indent=1))
-    (args.out / "evolution.md").write_text(markdown(out))
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["SLIMACT_CACHE_DIR"] = str(Path(tmp) / "profiles")  # one shared profile
+        for arm in args.arms.split(","):
+            out["runs"].append(run(arm, args, Path(tmp)))
+            out["load_avg"][1] = load_average()
+            (args.out / "evolution.json").write_text(json.dumps(out, indent=1))
+            (args.out / "evolution.md").write_text(markdown(out))  # after every arm
     print(markdown(out))
 
 
