@@ -20,7 +20,6 @@ The refs themselves stay the reference: tests compare this path against them.
 
 from __future__ import annotations
 
-import functools
 import types
 import warnings
 from collections.abc import Callable
@@ -38,12 +37,16 @@ def available() -> bool:
     return not _BROKEN
 
 
-def _own_code(fn: Callable) -> Callable:
-    """A copy of ``fn`` with its own code object (dynamo caches per code object)."""
-    code = fn.__code__.replace()
-    copy = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    return copy
+def _bind(fn: Callable, static: dict) -> Callable:
+    """``fn`` with ``static`` bound, as a function with its own code object: dynamo keeps its
+    cache per code object of the frame it enters (a ``functools.partial`` would share one
+    wrapper's code among all keys)."""
+
+    def bound(*tensors):
+        return fn(*tensors, **static)
+
+    code = bound.__code__.replace(co_name=f"{fn.__name__}_compiled")
+    return types.FunctionType(code, bound.__globals__, code.co_name, None, bound.__closure__)
 
 
 def compiled(fn: Callable, **static) -> Callable:
@@ -51,8 +54,7 @@ def compiled(fn: Callable, **static) -> Callable:
     key = (fn, tuple(sorted(static.items())))
     c = _COMPILED.get(key)
     if c is None:
-        part = functools.partial(_own_code(fn), **static)
-        c = _COMPILED[key] = torch.compile(part, dynamic=True, fullgraph=True)
+        c = _COMPILED[key] = torch.compile(_bind(fn, static), dynamic=True, fullgraph=True)
     return c
 
 
