@@ -8,12 +8,14 @@ Points, all in one process, fp32, one torch thread (unless --threads):
 
 * ``eager-none``: the model as built (the baseline of every ratio);
 * ``compiled-none``: ``slimact.hf.compile_blocks`` (each block's forward compiled, no budget);
-* ``compile-budget``: ``torch.compile`` (inductor) of the whole loss function with
-  ``activation_memory_budget`` = --budget. Each budget gets its own code object (dynamo caches
+* ``compile-budget (b)``: ``torch.compile`` (inductor) of the whole loss function with
+  ``activation_memory_budget`` = b, for each b of --budgets. Each budget gets its own code object (dynamo caches
   compiled frames per code object and does not guard on the budget), and every point runs with
   its own budget patched in, so a recompile can never take another point's budget;
 * ``compiled-int8`` / ``compiled-int4``: ``slimact.compiled.compile_with_codec`` (per-block
-  compile, pack/unpack GraphModules inlined into the compiled graphs).
+  compile, pack/unpack GraphModules inlined into the compiled graphs);
+* ``compiled-invact``: ``invact`` (inverted activations and norms as custom ops) then
+  ``compile_blocks``: the reformulation inside compiled blocks.
 
 Saved bytes: what one forward leaves alive (``slimact.compiled.forward_live_bytes``: the torch
 profiler's memory events; loss included), measured on a call after compilation. For eager-none
@@ -113,11 +115,15 @@ def run(args) -> dict:
     m = copy.deepcopy(base)
     compile_blocks(m, backend="inductor")
     points["compiled-none"] = Point(m)
-    tag = f"budget_{str(args.budget).replace('.', '_')}"
-    fwd = torch.compile(own_code(loss_fn, tag), backend="inductor")
-    points["compile-budget"] = Point(copy.deepcopy(base), fwd, args.budget)
+    for b in args.budgets:
+        tag = f"budget_{str(b).replace('.', '_')}"
+        fwd = torch.compile(own_code(loss_fn, tag), backend="inductor")
+        points[f"compile-budget ({b})"] = Point(copy.deepcopy(base), fwd, b)
     for name in ("compiled-int8", "compiled-int4"):
         points[name] = Point(slimact.apply(copy.deepcopy(base), name))
+    inv = slimact.apply(copy.deepcopy(base), "invact")
+    compile_blocks(inv, backend="inductor")
+    points["compiled-invact"] = Point(inv)
 
     rows: dict[str, dict] = {}
     points["eager-none"].step(x, y)
@@ -158,8 +164,9 @@ def run(args) -> dict:
         rows[name]["step_s"] = timing.median_s(name)
         if name != "eager-none":
             rows[name]["step_ratio"] = timing.ratio(name, "eager-none").to_dict()
-    pairs = [(a, b) for a in ("compiled-int8", "compiled-int4")
-             for b in ("compiled-none", "compile-budget")]  # fmt: skip
+    anchors = ["compiled-none", *(f"compile-budget ({b})" for b in args.budgets)]
+    pairs = [(a, b) for a in ("compiled-int8", "compiled-int4") for b in anchors]
+    pairs.append(("compiled-invact", "compiled-none"))
     cross = {f"{a} / {b}": timing.ratio(a, b).to_dict() for a, b in pairs}
     return {
         "env": env(),
@@ -167,7 +174,7 @@ def run(args) -> dict:
         "batch": args.batch,
         "seq": args.seq,
         "dtype": "float32",
-        "budget": args.budget,
+        "budgets": args.budgets,
         "rounds": args.rounds,
         "meter_bytes_eager_none": meter_bytes,
         "graph_breaks": graph_breaks(),
@@ -199,7 +206,7 @@ def report(d: dict) -> str:
         s = r.get("step_ratio")
         ratio = f"{s['median']:.3f} [{s['min']:.3f}-{s['max']:.3f}]" if s else "1 (baseline)"
         iqr = f"{s['q1']:.3f}-{s['q3']:.3f}" if s else ""
-        label = name + (f" ({d['budget']})" if name == "compile-budget" else "")
+        label = name
         lines.append(
             f"| {label} | {fmt_bytes(r['saved_bytes'])} | {r['bytes_ratio']:.3f} | {ratio} | "
             f"{iqr} | {r['grad_cos']:.5f} | {r['grad_cos_min']:.4f} | {r['first_step_s']:.1f} |"
@@ -249,7 +256,12 @@ def main() -> None:
     p.add_argument("--model", default="llama-20m")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--budget", type=float, default=0.25)
+    p.add_argument(
+        "--budgets",
+        type=lambda t: [float(v) for v in t.split(",")],
+        default=[0.5, 0.25, 0.1],
+        help="comma-separated activation_memory_budget values of the compile anchors",
+    )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--results-dir", type=Path, default=RESULTS)
