@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from slimact import sites
 from slimact.checkpointing import carries_cache, guard_cache
-from slimact.classify import call_batch
+from slimact.classify import call_batch, hidden_channels
 from slimact.codecs.base import Codec
 from slimact.codecs.build import build_codec
 from slimact.codecs.saving import CodecPolicy
@@ -86,9 +86,12 @@ class PlanAssign:
         if hit is None:
             return None
         name, key = hit
-        codec = self.codecs.get(key)
+        # the key names a block's first site of this codec, which may span several storages:
+        # a channel codec is sized per channel count (int8-channel on 768- and 2048-wide ones)
+        ck = f"{key}|{hidden_channels(t) if t.dim() else 0}"
+        codec = self.codecs.get(ck)
         if codec is None:
-            codec = self.codecs[key] = build_codec(name, t)
+            codec = self.codecs[ck] = build_codec(name, t)
         return codec
 
 
