@@ -128,12 +128,15 @@ def profile_model(
     repeats: int = 3,
     reform: bool = True,
     per_block: bool = True,
+    slopes: bool = False,
     optimizer: str = "adamw",
     name: str = "",
 ) -> Profile:
     """Measure everything the MILP needs on one forward of ``model(input_ids, targets=...)``
     (``labels=`` for a model whose forward takes ``labels``, as Hugging Face's do).
 
+    ``slopes``: also record each codec's payload bytes per doubling of the rows
+    (``per_block[rep][sid]["<codec>@slope"]``), which ``slimact.planner.scaled`` extrapolates by.
     Parameters' ``.grad`` and the global RNG state are left untouched.
     """
     codecs = list(codecs) if codecs else codec_names()
@@ -144,7 +147,7 @@ def profile_model(
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     t_start = time.perf_counter()
     with torch.random.fork_rng(devices=[]):
-        prof = Profiler(model, input_ids.device, codecs, repeats)
+        prof = Profiler(model, input_ids.device, codecs, repeats, slopes=slopes)
         report = prof.forward(input_ids, input_ids if targets is None else targets)
         groups = tqdm(
             prof.groups, desc="slimact: profiling block kinds", unit="kind", delay=2.0, leave=False

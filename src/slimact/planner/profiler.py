@@ -60,9 +60,11 @@ class Profiler:
         codecs: list[str],
         repeats: int,
         shapes_only: bool = False,
+        slopes: bool = False,
     ):
         self.model, self.device, self.codecs, self.repeats = model, device, codecs, repeats
         self.shapes_only = shapes_only  # fake tensors: structure, bytes and FLOPs, no values
+        self.slopes = slopes  # per codec, payload bytes per extra copy of the rows (scaled.py)
         self.modules = dict(model.named_modules())
         self.blocks = sites.block_paths(model)
         groups: dict[str, list[str]] = {}
@@ -143,11 +145,45 @@ class Profiler:
                 kp.per_block[b] = {
                     str(s.id): row for s in kp.storages if (row := self._row(s, b, rep))
                 }
+        if self.slopes:
+            for s in kp.storages:
+                for c, slope in self._slopes(s, rep).items():
+                    kp.per_block.setdefault(rep, {}).setdefault(str(s.id), {})[c] = slope
         return kp
 
     def _views(self, s: StorageProfile, block: str) -> list[tuple[str, torch.Tensor]]:
         names = [abs_site(x, block) for x in s.sites if x != "!extern"]
         return [(n, self.views[n]) for n in names if n in self.views]
+
+    @torch.no_grad()
+    def _slopes(self, s: StorageProfile, rep: str) -> dict[str, int]:
+        """``{"<codec>@slope": P(2n) - P(n)}``: the payload of the storage's first view with its
+        rows doubled (stacked along dim 0, memory order kept) minus its own. Payloads are affine
+        in rows (per-channel scales, outlier channel lists and PRAC's basis are the intercept),
+        so the scaled profile extrapolates them exactly. A layout the stacking changes: none."""
+        if not s.codecs:
+            return {}
+        vs = self._views(s, rep) or [(s.name, self.views[f"{rep}|{s.name}"])]
+        name, t = vs[0]
+        if t.dim() == 0:
+            return {}
+        perm = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))  # outermost first
+        inner = t.permute(perm).contiguous()
+        at = perm.index(0)
+        twice = torch.cat([inner, inner], dim=at).permute(
+            *sorted(range(t.dim()), key=perm.__getitem__)
+        )
+        if hidden_channels(twice) != hidden_channels(t):
+            return {}
+        out = {}
+        for c in s.codecs:
+            try:
+                one = _payload_bytes(run_policy(build_codec(c, t), [(name, t)]))
+                two = _payload_bytes(run_policy(build_codec(c, twice), [(name, twice)]))
+            except (TypeError, ValueError, RuntimeError, NotImplementedError):
+                continue
+            out[f"{c}@slope"] = two - one
+        return out
 
     def _row(self, s: StorageProfile, b: str, rep: str) -> dict[str, int]:
         vs = self._views(s, b)

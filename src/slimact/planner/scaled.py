@@ -14,9 +14,11 @@ weights. ``profile_scaled(name, batch, seq)`` never builds the full model:
    first, then sequence length, reduced). Its one block stands for all of its kind;
 3. **merge**: the twin's kinds (storages, modules, codecs, reformulations) keep their ids and take
    the full model's block lists, bytes, shapes and FLOPs, matched by name. Twin measurements are
-   scaled to the full size by ``SCALING``: a storage's codec payload bytes and encode/decode
-   times by its raw bytes' ratio (per-row and per-group codecs' payload is linear in rows; PRAC's
-   fixed n x r basis makes it an over-estimate there), a module's recompute time by its exact
+   scaled to the full size by ``SCALING``: a storage's codec payload bytes are affine in its rows
+   (per-channel scales, outlier channel lists, PRAC's basis: the intercept), measured at the
+   twin's rows and at twice them (the rows stacked twice: same channel statistics), and
+   extrapolated to the model's rows (raw bytes' ratio if the stacking failed); encode/decode
+   times by the raw bytes' ratio, a module's recompute time by its exact
    FLOPs ratio (counted on both: attention's quadratic term included), a reformulation's time and
    new bytes (bit mask, rstd, log-sum-exp per token) by the token ratio.
 
@@ -53,8 +55,9 @@ SCALED_FROM_BYTES = 2 << 30  # ``slimact plan --profile auto``: parameters above
 
 SCALING = (
     "twin of 1 block at {tb}x{ts} tokens, scaled to {b}x{s}: site bytes, shapes, sharing and "
-    "FLOPs exact from fake tensors; codec payload bytes and encode/decode times x raw-bytes "
-    "ratio; recompute times x FLOPs ratio; reformulation times and new bytes x tokens ratio"
+    "FLOPs exact from fake tensors; codec payload bytes affine in rows (measured at 1x and 2x "
+    "the twin's rows); codec times x raw-bytes ratio; recompute times x FLOPs ratio; "
+    "reformulation times and new bytes x tokens ratio"
 )
 
 
@@ -141,7 +144,7 @@ def profile_scaled(
     tids = _ids(vocab, tb, ts, config.seed, device)
     small = profile_model(
         twin, tids[:, :-1], tids[:, 1:], codecs=config.codecs, repeats=config.repeats,
-        reform=config.reform, name=name,
+        reform=config.reform, name=name, slopes=True,
     )  # fmt: skip
     del twin
     tokens = (batch * seq) / (tb * ts)
@@ -207,14 +210,16 @@ def _merge(full: KindProfile, twin: KindProfile, tokens: float) -> KindProfile:
         diff = sorted(set(names) ^ set(by_name))
         raise ValueError(f"kind {full.kind}: the twin's storages differ from the model's: {diff}")
     storages = []
+    rep = twin.per_block.get(twin.blocks[0], {})
     for s in twin.storages:
         f = by_name[s.name]
         r = f.bytes / s.bytes if s.bytes else tokens
-        codecs = {
-            c: CodecStat(round(st.bytes * r), st.encode_s * r, st.decode_s * r, st.rel_err,
-                         st.sqnr_db)
-            for c, st in s.codecs.items()
-        }  # fmt: skip
+        codecs = {}
+        for c, st in s.codecs.items():
+            slope = rep.get(str(s.id), {}).get(f"{c}@slope")  # payload per copy of the rows
+            nbytes = st.bytes * r if slope is None else st.bytes + slope * (r - 1)
+            codecs[c] = CodecStat(round(nbytes), st.encode_s * r, st.decode_s * r, st.rel_err,
+                                  st.sqnr_db)  # fmt: skip
         storages.append(dataclasses.replace(s, bytes=f.bytes, shape=list(f.shape), codecs=codecs))
     flops = {m.path: m.flops for m in full.modules}
     modules = []
