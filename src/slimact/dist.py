@@ -23,6 +23,12 @@ activations, and Q2 is drawn in Q1's complement, so ranks would drift apart; :fu
 makes every rank use rank 0's (Q1, Q2): after each subspace update (all ranks update at the same
 clock ticks), the codec broadcasts them from rank 0 before encoding with them.
 
+Plans (strategy ``auto``): each rank plans lazily on its own rows, so the first plans may
+differ; ``slimact.planner.evolve.PlanEvolver`` tracks from step 1 on every rank, gathers every
+rank's tracked figures on rank 0, which re-solves and broadcasts its plan, so every rank runs
+the same plan from step 2 on, and installs each later plan at the same step; ``BudgetCheck``
+judges the largest measured bytes over ranks, so ranks re-plan together or not at all.
+
 Logging and checkpoints: only rank 0 writes metrics and files (:func:`is_main`); checkpoints are
 rank-0 ``model.safetensors`` (full, unsharded weights: DDP's are replicated; FSDP2's are gathered
 with ``torch.distributed.checkpoint.state_dict``), so a checkpoint loads into a plain model.

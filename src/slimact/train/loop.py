@@ -15,9 +15,11 @@ single-process model and resumes under any world size that divides the batch).
 
 Everything that decides the trajectory (weights, optimizer, schedule step, loader position, RNG
 states, the plan under ``auto`` and its evolver's state) goes into checkpoints, so on CPU a
-resumed run repeats the uninterrupted run's losses bit-for-bit; which checkpoint ``resume``
-picks, and what a damaged one does, is ``slimact.train.resume``'s. Ctrl-C finishes the current
-step, writes a checkpoint and stops (a second Ctrl-C aborts at once).
+resumed run repeats the uninterrupted run's losses bit-for-bit (under ``auto``, as long as the
+evolver's re-plans do not hang on its tracked codec *times*, which differ between runs:
+``PlanEvolver.default_config = EvolveConfig(time_codecs=False)`` makes them deterministic);
+which checkpoint ``resume`` picks, and what a damaged one does, is ``slimact.train.resume``'s.
+Ctrl-C finishes the current step, writes a checkpoint and stops (a second Ctrl-C aborts at once).
 """
 
 from __future__ import annotations
