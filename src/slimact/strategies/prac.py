@@ -49,21 +49,15 @@ from __future__ import annotations
 import fnmatch
 import functools
 import logging
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn as nn
 
 from slimact.classify import classify_norm, rms_eps
 from slimact.codecs.prac import (
-    SVD_METHODS,
-    PacCodecConfig,
     PracCodec,
-    PracCodecConfig,
-    RacCodecConfig,
     resolve_rank,
-    validate_rank_pair,
 )
 from slimact.codecs.saving import CodecPolicy, dense_order, install_policy
 from slimact.models.common import RMSNorm
@@ -72,10 +66,10 @@ from slimact.patching import override_forward, run_all
 from slimact.registry import (
     AppliedChange,
     FilterFn,
-    StrategyConfig,
     register_strategy,
 )
 from slimact.state import drop_stateful, peek, state_of
+from slimact.strategies.prac_config import PacConfig, PracConfig, RacConfig
 
 logger = logging.getLogger("slimact")
 
@@ -83,135 +77,6 @@ ATTENTION_OPS = ("scaled_dot_product_attention", "flash_attn", "attention")
 _NORMS = (nn.LayerNorm, RMSNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
 _ACTS = (nn.SiLU, nn.GELU, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Mish, nn.ELU, nn.Softplus)
 _ACT_NAMES = ("silu", "gelu", "swish", "relu")
-
-
-def _flag(value: str) -> bool:
-    if value.lower() not in ("true", "false", "1", "0"):
-        raise ValueError(value)
-    return value.lower() in ("true", "1")
-
-
-_flag.__name__ = "true or false"
-_SPEC_FIELDS = {"t1": int, "t2": int, "svd": str, "q2": str, "niter": int, "seed": int,
-                "only_if_smaller": _flag, "fuse_norms": _flag}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class PracConfig(StrategyConfig):
-    """Ranks per role as (r1, r2): floats are fractions of the feature size n, ints absolute.
-
-    ``overrides``: ((pattern, r1, r2), ...), first match wins; patterns are fnmatch'ed against
-    the site name (``layers.0.mlp.down_proj:linear#0``) and its module path. ``keep``: patterns of
-    sites never compressed. ``gate_modules``: modules whose elementwise-product saves (the SwiGLU
-    gate ``silu(gate) * up``) count as nonlinear sites.
-    """
-
-    linear: tuple[int | float, int | float] = (0.3, 0.3)
-    nonlinear: tuple[int | float, int | float] = (0.2, 0.2)
-    overrides: tuple[tuple[str, int | float, int | float], ...] = ()
-    keep: tuple[str, ...] = ()
-    gate_modules: tuple[str, ...] = ("*mlp",)
-    t1: int = 5
-    t2: int = 1
-    svd: str = "randomized"
-    niter: int = 2
-    seed: int = 0
-    min_features: int = 8
-    q2: str = "regenerate"
-    only_if_smaller: bool = True
-    fuse_norms: bool = True
-
-    codec_cls: ClassVar[type[PracCodecConfig]] = PracCodecConfig
-
-    def __post_init__(self) -> None:
-        for name in ("linear", "nonlinear"):
-            pair = tuple(getattr(self, name))
-            if len(pair) != 2:
-                raise ValueError(f"{name} must be a pair (r1, r2), got {getattr(self, name)!r}")
-            object.__setattr__(self, name, pair)
-            validate_rank_pair(*pair, what=f"{type(self).__name__}.{name}")
-        ov = self.overrides.items() if isinstance(self.overrides, dict) else self.overrides
-        rows = []
-        for row in ov:
-            row = (row[0], *row[1]) if len(row) == 2 else tuple(row)
-            if len(row) != 3 or not isinstance(row[0], str):
-                raise ValueError(f"overrides entries must be (pattern, r1, r2), got {row!r}")
-            validate_rank_pair(row[1], row[2], what=f"override {row[0]!r}")
-            rows.append(row)
-        object.__setattr__(self, "overrides", tuple(rows))
-        for name in ("keep", "gate_modules"):
-            v = getattr(self, name)
-            v = (v,) if isinstance(v, str) else tuple(v)
-            if not all(isinstance(p, str) for p in v):
-                raise ValueError(f"{name} must be a tuple of patterns (str), got {v!r}")
-            object.__setattr__(self, name, v)
-        if self.svd not in SVD_METHODS:
-            raise ValueError(f"svd must be one of {SVD_METHODS}, got {self.svd!r}")
-        for flag in ("only_if_smaller", "fuse_norms"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
-        if not isinstance(self.min_features, int) or self.min_features < 2:
-            raise ValueError(f"min_features must be an int >= 2, got {self.min_features!r}")
-        for r1, r2 in (self.linear, self.nonlinear, *[(r[1], r[2]) for r in self.overrides]):
-            self.codec_config(r1, r2)  # t1, t2, niter, seed and the variant's invariants
-
-    @classmethod
-    def from_spec(cls, spec: str) -> PracConfig:
-        """``"prac@t1=20,t2=1,svd=randomized"`` -> ``PracConfig(t1=20, t2=1, svd="randomized")``."""
-        body = spec.split("@", 1)[1] if "@" in spec else spec
-        kwargs: dict[str, Any] = {}
-        for item in filter(None, (part.strip() for part in body.split(","))):
-            key, sep, value = item.partition("=")
-            conv = _SPEC_FIELDS.get(key.strip())
-            if not sep or conv is None:
-                raise ValueError(
-                    f"strategy spec {spec!r}: {item!r} must be key=value with key one of "
-                    f"{', '.join(_SPEC_FIELDS)}"
-                )
-            try:
-                kwargs[key.strip()] = conv(value.strip())
-            except ValueError:
-                raise ValueError(
-                    f"strategy spec {spec!r}: {key} must be {conv.__name__}, got {value!r}"
-                ) from None
-        return cls(**kwargs)
-
-    def codec_config(self, r1: int | float, r2: int | float) -> PracCodecConfig:
-        """The codec config of one site (the variant's codec class checks its invariant)."""
-        return self.codec_cls(
-            r1=r1,
-            r2=r2,
-            t1=self.t1,
-            t2=self.t2,
-            svd=self.svd,
-            niter=self.niter,
-            seed=self.seed,
-            q2=self.q2,
-        )
-
-    def ranks_for(self, role: str, site: str, module: str) -> tuple[int | float, int | float]:
-        for pattern, r1, r2 in self.overrides:
-            if fnmatch.fnmatchcase(site, pattern) or fnmatch.fnmatchcase(module, pattern):
-                return r1, r2
-        return self.linear if role in ("linear", "output") else self.nonlinear
-
-
-@dataclass(frozen=True)
-class PacConfig(PracConfig):
-    """Ablation: principal subspace only, at PRAC's total rank (0.6n linear, 0.4n nonlinear)."""
-
-    linear: tuple[int | float, int | float] = (0.6, 0)
-    nonlinear: tuple[int | float, int | float] = (0.4, 0)
-    codec_cls: ClassVar[type[PracCodecConfig]] = PacCodecConfig
-
-
-@dataclass(frozen=True)
-class RacConfig(PracConfig):
-    """Ablation: random subspace only (k = n/r2), at PRAC's total rank."""
-
-    linear: tuple[int | float, int | float] = (0, 0.6)
-    nonlinear: tuple[int | float, int | float] = (0, 0.4)
-    codec_cls: ClassVar[type[PracCodecConfig]] = RacCodecConfig
 
 
 def _is_norm(m: nn.Module) -> bool:
