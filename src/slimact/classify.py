@@ -101,6 +101,23 @@ def hidden_channels(t: torch.Tensor) -> int:
     return t.shape[-1]
 
 
+_NORMS = (nn.LayerNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
+_NONLINEAR = (nn.SiLU, nn.GELU, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Mish, nn.ELU, nn.Softplus)
+_NONLINEAR_NAMES = ("silu", "gelu", "swish", "relu")
+
+
+def is_norm(module: nn.Module) -> bool:
+    """A normalization module: torch's LayerNorm/RMSNorm or any class named ``*Norm``."""
+    return isinstance(module, _NORMS) or type(module).__name__.endswith("Norm")
+
+
+def is_nonlinearity(module: nn.Module) -> bool:
+    """An elementwise nonlinearity module (any of torch's common ones, or named like one); wider
+    than :func:`is_activation_leaf`, which finds the GELU/SiLU modules the inverted ops replace."""
+    name = type(module).__name__.lower()
+    return isinstance(module, _NONLINEAR) or any(a in name for a in _NONLINEAR_NAMES)
+
+
 def is_activation_leaf(module: nn.Module) -> bool:
     """A parameterless, bufferless leaf whose class name mentions gelu/silu/swish/act."""
     return (

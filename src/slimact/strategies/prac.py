@@ -54,13 +54,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from slimact.classify import classify_norm, rms_eps
+from slimact.classify import classify_norm, is_nonlinearity, is_norm, parse_site, rms_eps
 from slimact.codecs.prac import (
     PracCodec,
     resolve_rank,
 )
 from slimact.codecs.saving import CodecPolicy, dense_order, install_policy
-from slimact.models.common import RMSNorm
 from slimact.ops.rms_norm import rms_norm
 from slimact.patching import override_forward, run_all
 from slimact.registry import (
@@ -74,23 +73,6 @@ from slimact.strategies.prac_config import PacConfig, PracConfig, RacConfig
 logger = logging.getLogger("slimact")
 
 ATTENTION_OPS = ("scaled_dot_product_attention", "flash_attn", "attention")
-_NORMS = (nn.LayerNorm, RMSNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
-_ACTS = (nn.SiLU, nn.GELU, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Mish, nn.ELU, nn.Softplus)
-_ACT_NAMES = ("silu", "gelu", "swish", "relu")
-
-
-def _is_norm(m: nn.Module) -> bool:
-    return isinstance(m, _NORMS) or type(m).__name__.endswith("Norm")
-
-
-def _is_act(m: nn.Module) -> bool:
-    name = type(m).__name__.lower()
-    return isinstance(m, _ACTS) or any(a in name for a in _ACT_NAMES)
-
-
-def _parse(site: str) -> tuple[str, str]:
-    module, _, rest = site.rpartition(":")
-    return module, rest.split("#")[0]
 
 
 class PracState:
@@ -110,7 +92,7 @@ class PracState:
         return max(self.forwards - 1, 0)
 
     def role(self, site: str) -> str | None:
-        path, op = _parse(site)
+        path, op, _ = parse_site(site)
         m = self.modules.get(path)
         if m is None or any(a in op for a in ATTENTION_OPS):
             return None
@@ -118,9 +100,9 @@ class PracState:
             return "linear" if op == "linear" else None
         if op.startswith("inv_") and not op.endswith("_fallback"):
             return "output"  # an output-saving op (invact): its y is the next layer's input
-        if _is_norm(m):
+        if is_norm(m):
             return "norm"
-        if _is_act(m):
+        if is_nonlinearity(m):
             return "act"
         if op == "mul" and any(fnmatch.fnmatchcase(path, p) for p in self.config.gate_modules):
             return "gate"
@@ -147,7 +129,7 @@ class PracState:
         role = self.role(site)
         if role is None:
             return None
-        path, _ = _parse(site)
+        path, _, _ = parse_site(site)
         cfg = self.config
         if any(fnmatch.fnmatchcase(site, p) or fnmatch.fnmatchcase(path, p) for p in cfg.keep):
             self.skip(site, "matches a keep pattern")
@@ -292,7 +274,7 @@ def apply_prac(
     if config.fuse_norms:
         changes.extend(_fuse_rms_norms(model, config, filter_fn))
     for path, m in model.named_modules():  # what is known before the first forward
-        role = "linear" if isinstance(m, nn.Linear) else "norm" if _is_norm(m) else None
+        role = "linear" if isinstance(m, nn.Linear) else "norm" if is_norm(m) else None
         if role is None:
             continue
         if filter_fn is not None and not filter_fn(m, path):
