@@ -34,10 +34,16 @@ SECTIONS: list[tuple[str, list[str]]] = [
         ["foundation_meter.md", "foundation.md"],
     ),
     ("2. Inverted activations (invact.txt)", ["inv_act.md"]),
-    ("3. Codecs and Adacc's layer-specific INT4 (adacc.txt §3.2)", ["quant.md"]),
+    (
+        "3. Codecs and Adacc's layer-specific INT4 (adacc.txt §3.2)",
+        ["quant.md", "int4_divergence.md"],
+    ),
     ("4. PRAC (prac.txt)", ["prac.md"]),
     ("5. CoLA and CoLA-M (cola.txt)", ["cola.md"]),
-    ("6. The planner (adacc.txt §3.3-3.4, every action)", ["planner.md", "head_plan.md"]),
+    (
+        "6. The planner (adacc.txt §3.3-3.4, every action)",
+        ["planner.md", "head_plan.md", "maxbatch.md"],
+    ),
     ("7. Hugging Face models, torch.compile, distributed", ["hf.md", "compile.md", "compiled.md"]),
 ]
 
