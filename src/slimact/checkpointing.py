@@ -15,6 +15,12 @@ that by running training forwards without a cache; so does slimact:
   checkpointing, so the cache is written once and the gradients stay exact. It warns once per
   block class and reason.
 
+* :func:`checkpointed` is *the* checkpoint wrapper (``override_forward(module, checkpointed,
+  preserve_rng_state)``), used by ``recompute``, the plan runtime and the benchmark's
+  ``torch-checkpoint`` anchor: non-reentrant ``torch.utils.checkpoint``, with the inputs the
+  checkpoint keeps named ``<module>:checkpoint_input#k`` (``sites.role``; they are saved through
+  autograd, so the router sees them, a codec policy may encode them and the meter counts them).
+
 Without grad (eval, ``generate``) neither acts: caches are built and returned as without slimact.
 Layer 3 (see ARCHITECTURE.md): it needs only ``registry`` below it, and both the strategies and
 ``planner.apply`` (layer 4) use it.
@@ -29,7 +35,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
+from slimact import sites
 from slimact.registry import AppliedChange
 
 # keyword names HF layers receive their KV cache (or a legacy per-layer past) under
@@ -72,6 +80,20 @@ class CacheGuard:
         self.position = position  # positional index of ``use_cache`` (self excluded), or None
         self.who = who  # what recomputes, for the warning
         self.warned = False
+
+
+def checkpointed(orig: Any, preserve_rng_state: bool, *args: Any, **kwargs: Any) -> Any:
+    """Run ``orig(*args, **kwargs)`` under non-reentrant checkpointing (the wrapper slimact puts on
+    every recomputed module: ``override_forward(module, checkpointed, preserve_rng_state)``); as
+    is without grad or when handed a KV cache (see above)."""
+    if not isinstance(preserve_rng_state, bool):
+        raise TypeError(f"preserve_rng_state must be a bool, got {type(preserve_rng_state)}")
+    if not torch.is_grad_enabled() or carries_cache(orig, args, kwargs):  # written twice on replay
+        return orig(*args, **kwargs)
+    with sites.role("checkpoint_input"):
+        return checkpoint(
+            orig, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs
+        )
 
 
 def use_cache_position(model: nn.Module) -> int | None | bool:

@@ -4,9 +4,9 @@ Each anchor turns a model and a loss function into a :class:`Prepared` point (th
 the ``forward(model, x, y) -> loss`` to call, a note, and a ``restore`` to call when done):
 
 * ``torch-checkpoint``: every block (``sites.block_paths``: ModuleList children) wrapped in
-  ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, nothing else. The block inputs the
-  checkpoint keeps alive for recomputation are reported to the meter with ``sites.hold`` (the
-  same accounting slimact's ``recompute`` uses), so the two are measured alike.
+  ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, nothing else, through the same
+  wrapper as slimact's ``recompute`` (``slimact.checkpointing.checkpointed``: the block inputs the
+  checkpoint saves are named ``<block>:checkpoint_input#k``), so the two are measured alike.
 * ``compile-budget``: ``torch.compile`` (inductor) of the whole loss function with
   ``torch._functorch.config.activation_memory_budget`` set (the suite's ``compile_budget``, 0.5 by
   default): AOTAutograd's min-cut partitioner recomputes what it must to keep the saved bytes under
@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from slimact import sites
+from slimact.checkpointing import checkpointed
 from slimact.patching import override_forward, run_all
 
 Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -57,23 +58,12 @@ class Prepared:
     restore: Callable[[], None] = field(default=lambda: None)
 
 
-def _checkpointed(orig, *args, **kwargs):
-    from torch.utils.checkpoint import checkpoint
-
-    if not torch.is_grad_enabled():
-        return orig(*args, **kwargs)
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            sites.hold(a, "checkpoint_input")  # what the checkpoint keeps alive (meter only)
-    return checkpoint(orig, *args, use_reentrant=False, **kwargs)
-
-
 def torch_checkpoint(model: nn.Module, forward: Forward) -> Prepared:
     modules = dict(model.named_modules())
     blocks = sites.block_paths(model)
     if not blocks:
         raise ValueError("anchor torch-checkpoint: the model has no repeated blocks")
-    undos = [override_forward(modules[path], _checkpointed)[1] for path in blocks]
+    undos = [override_forward(modules[path], checkpointed, True)[1] for path in blocks]
     return Prepared(
         model,
         forward,

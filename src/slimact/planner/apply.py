@@ -33,10 +33,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from slimact import sites
-from slimact.checkpointing import carries_cache, guard_cache
+from slimact.checkpointing import checkpointed, guard_cache
 from slimact.classify import call_batch, hidden_channels
 from slimact.codecs.base import Codec
 from slimact.codecs.build import build_codec
@@ -56,13 +55,6 @@ from slimact.registry import AppliedChange
 from slimact.state import peek, prune, state_of
 
 _tls = threading.local()
-
-
-def _checkpointed(orig: Callable, *args: Any, **kwargs: Any) -> Any:
-    if not torch.is_grad_enabled() or carries_cache(orig, args, kwargs):  # written twice on replay
-        return orig(*args, **kwargs)
-    with sites.role("checkpoint_input"):
-        return checkpoint(orig, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
 
 class PlanAssign:
@@ -146,7 +138,7 @@ class PlanRuntime:
                     raise ValueError(
                         f"plan recomputes {full!r}, which is not a module of the model"
                     )
-                _, undo = override_forward(modules[full], _checkpointed)
+                _, undo = override_forward(modules[full], checkpointed, True)
                 self._undo.append(undo)
                 changes.append(AppliedChange(full, "recompute"))
             targets.update(abs_path(p, lp.block) for p in lp.reform)

@@ -3,8 +3,8 @@
 Each repeated block (a child of a ``ModuleList``/``Sequential``) runs under
 ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: autograd stores nothing inside it and
 the block is re-run in backward. What stays stored per block is the block input, which the
-checkpoint saves through autograd (so the meter sees it); ``sites.hold`` names that site
-``<block>:checkpoint_input#0`` so reports read plainly.
+checkpoint saves through autograd (so the meter sees it), named ``<block>:checkpoint_input#0``
+(``slimact.checkpointing.checkpointed``: the one checkpoint wrapper, shared with the plan runtime).
 The forward is patched on the instance (a ``patching.ForwardOverride``, so copies and pickles of
 the model checkpoint their own blocks), so module paths and the state_dict are unchanged.
 
@@ -23,12 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from slimact import sites
-from slimact.checkpointing import carries_cache, guard_cache
+from slimact.checkpointing import checkpointed, guard_cache
 from slimact.patching import override_forward, overrides
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig
 
@@ -40,20 +38,9 @@ class RecomputeConfig(StrategyConfig):
     preserve_rng_state: bool = True
 
 
-def _checkpointed_forward(orig, preserve_rng: bool, *args, **kwargs):
-    if not torch.is_grad_enabled():
-        return orig(*args, **kwargs)
-    if carries_cache(orig, args, kwargs):  # a replay would write the cache twice: run as is
-        return orig(*args, **kwargs)
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            sites.hold(a, "checkpoint_input")
-    return checkpoint(orig, *args, use_reentrant=False, preserve_rng_state=preserve_rng, **kwargs)
-
-
 def checkpoint_module(module: nn.Module, preserve_rng_state: bool = True) -> AppliedChange:
     """Patch one module's forward to run under non-reentrant checkpointing."""
-    _, undo = override_forward(module, _checkpointed_forward, preserve_rng_state)
+    _, undo = override_forward(module, checkpointed, preserve_rng_state)
     return AppliedChange(path="", action="recompute", undo=undo)
 
 
@@ -67,7 +54,7 @@ def apply_recompute(
         if filter_fn is not None and not filter_fn(block, path):
             changes.append(AppliedChange(path, "recompute", "filtered out", skipped=True))
             continue
-        if any(o.wrapper is _checkpointed_forward for o in overrides(block)):
+        if any(o.wrapper is checkpointed for o in overrides(block)):
             changes.append(AppliedChange(path, "recompute", "already checkpointed", skipped=True))
             continue
         if "forward" in block.__dict__:
