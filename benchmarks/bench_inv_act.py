@@ -4,6 +4,8 @@
     PYTHONPATH=src python benchmarks/bench_inv_act.py timing     # Table 1 blocks, CPU, 1 thread
     PYTHONPATH=src python benchmarks/bench_inv_act.py memory     # llama-20m, gpt2-124m, HF BERT
     PYTHONPATH=src python benchmarks/bench_inv_act.py training --runs DIR...  # metrics.jsonl diff
+    PYTHONPATH=src python benchmarks/bench_inv_act.py step       # llama-20m step: issue 16.4
+    PYTHONPATH=src python benchmarks/bench_inv_act.py bf16       # bf16 floor, modes: issue 18.7
 
 Each part writes ``benchmarks/results/inv_act_<part>.json`` (machine, versions, command line,
 load average; ``--results-dir`` elsewhere); ``accuracy`` also writes ``inv_act_error.png``.
@@ -333,6 +335,116 @@ def training(args) -> dict:
     return _write("training", out)
 
 
+# ----------------------------------------------------------------------------- step (issue 16.4)
+def _llama_step(strategy: str, batch: int, seq: int, dtype=torch.float32):
+    import slimact
+
+    torch.manual_seed(0)
+    model = slimact.build_model("llama-20m").to(dtype)
+    if strategy != "none":
+        slimact.apply(model, strategy)
+    ids = torch.randint(0, 257, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(ids, targets=ids).loss.backward()
+
+    return model, ids, step
+
+
+def step(args) -> dict:
+    """Whole-step time of llama-20m: none vs invact (compiled CPU path) vs invact@backend=torch
+    (the eager refs: the path before issue 16.4), interleaved; plus a profile of each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(args.threads)
+    names = ("none", "invact", "invact@backend=torch")
+    steps = {n: _llama_step(n, args.batch, args.seq)[2] for n in names}
+    t = interleaved(steps, rounds=args.rounds, warmup=1)  # warmup: the inductor compiles
+    profiles = {}
+    for name, fn in steps.items():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        total = sum(e.self_cpu_time_total for e in ev)
+        profiles[name] = {
+            "total_ms": total / 1e3,
+            "top_self_ms": {e.key: e.self_cpu_time_total / 1e3 for e in ev[:12]},
+            "autograd_nodes_ms": {
+                e.key: e.cpu_time_total / 1e3 for e in ev if e.key.endswith("Backward")
+            },
+        }
+    out = {"model": "llama-20m", "batch": args.batch, "seq": args.seq, "dtype": "float32"}
+    out |= {"threads": args.threads, "timing": t.to_dict("none"), "profiles": profiles}
+    for n in names[1:]:
+        print(
+            n, "step-time ratio vs none:", t.ratio(n, "none"), "load", t.load_before, t.load_after
+        )
+    return _write("step", out)
+
+
+# ----------------------------------------------------------------------------- bf16 (issue 18.7)
+def _gate_inputs(batch: int, seq: int) -> torch.Tensor:
+    """llama-20m's SiLU inputs (all layers, init weights, one batch of byte tokens)."""
+    model, ids, _ = _llama_step("none", batch, seq)
+    got = []
+    for layer in model.layers:
+        layer.mlp.act_fn.register_forward_hook(lambda m, a, o: got.append(a[0].detach().flatten()))
+    with torch.no_grad():
+        model(ids)
+    return torch.cat(got)
+
+
+def bf16(args) -> dict:
+    """Derivative error vs the float64 truth by region, torch / 1-bit floor / near-branch, and
+    the saved bytes of llama-20m in bf16 under none / invact / invact@bf16=exact-near-branch."""
+    import slimact
+
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    dists = {
+        "llama-20m SiLU inputs (init)": _gate_inputs(2, 128),
+        "N(0, 1.5^2)": torch.randn(1 << 18, generator=gen) * 1.5,
+    }
+    rows = []
+    for dist, x64 in dists.items():
+        for dtype in (torch.bfloat16, torch.float16):
+            for kind in ap.KINDS:
+                x = x64.to(dtype)
+                near = (x.double() - ap.BRANCH[kind].T).abs() < 0.3
+                true = ap.exact_df(x.double(), kind)
+                for name, kw in (("torch", None), ("floor", "bitmask"), ("near-branch", None)):
+                    xr = x.detach().requires_grad_(True)
+                    v = kw or name
+                    y = act_ref(xr, kind) if name == "torch" else inv_act(xr, kind, variant=v)
+                    (g,) = torch.autograd.grad(y, xr, torch.ones_like(y))
+                    e = (g.double() - true).abs()
+                    rows.append(
+                        {
+                            "dist": dist,
+                            "dtype": str(dtype).replace("torch.", ""),
+                            "kind": kind,
+                            "mode": name,
+                            "near_frac": float(near.double().mean()),
+                            "linf": float(e.max()),
+                            "linf_near": float(e[near].max()) if near.any() else 0.0,
+                            "linf_away": float(e[~near].max()),
+                            "rms": float(e.pow(2).mean().sqrt()),
+                        }
+                    )
+                    print(rows[-1])
+    mem = {}
+    for strategy in ("none", "invact", "invact@bf16=exact-near-branch"):
+        model, ids, _ = _llama_step(strategy, args.batch, args.seq, torch.bfloat16)
+        with slimact.measure(model, n_tokens=ids.numel()) as m:
+            loss = model(ids, targets=ids).loss
+        loss.backward()
+        mem[strategy] = m.report.total_bytes
+        print(strategy, mem[strategy])
+    out = {"near": "|x - T| < 0.3", "rows": rows, "memory_model": "llama-20m bf16"}
+    return _write("bf16", out | {"batch": args.batch, "seq": args.seq, "saved_bytes": mem})
+
+
 def main() -> None:
     global RESULTS
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -348,14 +460,22 @@ def main() -> None:
     m.add_argument("--seq", type=int, default=128)
     m.add_argument("--steps", type=int, default=2, help="interleaved timing rounds")
     m.add_argument("--threads", type=int, default=1)
+    st = sub.add_parser("step")
+    st.add_argument("--batch", type=int, default=8)
+    st.add_argument("--seq", type=int, default=256)
+    st.add_argument("--rounds", type=int, default=10, help="interleaved timing rounds")
+    st.add_argument("--threads", type=int, default=1)
+    bf = sub.add_parser("bf16")
+    bf.add_argument("--batch", type=int, default=4)
+    bf.add_argument("--seq", type=int, default=128)
+    bf.add_argument("--threads", type=int, default=1)
     tr = sub.add_parser("training")
     tr.add_argument("--runs", nargs="+", required=True, help="run dirs; the first is the reference")
     p.add_argument("--results-dir", type=Path, default=RESULTS, help="where the JSON files go")
     args = p.parse_args()
     RESULTS = args.results_dir
-    {"accuracy": accuracy, "timing": timing, "memory": memory, "training": training}[args.part](
-        args
-    )
+    parts = {"accuracy": accuracy, "timing": timing, "memory": memory, "training": training}
+    parts[args.part](args) if args.part in parts else {"step": step, "bf16": bf16}[args.part](args)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 import slimact
+from slimact.modules import InvGELU, InvSiLU
 from slimact.ops import inv_act_approx as ap
 from slimact.ops.inv_act import act_ref, inv_act, near_code_ref, near_decode_ref
 from slimact.reformulate import InvActConfig
@@ -137,3 +138,28 @@ def test_spec_parsing():
         InvActConfig(bf16="exact")
     with pytest.raises(ValueError, match="key=value"):
         resolve("invact@near")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_modules_take_the_option(dtype):
+    saved: list = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    for mod, kind in (
+        (InvSiLU(bf16="exact-near-branch"), "silu"),
+        (InvGELU(bf16="exact-near-branch"), "gelu"),
+    ):
+        x = _x((5, 77), dtype, kind).requires_grad_(True)
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = mod(x)
+        n = x.numel() if dtype == torch.bfloat16 else (x.numel() + 7) // 8
+        assert [t.numel() for t in saved if t.dtype == torch.uint8] == [n]
+        (g,) = torch.autograd.grad(y, x, torch.ones_like(y))
+        e_torch = float(_err(x, _grad(x, kind), kind).max())
+        assert float(_err(x, g, kind).max()) <= (1.5 * e_torch if n == x.numel() else 3e-4)
+    with pytest.raises(ValueError, match="bf16"):
+        InvSiLU(bf16="near")

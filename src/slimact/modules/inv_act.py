@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from slimact.ops.inv_act import inv_act, inv_gelu, inv_silu
+from slimact.ops.inv_act import BF16_MODES, inv_act, inv_gelu, inv_silu, pick_variant
 from slimact.ops.inv_norm import (
     DEFAULT_MAX_BIAS_RATIO,
     inv_layer_norm,
@@ -35,7 +35,8 @@ __all__ = [
 
 
 class InvGELU(nn.Module):
-    """``nn.GELU`` that saves its output + 1 bit per element for backward."""
+    """``nn.GELU`` that saves its output + 1 bit per element for backward (``bf16``: see
+    ``ops.inv_act.pick_variant``)."""
 
     def __init__(
         self,
@@ -43,35 +44,39 @@ class InvGELU(nn.Module):
         mode: str = "newton",
         variant: str = "bitmask",
         backend: str = "auto",
+        bf16: str = "floor",
     ) -> None:
         super().__init__()
         if approximate not in ("none", "tanh"):
             raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
-        self.approximate, self.mode, self.variant, self.backend = (
-            approximate,
-            mode,
-            variant,
-            backend,
-        )
+        if bf16 not in BF16_MODES:
+            raise ValueError(f"bf16 must be one of {BF16_MODES}, got {bf16!r}")
+        self.approximate, self.mode, self.variant = approximate, mode, variant
+        self.backend, self.bf16 = backend, bf16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return inv_gelu(
-            x, self.approximate, mode=self.mode, variant=self.variant, backend=self.backend
-        )
+        variant = pick_variant(x.dtype, self.variant, self.bf16)
+        return inv_gelu(x, self.approximate, mode=self.mode, variant=variant, backend=self.backend)
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}, mode={self.mode!r}, variant={self.variant!r}"
 
 
 class InvSiLU(nn.Module):
-    """``nn.SiLU`` that saves its output + 1 bit per element for backward."""
+    """``nn.SiLU`` that saves its output + 1 bit per element for backward (``bf16``: see
+    ``ops.inv_act.pick_variant``)."""
 
-    def __init__(self, mode: str = "newton", variant: str = "bitmask", backend: str = "auto"):
+    def __init__(
+        self, mode: str = "newton", variant: str = "bitmask", backend: str = "auto", bf16="floor"
+    ):
         super().__init__()
-        self.mode, self.variant, self.backend = mode, variant, backend
+        if bf16 not in BF16_MODES:
+            raise ValueError(f"bf16 must be one of {BF16_MODES}, got {bf16!r}")
+        self.mode, self.variant, self.backend, self.bf16 = mode, variant, backend, bf16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return inv_silu(x, mode=self.mode, variant=self.variant, backend=self.backend)
+        variant = pick_variant(x.dtype, self.variant, self.bf16)
+        return inv_silu(x, mode=self.mode, variant=variant, backend=self.backend)
 
     def extra_repr(self) -> str:
         return f"mode={self.mode!r}, variant={self.variant!r}"

@@ -18,19 +18,21 @@ Variants (``variant=``), i.e. what is saved beside y:
 
 **The 16-bit floor.** Near T, ``f(x) ≈ f(T) + C(x−T)²/2`` and ``f'(x) ≈ C(x−T)``, so an error δ
 in y (half an ulp of |f(T)| ≈ 0.17–0.28: 1e-3 in bf16, 6e-5 in fp16) moves the recovered f' by
-``≈ δ/|x−T|``, capped at ``√(2Cδ)`` at T: 1.5e-2 (bf16), 5–7e-3 (fp16). No 1-bit scheme does
-better: y itself no longer tells those x apart. torch's own autograd reads x and only rounds dx
-(half an ulp of |f'| ≤ 1.1: 3.9e-3 in bf16), so the bit costs ≈4× torch's worst derivative error in
-bf16, confined to |x−T| ≲ 0.3, where |f'| < 0.1 (RMS over a whole tensor: see
-``benchmarks/results/inv_act.md``). ``near-branch`` reads the exact x there, so its worst error is
-torch's own (≤ 1.02× measured); elsewhere δ/|x−T| is below torch's rounding. Trade-off: 8× the
-mask's bytes (1 B vs 1 bit per element); the ``invact`` strategy offers it as
-``invact@bf16=exact-near-branch`` and keeps the 1-bit default (see ``reformulate.activations``).
+``≈ δ/|x−T|``, capped at ``√(2Cδ)`` at T: 1.2–1.5e-2 (bf16), 5–7e-3 (fp16). No 1-bit scheme does
+better: y no longer tells those x apart. torch's own autograd reads x and only rounds dx (half an
+ulp of |f'| ≤ 1.1: 3.9e-3 in bf16, 4.9e-4 in fp16). Measured (``bench_inv_act.py bf16``, vs the
+float64 truth, dy = 1): bf16 1-bit worst error 3.1–3.9× torch's, all of it within |x−T| < 0.3
+(1.6% of llama-20m's SiLU inputs, 11–15% of N(0, 1.5²)); elsewhere 1.1×; RMS 1.3–1.8×.
+``near-branch`` reads the exact x there: worst 1.06–1.12× torch's, RMS 1.02×. In fp16 its window
+(±0.06) is narrower than the region that needs it: worst 1.8–2.0×. Trade-off: 8× the mask's
+bytes. The ``invact`` strategy offers it as ``invact@bf16=exact-near-branch`` and keeps 1 bit by
+default: the excess is small in norm and confined to where |f'| < 0.1.
 
 Paths: CUDA tensors with triton installed run the Triton kernels (``ops.inv_act_triton``; also on
-CPU under ``TRITON_INTERPRET=1`` with ``backend="triton"``). Elsewhere the ``*_ref`` functions run,
-compiled by inductor (``ops.inv_act_compiled``: one fused loop instead of ~150 small eager ops)
-for tensors of ≥ ``MIN_NUMEL`` elements; ``backend="torch"`` runs them eagerly (the reference).
+CPU under ``TRITON_INTERPRET=1`` with ``backend="triton"``; none for ``near-branch``). CPU tensors of
+≥ ``MIN_NUMEL`` elements run the refs compiled by inductor (``ops.inv_act_compiled``: one fused
+loop instead of ~150 small eager ops; the backward reads g from ``inv_act_approx.newton_table``);
+``backend="torch"`` runs the ``*_ref`` functions eagerly (the reference the tests hold all to).
 
 ``torch.compile``: under dynamo the op goes through two ``torch.library`` custom ops,
 ``slimact::inv_act_fwd`` (x -> y, side) and ``slimact::inv_act_bwd`` (dy, y, side -> dx), tied
@@ -68,6 +70,17 @@ _T_BITS = {
     for dt in _HALF
 }
 NEAR_HALF_WIDTH = 126  # codes 2..255 <-> bit offsets -126..127 from T's pattern
+
+
+BF16_MODES = ("floor", "exact-near-branch")
+
+
+def pick_variant(dtype: torch.dtype, variant: str, bf16: str) -> str:
+    """The variant for an input of ``dtype``: ``bf16="exact-near-branch"`` turns bfloat16 and
+    float16 inputs (autocast's included) to 'near-branch'; others keep ``variant``."""
+    if bf16 not in BF16_MODES:
+        raise ValueError(f"bf16 must be one of {BF16_MODES}, got {bf16!r}")
+    return "near-branch" if bf16 == "exact-near-branch" and dtype in _HALF else variant
 
 
 def _check(x: torch.Tensor, kind: str, mode: str, variant: str, backend: str) -> None:

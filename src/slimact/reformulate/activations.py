@@ -45,13 +45,11 @@ from slimact import sites
 from slimact.classify import classify_activation, classify_norm, is_activation_leaf, rms_eps
 from slimact.hf_inputs import dummy_inputs, is_hf_model
 from slimact.modules.inv_act import NormInvertibility
-from slimact.ops.inv_act import BACKENDS, inv_act
+from slimact.ops.inv_act import BACKENDS, BF16_MODES, inv_act, pick_variant
 from slimact.ops.inv_act_approx import KINDS, MODES
 from slimact.ops.inv_norm import inv_layer_norm, inv_rms_norm, invertible
 from slimact.patching import override_forward, pop_attr, run_all
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig
-
-BF16_MODES = ("floor", "exact-near-branch")
 
 
 @dataclass(frozen=True)
@@ -186,8 +184,7 @@ def _patch(module: nn.Module, wrapper, args: tuple, action: str, path: str, deta
 
 
 def _act_forward(inner, kind, mode, variant, backend, bf16, x):
-    if bf16 == "exact-near-branch" and x.dtype in (torch.bfloat16, torch.float16):
-        variant = "near-branch"
+    variant = pick_variant(x.dtype, variant, bf16)
     return inv_act(x, kind, mode=mode, variant=variant, backend=backend)
 
 
