@@ -1,7 +1,8 @@
 """Planning a big model on a small machine (issue 18.5): the scaled profile's cost and honesty.
 
     PYTHONPATH=src python benchmarks/bench_planner_scaled.py --part cli7b    # the 7b command
-    PYTHONPATH=src python benchmarks/bench_planner_scaled.py --part each32   # 'each' solve times
+    PYTHONPATH=src python benchmarks/bench_planner_scaled.py --part each32   # solve times
+    PYTHONPATH=src python benchmarks/bench_planner_scaled.py --part slots    # 'each' +- slots
     PYTHONPATH=src python benchmarks/bench_planner_scaled.py --part honesty  # llama-130m vs meter
     PYTHONPATH=src python benchmarks/bench_planner_scaled.py --part report
 
@@ -31,6 +32,7 @@ import torch
 import slimact
 from slimact.envinfo import machine_info
 from slimact.models import build_model
+from slimact.planner import milp
 from slimact.planner.scaled import ScaledConfig, cached_profile_scaled
 from slimact.planner.solve import solve_plan
 from slimact.timing import load_average
@@ -84,6 +86,29 @@ def part_each32(args) -> dict:
     return {"profile_cache_hit": prof.meta.get("cache_hit"), "rows": rows}
 
 
+def part_slots(args) -> dict:
+    """'each' on the cached llama-7b profile with and without slots: min_bytes + solve, wall
+    and this process's CPU seconds (a shared machine's wall time measures its load too)."""
+    cfg = ScaledConfig(max_tokens=64)
+    prof = cached_profile_scaled("llama-7b", 1, 2048, cfg, cache_dir=args.cache_dir)
+    rows = []
+    for slots in (False, True):
+        milp.SLOT_FROM = 5 if slots else 10**9
+        for frac in (0.1, 0.25, 0.5):
+            prob = milp.Problem(prof, layers="each")
+            base = prob.baseline_bytes
+            c0, w0 = time.process_time(), time.perf_counter()
+            prob.min_bytes()
+            res = prob.solve(frac * base)
+            rows.append({"slots": slots, "budget": frac, "groups": len(prob.groups),
+                         "wall_s": time.perf_counter() - w0, "cpu_s": time.process_time() - c0,
+                         "solve_time_s": res.solve_s, "added_s": res.time_s,
+                         "predicted_ratio": res.bytes / base})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    milp.SLOT_FROM = 5
+    return {"rows": rows}
+
+
 def part_honesty(args) -> dict:
     b, s, name = args.batch, args.seq, "llama-130m"
     t0 = time.perf_counter()
@@ -131,6 +156,13 @@ def report(data: dict) -> str:
             lines += [f"| {x['layers']} | {x['budget']} | {x['solve_time_s']:.3f} | "
                       f"{x['solve_plan_s']:.3f} | {x['predicted_ratio']:.1%} |"
                       for x in r["rows"]]  # fmt: skip
+        elif part == "slots":
+            lines += ["llama-7b 1 x 2048, layers 'each': min_bytes + solve", "",
+                      "| slots | budget | groups | wall s | CPU s | solve_time_s | added s/step |",
+                      "|---|---|---|---|---|---|---|"]  # fmt: skip
+            lines += [f"| {x['slots']} | {x['budget']:.0%} | {x['groups']} | {x['wall_s']:.3f} | "
+                      f"{x['cpu_s']:.3f} | {x['solve_time_s']:.3f} | {x['added_s']:.2f} |"
+                      for x in r["rows"]]  # fmt: skip
         elif part == "honesty":
             lines += [f"{r['model']} at {r['batch']} x {r['seq']}, scaled profile in "
                       f"{r['profile_s']:.1f} s ({r['scaled']['rule']})", "",
@@ -144,7 +176,9 @@ def report(data: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--part", required=True, choices=["cli7b", "each32", "honesty", "report"])
+    p.add_argument(
+        "--part", required=True, choices=["cli7b", "each32", "slots", "honesty", "report"]
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cache-dir", type=Path, default=Path("/tmp/slimact-scaled-profiles"))
     p.add_argument("--batch", type=int, default=4)
@@ -157,7 +191,8 @@ def main() -> None:
     jpath, mpath = args.results_dir / "planner_scaled.json", args.results_dir / "planner_scaled.md"
     args.results_dir.mkdir(parents=True, exist_ok=True)
     if args.part != "report":
-        fn = {"cli7b": part_cli7b, "each32": part_each32, "honesty": part_honesty}[args.part]
+        parts = {"cli7b": part_cli7b, "each32": part_each32, "slots": part_slots}
+        fn = (parts | {"honesty": part_honesty})[args.part]
         section = {"env": env() | {"threads": args.threads}, "result": fn(args)}
         data = json.loads(jpath.read_text()) if jpath.exists() else {}  # read after: parts may
         data[args.part] = section  # run side by side
