@@ -350,3 +350,20 @@ def test_variant_invariants_and_absolute_ranks_checked_against_n():
         codec.encode(torch.randn(4, 16))
     with pytest.raises(ValueError, match="floating"):
         PracCodec(PracCodecConfig()).encode(torch.ones(4, 16, dtype=torch.uint8))
+
+
+def test_k_scale_ablation_scales_k_per_role_and_is_validated():
+    """prac.txt App. D.3's ablation knob: k = k_scale·(n − r1)/r2; the default keeps k0."""
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
+    k0 = PracCodecConfig(r1=16, r2=8, svd="exact").build()
+    half = PracCodecConfig(r1=16, r2=8, svd="exact", k_scale=0.5).build()
+    k0.encode(x), half.encode(x)
+    assert k0.k == (64 - 16) / 8 and half.k == 0.5 * k0.k
+    cfg = PracConfig(k_scale=(1.2, 0.2))
+    assert cfg.codec_config(8, 8, "linear").k_scale == 1.2
+    assert cfg.codec_config(8, 8, "norm").k_scale == 0.2
+    for bad in (0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="k_scale must be a finite number > 0"):
+            PracCodecConfig(k_scale=bad)
+    with pytest.raises(ValueError, match="k_scale must be a pair"):
+        PracConfig(k_scale=(1.0,))

@@ -92,6 +92,7 @@ class PracCodecConfig(CodecConfig):
     seed: int = 0
     q2: str = "regenerate"
     max_range: float | None = DEFAULT_MAX_RANGE  # rows beyond it are stored exactly; None: off
+    k_scale: float = 1.0  # ablation only (prac.txt App. D.3): k = k_scale·(n − r1)/r2, biased ≠ 1
 
     def __post_init__(self) -> None:
         validate_rank_pair(self.r1, self.r2, type(self).__name__)
@@ -112,6 +113,8 @@ class PracCodecConfig(CodecConfig):
             raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
         if self.q2 not in Q2_MODES:
             raise ValueError(f"q2 must be one of {Q2_MODES}, got {self.q2!r}")
+        if not isinstance(self.k_scale, (int, float)) or not 0 < self.k_scale < float("inf"):
+            raise ValueError(f"k_scale must be a finite number > 0, got {self.k_scale!r}")
 
 
 @dataclass(frozen=True)
@@ -173,7 +176,7 @@ class PracCodec(Codec):
     # -- ranks ---------------------------------------------------------------------------------
     @property
     def k(self) -> float:
-        return (self.n - self.r1) / self.r2 if self.r2 else 1.0
+        return self.config.k_scale * (self.n - self.r1) / self.r2 if self.r2 else 1.0
 
     @property
     def regenerates(self) -> bool:

@@ -155,7 +155,7 @@ class PracState:
         if raw_owner is not None:
             self.skip(site, f"its storage is kept uncompressed by {raw_owner}")
             return None
-        codec = PracCodec(cfg.codec_config(a1, a2), clock=self.clock, name=site, role=role)
+        codec = PracCodec(cfg.codec_config(a1, a2, role), clock=self.clock, name=site, role=role)
         codec._setup(n)  # ranks vs n are checked here: a bad override raises now, naming the site
         tokens, itemsize = t.numel() // n, t.element_size()
         stored = tokens * (a1 + a2) * itemsize + codec.basis_nbytes()
@@ -186,8 +186,9 @@ class PracState:
         self.codecs.clear()
         self.plan.clear()
         for key, sd in state["codecs"].items():
-            cfg = self.config.codec_config(int(sd["r1"]), int(sd["r2"]))
-            codec = PracCodec(cfg, clock=self.clock, name=key, role=state["roles"][key])
+            role = state["roles"][key]
+            cfg = self.config.codec_config(int(sd["r1"]), int(sd["r2"]), role)
+            codec = PracCodec(cfg, clock=self.clock, name=key, role=role)
             codec.load_state_dict(sd)
             self.codecs[key] = codec
             self.plan[key] = key

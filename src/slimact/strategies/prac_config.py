@@ -55,10 +55,17 @@ class PracConfig(StrategyConfig):
     q2: str = "regenerate"
     only_if_smaller: bool = True
     fuse_norms: bool = True
+    # ablation only (prac.txt App. D.3): k = k_scale·(n − r1)/r2 on linear-role / other sites;
+    # anything but 1 makes the estimate biased
+    k_scale: tuple[float, float] = (1.0, 1.0)
 
     codec_cls: ClassVar[type[PracCodecConfig]] = PracCodecConfig
 
     def __post_init__(self) -> None:
+        k_scale = tuple(self.k_scale)
+        if len(k_scale) != 2:
+            raise ValueError(f"k_scale must be a pair (linear, nonlinear), got {self.k_scale!r}")
+        object.__setattr__(self, "k_scale", k_scale)
         for name in ("linear", "nonlinear"):
             pair = tuple(getattr(self, name))
             if len(pair) != 2:
@@ -111,9 +118,13 @@ class PracConfig(StrategyConfig):
                 ) from None
         return cls(**kwargs)
 
-    def codec_config(self, r1: int | float, r2: int | float) -> PracCodecConfig:
+    def codec_config(
+        self, r1: int | float, r2: int | float, role: str = "linear"
+    ) -> PracCodecConfig:
         """The codec config of one site (the variant's codec class checks its invariant)."""
+        k_scale = self.k_scale[0] if role in ("linear", "output") else self.k_scale[1]
         return self.codec_cls(
+            k_scale=k_scale,
             r1=r1,
             r2=r2,
             t1=self.t1,
