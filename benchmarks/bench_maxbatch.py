@@ -66,6 +66,8 @@ def report(data: dict) -> str:
         ratio = f"{r['ratio_to_none']:.2f}x" if r["ratio_to_none"] else "—"
         peak = fmt_bytes(r["peak_at_max_bytes"]) if r["peak_at_max_bytes"] else "—"
         top = f"{r['max_batch']}{'+' if r['hit_limit'] else ''}"
+        if r.get("search_stopped"):  # stopped before the bisection ended: a lower bound
+            top = f">= {r['max_batch']}"
         lines.append(
             f"| {r['strategy']} | {top} | {ratio} | {peak} | {len(r['trials'])} | "
             f"{paper_ratio(r['strategy'])} |"
