@@ -38,7 +38,7 @@ SECTIONS: list[tuple[str, list[str]]] = [
         "3. Codecs and Adacc's layer-specific INT4 (adacc.txt §3.2)",
         ["quant.md", "int4_divergence.md"],
     ),
-    ("4. PRAC (prac.txt)", ["prac.md"]),
+    ("4. PRAC (prac.txt)", ["prac.md", "prac_kscale.md"]),
     ("5. CoLA and CoLA-M (cola.txt)", ["cola.md"]),
     (
         "6. The planner (adacc.txt §3.3-3.4, every action)",
