@@ -44,7 +44,10 @@ SECTIONS: list[tuple[str, list[str]]] = [
         "6. The planner (adacc.txt §3.3-3.4, every action)",
         ["planner.md", "head_plan.md", "maxbatch.md"],
     ),
-    ("7. Hugging Face models, torch.compile, distributed", ["hf.md", "compile.md", "compiled.md", "compiled_budgets.md"]),
+    (
+        "7. Hugging Face models, torch.compile, distributed",
+        ["hf.md", "compile.md", "compiled.md", "compiled_budgets.md"],
+    ),
 ]
 
 _LINK = re.compile(r"\]\((?!https?://|/|#)([^)]+)\)")
