@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> dict:
 def report(d: dict) -> str:
     e = d["env"]
     lines = [
-        "# PRAC's scaling factor k (prac.txt App. D.3)",
+        "## The scaling factor k (prac.txt App. D.3)",
         "",
         f"Model {d['model']} (initial weights), corpus batch {d['batch']} x {d['seq']}, "
         f"{d['draws']} draws of Q2 per k (Q1: exact SVD); torch {e['torch']}, "
