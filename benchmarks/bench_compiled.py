@@ -124,6 +124,11 @@ def run(args) -> dict:
     inv = slimact.apply(copy.deepcopy(base), "invact")
     compile_blocks(inv, backend="inductor")
     points["compiled-invact"] = Point(inv)
+    if args.only:  # eager-none stays: it is every ratio's baseline
+        unknown = set(args.only) - set(points)
+        if unknown:
+            raise ValueError(f"--only: unknown point(s) {sorted(unknown)}; valid: {list(points)}")
+        points = {k: p for k, p in points.items() if k == "eager-none" or k in args.only}
 
     rows: dict[str, dict] = {}
     points["eager-none"].step(x, y)
@@ -167,6 +172,7 @@ def run(args) -> dict:
     anchors = ["compiled-none", *(f"compile-budget ({b})" for b in args.budgets)]
     pairs = [(a, b) for a in ("compiled-int8", "compiled-int4") for b in anchors]
     pairs.append(("compiled-invact", "compiled-none"))
+    pairs = [(a, b) for a, b in pairs if a in points and b in points]
     cross = {f"{a} / {b}": timing.ratio(a, b).to_dict() for a, b in pairs}
     return {
         "env": env(),
@@ -263,6 +269,12 @@ def main() -> None:
         help="comma-separated activation_memory_budget values of the compile anchors",
     )
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument(
+        "--only",
+        type=lambda t: [v.strip() for v in t.split(",")],
+        default=None,
+        help="comma-separated points to run besides eager-none (default: all)",
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     args = p.parse_args()
