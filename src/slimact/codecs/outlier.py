@@ -38,7 +38,6 @@ from slimact.codecs.base import (
 )
 from slimact.codecs.quant import (
     DEFAULT_MAX_RANGE,
-    channel_view,
     check_common,
     check_group_size,
     check_input,
@@ -47,6 +46,7 @@ from slimact.codecs.quant import (
     quantized_payload,
     quantized_problem,
     row_stats,
+    rows_view,
 )
 from slimact.ops.quant import dequantize, quantize
 
@@ -110,10 +110,7 @@ class OutlierCodec(Codec):
     def encode(self, x: torch.Tensor) -> Packed:
         check_input(self, x)
         c = self.config
-        if x.numel() == 0:
-            x2d = x.reshape(0, 1)
-        else:
-            x2d = channel_view(self, x, c.channels)
+        x2d = rows_view(self, x, c.channels)
         rows = row_stats(x2d, 0, c.max_range)
         out_mask = outlier_mask(x2d, c.threshold) if x.numel() else x2d.new_zeros(1, dtype=bool)
         idx = out_mask.nonzero().view(-1)

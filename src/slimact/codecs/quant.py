@@ -332,6 +332,11 @@ def channel_view(codec: Codec, x: torch.Tensor, channels: int) -> torch.Tensor:
     return x.contiguous().view(-1, c)
 
 
+def rows_view(codec: Codec, x: torch.Tensor, channels: int) -> torch.Tensor:
+    """:func:`channel_view`, with an empty tensor as [0, 1] (the row-wise codecs' input)."""
+    return x.reshape(0, 1) if x.numel() == 0 else channel_view(codec, x, channels)
+
+
 class ChannelQuantCodec(Codec):
     config: ChannelQuantConfig
 

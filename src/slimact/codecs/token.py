@@ -26,7 +26,6 @@ import torch
 from slimact.codecs.base import Codec, CodecConfig, Packed, exact_value
 from slimact.codecs.quant import (
     DEFAULT_MAX_RANGE,
-    channel_view,
     check_common,
     check_input,
     check_max_range,
@@ -36,6 +35,7 @@ from slimact.codecs.quant import (
     quantized_problem,
     restore_nonfinite,
     row_stats,
+    rows_view,
 )
 from slimact.ops.quant import dequantize_ref, quantize_ref
 
@@ -77,10 +77,7 @@ class TokenQuantCodec(Codec):
     def encode(self, x: torch.Tensor) -> Packed:
         check_input(self, x)
         c = self.config
-        if x.numel() == 0:
-            x2d = x.reshape(0, 1)
-        else:
-            x2d = channel_view(self, x, c.channels)
+        x2d = rows_view(self, x, c.channels)
         width = max(1, x2d.shape[1])
         rows = row_stats(x2d, 0, c.max_range)
         q = quantize_ref(x2d, c.bits, width, True, c.paper_scale)

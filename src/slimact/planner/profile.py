@@ -153,6 +153,18 @@ def profile_model(
             prof.groups, desc="slimact: profiling block kinds", unit="kind", delay=2.0, leave=False
         )
         kinds = [prof.kind(sig, members, reform, per_block) for sig, members in groups]
+    meta = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,
+        "codecs": codecs,
+        "autocast": autocast_state(input_ids.device),
+    }
+    return _profile(model, input_ids, report, kinds, optimizer, name, t_start, meta)
+
+
+def _profile(model, input_ids, report, kinds, optimizer, name, t_start, meta) -> Profile:
+    """The ``Profile`` of a profiling forward (``report``: its meter report) and its kinds."""
     return Profile(
         model=name or type(model).__name__,
         batch=int(input_ids.shape[0]),
@@ -162,15 +174,7 @@ def profile_model(
         baseline_bytes=int(report.total_bytes),
         static=static_memory(model, optimizer),
         kinds=kinds,
-        meta={
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "repeats": repeats,
-            "codecs": codecs,
-            "autocast": autocast_state(input_ids.device),
-            "training": bool(model.training),
-            "profile_s": time.perf_counter() - t_start,
-        },
+        meta=meta | {"training": bool(model.training), "profile_s": time.perf_counter() - t_start},
     )
 
 
@@ -199,17 +203,7 @@ def profile_shapes(
         prof._storages(kp, members[0])
         prof._modules(kp, members[0])
         kinds.append(kp)
-    return Profile(
-        model=name or type(model).__name__,
-        batch=int(input_ids.shape[0]),
-        seq=int(input_ids.shape[-1]),
-        dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
-        device=str(input_ids.device),
-        baseline_bytes=int(report.total_bytes),
-        static=static_memory(model, optimizer),
-        kinds=kinds,
-        meta={"training": bool(model.training), "profile_s": time.perf_counter() - t_start},
-    )
+    return _profile(model, input_ids, report, kinds, optimizer, name, t_start, {})
 
 
 PROFILE_FORMAT = 4  # bumped when what a profile records changes: old cache entries miss
