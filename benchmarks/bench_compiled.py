@@ -12,7 +12,7 @@ Points, all in one process, fp32, one torch thread (unless --threads):
   ``activation_memory_budget`` = b, for each b of --budgets. Each budget gets its own code object (dynamo caches
   compiled frames per code object and does not guard on the budget), and every point runs with
   its own budget patched in, so a recompile can never take another point's budget;
-* ``compiled-int8`` / ``compiled-int4``: ``slimact.compiled.compile_with_codec`` (per-block
+* ``compiled-int8`` / ``compiled-int4``: ``slimact.compiled.compile_blocks_with`` (per-block
   compile, pack/unpack GraphModules inlined into the compiled graphs);
 * ``compiled-invact``: ``invact`` (inverted activations and norms as custom ops) then
   ``compile_blocks``: the reformulation inside compiled blocks.

@@ -191,7 +191,7 @@ def test_forward_live_bytes_matches_meter(one_thread):
 
 
 def test_no_blocks_is_reported():
-    changes = C.compile_with_codec(torch.nn.Linear(4, 4), "int8")
+    changes = C.compile_blocks_with(torch.nn.Linear(4, 4), C.BlockChoice(codec="int8"))
     assert len(changes) == 1 and changes[0].skipped
 
 

@@ -5,6 +5,9 @@ the bytes of *unique storages* actually stored: a tensor saved by several ops (t
 all save) or viewed several ways counts once; parameters and buffers count zero; a tensor stored
 through a codec counts its packed payload; tensors a strategy holds for recomputation count too.
 Each storage is attributed to the first site that saved it; later savers are listed as sharers.
+Blocks whose forward runs compiled (``slimact.compiled``) save inside their graphs with hooks
+disabled; the meter reads those saves off the autograd graph behind each block's outputs
+(``<block>:compiled#k``), so its count stays exact under torch.compile too.
 
     with slimact.measure(model) as m:
         model(x, targets=y).loss.backward()
@@ -17,6 +20,7 @@ Each storage is attributed to the first site that saved it; later savers are lis
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
-from slimact import sites
+from slimact import actions, sites
 
 
 @dataclass
@@ -161,8 +165,74 @@ class Meter:
             elif owner is not rec and ev.site not in owner.shared_with:
                 owner.shared_with.append(ev.site)
 
+    def compiled_saves(self, block: str, outputs: object, params: set, stop: set) -> None:
+        """What the compiled graphs of ``block``'s forward saved: the saved tensors of every
+        ``CompiledFunctionBackward`` node behind its outputs (nodes in ``stop``, the graph
+        before the block, are not entered). A compiled region saves with hooks disabled, so the
+        router never sees these; they are counted here as ``<block>:compiled#k``, unique
+        storages as everywhere (a storage the router already counted stays with its owner)."""
+        todo = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
+        k = 0
+        while todo:
+            node = todo.pop()
+            if node is None or node in stop:
+                continue
+            stop.add(node)
+            todo.extend(f for f, _ in node.next_functions)
+            if type(node).__name__ != "CompiledFunctionBackward":
+                continue
+            for t in node.saved_tensors:
+                if sites.storage_key(t) in params:
+                    continue
+                coded = not t.is_floating_point()  # a traced codec's payload (uint8 codes)
+                action = actions.codec("compiled") if coded else actions.KEEP
+                self(sites.SavedEvent(f"{block}:compiled#{k}", block, "compiled", t, [t], action))
+                k += 1
+
     def release(self) -> None:
         self._alive.clear()
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    """The tensors of a module's output (a tensor, a tuple/list, or a dict-like output)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+@contextmanager
+def _compiled_regions(meter: Meter, model: nn.Module | None) -> Iterator[None]:
+    """Forward hooks on the blocks that hand their compiled saves to ``meter``."""
+    if model is None:
+        yield
+        return
+    params = {sites.storage_key(t) for t in (*model.parameters(), *model.buffers())}
+    stop: set = set()  # autograd nodes already walked (earlier blocks, inputs)
+    mods = dict(model.named_modules())
+    mine = threading.get_ident()  # module hooks are global; a planner's worker thread is not ours
+
+    def pre(mod, args, kwargs):
+        if threading.get_ident() == mine:
+            stop.update(t.grad_fn for t in _tensors([args, kwargs]) if t.grad_fn is not None)
+
+    def post(mod, args, kwargs, out, path):
+        if threading.get_ident() == mine:
+            meter.compiled_saves(path, out, params, stop)
+
+    handles = []
+    for path in sites.block_paths(model):
+        hook = lambda m, a, k, o, p=path: post(m, a, k, o, p)  # noqa: E731
+        handles.append(mods[path].register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mods[path].register_forward_hook(hook, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 @contextmanager
@@ -175,7 +245,12 @@ def measure(model: nn.Module | None = None, n_tokens: int | None = None) -> Iter
     meter = Meter(model)
     meter.report.n_tokens = n_tokens
     try:
-        with sites.tracking(model), sites.listening(meter), sites.listening_casts(meter.param_cast):
+        with (
+            sites.tracking(model),
+            sites.listening(meter),
+            sites.listening_casts(meter.param_cast),
+            _compiled_regions(meter, model),
+        ):
             yield meter
     finally:
         meter.release()

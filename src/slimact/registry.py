@@ -211,6 +211,53 @@ def _check_compiled(labels: list[str], spec: object) -> None:
 
 _ONE_POLICY = "only one codec policy can decide how each saved tensor is stored"
 
+# ``apply(model, spec, compile=True)``: each part of the spec by its compiled form (names only,
+# so this layer imports none of them). Block strategies become the one ``compiled-*`` strategy
+# that compiles every block with its actions inside; transforms whose ops compile as they are
+# (custom ops, plain modules) are applied first, then the blocks are compiled.
+COMPILED_FORMS = {
+    "none": "compiled-none",
+    "int8": "compiled-int8",  # traced INT8, one scale per row
+    "int4": "compiled-int4",  # traced INT4 (groups of 32, SDPA tensors INT8), not outlier-aware
+    "recompute": "compiled-recompute",  # compile's partitioner at region budget 0
+    "auto": "compiled-auto",  # the compiled planner: region budgets x traced codecs per block
+}
+COMPILE_SAFE = frozenset({"invact", "invact-act", "chunked-ce", "cola"})
+
+
+def compiled_spec(strategy: str) -> str:
+    """The spec ``apply(..., compile=True)`` applies for ``strategy`` (see ``COMPILED_FORMS``):
+    ``"auto@25%"`` -> ``"compiled-auto@25%"``, ``"invact+int4"`` -> ``"invact+compiled-int4"``,
+    ``"int8+recompute"`` -> ``"compiled-int8@0"`` (the codec under region budget 0), ``"invact"``
+    -> ``"invact+compiled-none"``. A part with no compiled form is a ``ValueError``."""
+    if not isinstance(strategy, str) or not strategy.strip():
+        raise ValueError(f"compile=True needs a strategy name or spec, got {strategy!r}")
+    eager, blocks = [], []
+    for part in (p.strip() for p in strategy.split("+")):
+        base, at, arg = part.partition("@")
+        if base.startswith(COMPILED_PREFIX):
+            blocks.append(part)
+        elif base in COMPILED_FORMS:
+            blocks.append(COMPILED_FORMS[base] + at + arg)
+        elif base in COMPILE_SAFE:
+            eager.append(part)
+        else:
+            raise ValueError(
+                f"strategy {part!r} has no compiled form (compile=True); strategies that do: "
+                f"{', '.join([*COMPILED_FORMS, *sorted(COMPILE_SAFE)])}, and the compiled-* ones"
+            )
+    if "compiled-recompute" in blocks and len(blocks) == 2:
+        other = next(b for b in blocks if b != "compiled-recompute")
+        if "@" not in other and other in ("compiled-int8", "compiled-int4", "compiled-none"):
+            blocks = [f"{other}@0"]
+    if len(blocks) > 1:
+        raise ValueError(
+            f"strategy {strategy!r} under compile=True gives each block {len(blocks)} compiled "
+            f"forms ({', '.join(blocks)}); a block is compiled once: keep one of them (a codec "
+            "and recompute merge: 'int8+recompute' is compiled-int8 at region budget 0)"
+        )
+    return "+".join([*eager, *(blocks or ["compiled-none"])])
+
 
 def with_budget(strategy: str, budget: str | None) -> str:
     """``("auto", "25%") -> "auto@25%"``: the ``--budget`` flag of the CLIs, for every ``auto``."""
@@ -230,14 +277,31 @@ def _entry_for(config: StrategyConfig) -> _Entry:
 
 
 def apply(
-    model: nn.Module, strategy: str | StrategyConfig, filter_fn: FilterFn | None = None
+    model: nn.Module,
+    strategy: str | StrategyConfig,
+    filter_fn: FilterFn | None = None,
+    *,
+    compile: bool = False,
 ) -> nn.Module:
     """Apply a strategy to ``model`` in place and return it; the changes are logged and recorded.
 
     ``filter_fn(module, path) -> bool`` restricts which modules a transform may touch. All or
     nothing: when a part raises, the parts already applied are undone (newest first) and the
     error propagates, so the model is as it was before the call.
+
+    ``compile=True`` compiles every block with the strategy's actions inside it (the root stays
+    eager): the spec is rewritten by :func:`compiled_spec` (``"auto@25%"`` becomes the compiled
+    planner ``"compiled-auto@25%"``); a config must already be a ``compiled-*`` one.
     """
+    if compile:
+        if isinstance(strategy, StrategyConfig):
+            if not strategy.name.startswith(COMPILED_PREFIX):
+                raise ValueError(
+                    f"compile=True takes a strategy name or spec (e.g. 'auto@25%') or a "
+                    f"compiled-* config, not {type(strategy).__name__}"
+                )
+        else:
+            strategy = compiled_spec(strategy)
     parts = _resolve_named(strategy)
     before = applied_strategies(model)
     _check_compiled([*before, *(label for label, _ in parts)], strategy)

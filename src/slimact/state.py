@@ -11,7 +11,7 @@ Fields: the change log of ``slimact.apply`` (``applied``) and the names of the s
 applied (``strategies``); the plan runtime (``runtime``) and its first-step budget check
 (``budget_check``); strategy state that checkpoints must carry (``stateful``: name -> object
 with ``state_dict``/``load_state_dict``, e.g. PRAC's subspaces); the ``int4`` strategy's
-assignment (``int4_assign``).
+assignment (``int4_assign``); the plan ``compiled-auto`` solved (``compiled_plan``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class ModelState:
     budget_check: Any = None  # slimact.planner.adaptive.BudgetCheck
     stateful: dict[str, Any] = field(default_factory=dict)
     int4_assign: Any = None  # slimact.strategies.int4.Int4Assign
+    compiled_plan: Any = None  # slimact.planner.compiled.CompiledPlan (compiled-auto)
 
 
 def state_of(model: nn.Module) -> ModelState:

@@ -1,9 +1,12 @@
-"""Small helpers: seeding, byte formatting, device choice."""
+"""Small helpers: seeding, byte formatting, device choice, work in a worker thread."""
 
 from __future__ import annotations
 
 import importlib
 import random
+import threading
+from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
@@ -43,3 +46,29 @@ def require(module: str, extra: str, feature: str) -> Any:
             f"{feature} needs {module.split('.')[0]}, which is not installed: "
             f"pip install 'slimact[{extra}]'"
         ) from exc
+
+
+def in_worker_thread(fn: Callable[[], Any], device_type: str = "cpu") -> Any:
+    """``fn()`` in a worker thread, its result returned and its error re-raised here.
+
+    Grad mode, saved-tensor hooks, torch-function modes and slimact's site router are
+    thread-local, so work done there (profiling passes of a planner that runs inside a training
+    forward) is neither routed nor counted by what the calling thread has entered; autocast is
+    carried over."""
+    amp = torch.is_autocast_enabled(device_type)
+    amp_dtype = torch.get_autocast_dtype(device_type) if amp else None
+    out: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            with torch.autocast(device_type, dtype=amp_dtype) if amp else ExitStack():
+                out["result"] = fn()
+        except BaseException as e:  # re-raised in the caller's thread
+            out["error"] = e
+
+    worker = threading.Thread(target=work, name="slimact-planner")
+    worker.start()
+    worker.join()
+    if "error" in out:
+        raise out["error"]
+    return out["result"]

@@ -53,6 +53,7 @@ from slimact.reformulate import (
 )
 from slimact.registry import AppliedChange
 from slimact.state import peek, prune, state_of
+from slimact.utils import in_worker_thread
 
 _tls = threading.local()
 
@@ -197,28 +198,15 @@ class PlanRuntime:
         """Run the planner on this batch in a worker thread (see the module docstring)."""
         if self.planner is None:
             raise ValueError("this runtime has no planner; pass a Plan to set_plan")
-        out: dict[str, Any] = {}
-        dev = input_ids.device.type
-        amp = torch.is_autocast_enabled(dev)
-        amp_dtype = torch.get_autocast_dtype(dev) if amp else None
 
-        def work() -> None:
+        def work() -> Plan:
             _tls.busy = True
-            try:
-                ctx = torch.autocast(dev, dtype=amp_dtype) if amp else ExitStack()
-                with ctx:
-                    out["plan"] = self.planner(input_ids, targets)
-                if isinstance(out["plan"], tuple):
-                    out["plan"], self.profile = out["plan"]
-            except BaseException as e:  # re-raised in the caller's thread
-                out["error"] = e
+            plan = self.planner(input_ids, targets)
+            if isinstance(plan, tuple):
+                plan, self.profile = plan
+            return plan
 
-        worker = threading.Thread(target=work, name="slimact-planner")
-        worker.start()
-        worker.join()
-        if "error" in out:
-            raise out["error"]
-        return out["plan"]
+        return in_worker_thread(work, input_ids.device.type)
 
     # -- hooks --------------------------------------------------------------------------------
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:

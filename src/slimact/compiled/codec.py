@@ -1,4 +1,4 @@
-"""Codecs inside torch.compile: saved-tensor hooks as ``fx.GraphModule`` pairs, inlined (issue 16).
+"""Traced codecs: saved-tensor hooks as ``fx.GraphModule`` pairs that torch.compile inlines.
 
 Since torch 2.8, when the innermost ``saved_tensors_hooks`` pair are both ``torch.fx.GraphModule``
 objects while dynamo compiles a frame, AOTAutograd copies the pack graph into the end of the
@@ -27,14 +27,8 @@ What this module adds:
   ``slimact.ops.quant.quantize_ref`` / ``dequantize_ref`` on the flat logical order with
   ``group_size = g``: :func:`encode_ref` / :func:`decode_ref` are that reference and the tests
   check codes and scales equal it bit for bit.
-* :func:`compile_with_codec` ``(model, codec)``: ``torch.compile`` each block's forward
-  (``dynamic=False``) and call it inside the pair (and with
-  ``saved_tensors_hooks_filtering_mode`` patched, see below); recorded, so ``slimact.revert``
-  restores the eager blocks. Strategies ``compiled-none`` (identity pair: the path without
-  compression), ``compiled-int8`` and ``compiled-int4``.
-* :func:`forward_live_bytes`: bytes a forward leaves alive (the torch profiler's memory events),
-  which is how saves inside compiled graphs are measured: the site router's hooks are disabled
-  inside the compiled region, so ``slimact.measure`` sees nothing of a block compiled this way.
+* :func:`codec_hooks` ``(codec)``: the pair entered (with its filtering mode) around a compiled
+  call; ``slimact.compiled.blocks`` compiles blocks inside it.
 
 Trade-offs. The hooks see what AOTAutograd saves after its min-cut partition (it already
 recomputes cheap pointwise ops), not slimact's named sites: there is no per-site plan, only
@@ -55,19 +49,14 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.fx
 import torch.nn as nn
 
-from slimact import sites
 from slimact.ops.quant import Quantized, dequantize_ref, quantize_ref
-from slimact.patching import NotCopyable
-from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
 
 try:  # the per-saved-tensor context (torch >= 2.10); private API, so optional
     from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
@@ -272,122 +261,3 @@ def codec_hooks(codec: CompiledCodec | str):
         torch.autograd.graph.saved_tensors_hooks(pack, unpack),
     ):
         yield
-
-
-# ----------------------------------------------------------------------------- compiling blocks
-def _codec_forward(compiled: Callable[..., Any], codec: CompiledCodec, *args, **kwargs):
-    with codec_hooks(codec):
-        return compiled(*args, **kwargs)
-
-
-def compile_with_codec(
-    model: nn.Module,
-    codec: CompiledCodec | str = "int8",
-    filter_fn: FilterFn | None = None,
-    **compile_kwargs: Any,
-) -> list[AppliedChange]:
-    """``torch.compile`` each block's forward with ``codec``'s hook pair inlined; the root stays
-    eager. Recorded on the model, so ``slimact.revert`` restores the eager blocks.
-
-    ``compile_kwargs`` go to ``torch.compile`` (``dynamic=False`` unless given: the pack's shape
-    rules read concrete shapes)."""
-    codec = resolve_codec(codec)
-    compile_kwargs.setdefault("dynamic", False)
-    modules = dict(model.named_modules())
-    changes: list[AppliedChange] = []
-    label = f"compiled codec bits={codec.bits} group={codec.group_size}"
-    for path in sites.block_paths(model):
-        block = modules[path]
-        if filter_fn is not None and not filter_fn(block, path):
-            changes.append(AppliedChange(path, "compiled-codec", "filtered out", skipped=True))
-            continue
-        prev = block.__dict__.get("forward")
-        compiled = torch.compile(prev or block.forward, **compile_kwargs)
-        block.forward = NotCopyable(functools.partial(_codec_forward, compiled, codec), label)
-
-        def undo(b: nn.Module = block, prev=prev) -> None:
-            if prev is None:
-                b.__dict__.pop("forward", None)
-            else:
-                b.forward = prev
-
-        changes.append(AppliedChange(path, "compiled-codec", label, undo=undo))
-    if not changes:
-        changes.append(
-            AppliedChange("", "compiled-codec", "model has no repeated blocks", skipped=True)
-        )
-    return changes
-
-
-# ----------------------------------------------------------------------------- measuring
-def compiled_saved_tensors(loss: torch.Tensor) -> list[torch.Tensor]:
-    """What the compiled regions of ``loss``'s graph keep for backward: the saved tensors of
-    every ``CompiledFunctionBackward`` node reachable from ``loss.grad_fn`` (packed payloads
-    where the codec hooks were inlined)."""
-    out: list[torch.Tensor] = []
-    stack, seen = [loss.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == "CompiledFunctionBackward":
-            out.extend(node.saved_tensors)
-        stack.extend(f for f, _ in node.next_functions)
-    return out
-
-
-def forward_live_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
-    """Run ``fn()`` (a forward returning the loss) under the CPU profiler; return the bytes it
-    left alive (allocations minus frees, the returned loss included) and its result.
-
-    What a forward leaves alive is what autograd saved for backward (plus the loss), also where
-    the saves are hidden from hooks inside compiled graphs. Drop other outputs (logits) inside
-    ``fn``. CPU only."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    live = sum(
-        e.nbytes()
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-    )
-    return int(live), out
-
-
-# ----------------------------------------------------------------------------- strategies
-@dataclass(frozen=True)
-class CompiledCodecConfig(StrategyConfig):
-    """Strategy config: the traced codec (a :class:`CompiledCodec` or a name in ``CODECS``)."""
-
-    codec: str = "int8"
-
-    def __post_init__(self) -> None:
-        resolve_codec(self.codec)
-
-
-def apply_compiled_codec(
-    model: nn.Module, config: CompiledCodecConfig, filter_fn: FilterFn | None = None
-) -> list[AppliedChange]:
-    return compile_with_codec(model, config.codec, filter_fn)
-
-
-register_strategy(
-    "compiled-none",
-    CompiledCodecConfig("none"),
-    apply_compiled_codec,
-    "torch.compile per block with an identity saved-tensor hook pair inlined (no compression)",
-)
-register_strategy(
-    "compiled-int8",
-    CompiledCodecConfig("int8"),
-    apply_compiled_codec,
-    "torch.compile per block, per-row INT8 pack/unpack inlined into the compiled graphs",
-)
-register_strategy(
-    "compiled-int4",
-    CompiledCodecConfig("int4"),
-    apply_compiled_codec,
-    "torch.compile per block, INT4 (groups of 32) inlined; SDPA q/k/v/output INT8 per row",
-)

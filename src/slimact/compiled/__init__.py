@@ -1,0 +1,51 @@
+"""Actions inside torch.compile: traced codecs (``codec``), compiled blocks with a recompute
+budget and a codec each (``blocks``), and their strategies (``strategies``)."""
+
+from slimact.compiled.blocks import (
+    BlockChoice,
+    compile_block,
+    compile_blocks_with,
+    compiled_saved_tensors,
+    forward_live_bytes,
+    region_budgets_supported,
+)
+from slimact.compiled.codec import (
+    CODECS,
+    TRACE_CALLS,
+    CompiledCodec,
+    choose,
+    codec_hooks,
+    decode,
+    decode_ref,
+    encode,
+    encode_ref,
+    hook_pair,
+    keeps_exact,
+    resolve_codec,
+    saved_node,
+)
+from slimact.compiled.strategies import CompiledCodecConfig, apply_compiled_codec
+
+__all__ = [
+    "CODECS",
+    "TRACE_CALLS",
+    "BlockChoice",
+    "CompiledCodec",
+    "CompiledCodecConfig",
+    "apply_compiled_codec",
+    "choose",
+    "codec_hooks",
+    "compile_block",
+    "compile_blocks_with",
+    "compiled_saved_tensors",
+    "decode",
+    "decode_ref",
+    "encode",
+    "encode_ref",
+    "forward_live_bytes",
+    "hook_pair",
+    "keeps_exact",
+    "region_budgets_supported",
+    "resolve_codec",
+    "saved_node",
+]

@@ -1,0 +1,202 @@
+"""Compiled blocks: each block's forward under torch.compile with a recompute budget and a codec.
+
+A compiled block has two knobs, one per action it can take on what it saves (a
+:class:`BlockChoice`):
+
+* **recompute**: ``budget``, the activation-memory budget of the block's *region*
+  (``torch.autograd.graph.region_activation_memory_budget``, torch >= 2.13): compile's min-cut
+  partitioner solves a 0-1 knapsack to recompute in backward whatever keeps the block's saved
+  bytes at ``budget`` x what its default partition saves (1.0: the default, speed first; 0.0:
+  everything but the block's inputs is recomputed, i.e. per-block checkpointing done by the
+  compiler, which fuses the recomputation with the backward);
+* **codec**: a traced codec (``slimact.compiled.codec``) applied to what the partition still
+  saves, inlined into the compiled graphs.
+
+The two compose: the partitioner first decides what to keep, the pack hook then encodes each
+kept tensor, so ``BlockChoice(0.25, "int8")`` keeps about a quarter of the block's tensors, each
+at a quarter of its bytes. Every block is its own graph (the root stays eager: embedding, final
+norm, head, loss), so blocks can take different choices; one code object per budget keeps
+dynamo from reusing a graph partitioned under another budget (its cache is per code object and
+does not guard on budgets), and blocks with equal choices share one compiled graph.
+
+``slimact.planner.compiled`` picks a choice per block under a memory budget from measured
+bytes and times. Saved bytes inside compiled graphs are invisible to saved-tensor hooks (the
+region runs with hooks disabled), so :func:`forward_live_bytes` measures them from the
+profiler's memory events, and :func:`compiled_saved_tensors` lists what the compiled regions
+of a loss's graph hold.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.profiler import ProfilerActivity, profile
+
+from slimact import actions, sites
+from slimact.compiled.codec import CODECS, codec_hooks, resolve_codec
+from slimact.patching import NotCopyable
+from slimact.registry import AppliedChange, FilterFn
+
+
+def region_budgets_supported() -> bool:
+    """Per-region activation-memory budgets exist in this torch (2.13+)."""
+    return hasattr(torch.autograd.graph, "region_activation_memory_budget")
+
+
+@dataclass(frozen=True)
+class BlockChoice:
+    """``budget`` in [0, 1]: compile's activation-memory budget for the block's region (1.0:
+    compile's default partition); ``codec``: a traced codec name of ``slimact.compiled.CODECS``
+    (``none``: store what is kept as it is)."""
+
+    budget: float = 1.0
+    codec: str = "none"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
+            raise ValueError(f"BlockChoice.budget must be a number in [0, 1], got {self.budget!r}")
+        if not 0.0 <= float(self.budget) <= 1.0:
+            raise ValueError(f"BlockChoice.budget must be in [0, 1], got {self.budget!r}")
+        object.__setattr__(self, "budget", float(self.budget))
+        if self.codec not in CODECS:
+            raise ValueError(
+                f"BlockChoice.codec must be one of {', '.join(CODECS)}, got {self.codec!r}"
+            )
+        if self.budget < 1.0 and not region_budgets_supported():
+            raise ValueError(
+                f"BlockChoice(budget={self.budget}) needs per-region activation-memory budgets "
+                f"(torch >= 2.13); this is torch {torch.__version__}: use budget=1.0"
+            )
+
+    @property
+    def label(self) -> str:
+        """The block's actions in slimact's words: ``recompute/budget=<b>`` where compile
+        recomputes (budget < 1), ``codec:compiled-<codec>`` for what it encodes, else ``keep``."""
+        parts = [f"{actions.RECOMPUTE}/budget={self.budget:g}"] if self.budget < 1.0 else []
+        if self.codec != "none":
+            parts.append(actions.codec(f"compiled-{self.codec}"))
+        return "+".join(parts) or actions.KEEP
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"budget": self.budget, "codec": self.codec}
+
+
+def _block_call(forward: Callable[..., Any], *args: Any, _budget: float = 1.0, **kwargs: Any):
+    if _budget >= 1.0:
+        return forward(*args, **kwargs)
+    if not torch.compiler.is_compiling():  # dynamo gave up on the frame (recompile limit?)
+        raise RuntimeError(
+            f"a compiled block with region budget {_budget} is running eagerly, where the "
+            "budget has no effect: torch.compile fell back to eager for it (see dynamo's "
+            "warnings, e.g. torch._dynamo.config.recompile_limit)"
+        )
+    with torch.autograd.graph.region_activation_memory_budget(_budget):
+        return forward(*args, **kwargs)
+
+
+@functools.cache
+def _block_fn(budget: float, codec: str, owner: type) -> Callable[..., Any]:
+    """:func:`_block_call` with a code object of its own per (budget, codec, block class): dynamo
+    caches compiled frames per code object and guards neither on budgets nor (usefully) on
+    codecs, so options never share, nor evict, each other's graphs (module docstring)."""
+    tag = f"{owner.__name__}_{budget:.6f}_{codec}".replace(".", "_").replace("-", "_")
+    code = _block_call.__code__.replace(co_name=f"_block_{tag}")
+    fn = types.FunctionType(code, _block_call.__globals__, code.co_name)
+    fn.__kwdefaults__ = {"_budget": budget}
+    return fn
+
+
+def _compiled_forward(
+    compiled: Callable[..., Any], codec: str, forward: Callable[..., Any], *args: Any, **kw: Any
+) -> Any:
+    with codec_hooks(codec):
+        return compiled(forward, *args, **kw)
+
+
+def compile_block(
+    block: nn.Module, choice: BlockChoice, forward: Callable[..., Any] | None = None, **kw: Any
+) -> Callable[..., Any]:
+    """The compiled forward of ``block`` under ``choice`` (not installed): the codec's hook pair
+    around a compiled call of the block's forward inside its region budget."""
+    resolve_codec(choice.codec)
+    kw.setdefault("dynamic", False)  # the pack's shape rules read concrete shapes
+    compiled = torch.compile(_block_fn(choice.budget, choice.codec, type(block)), **kw)
+    return functools.partial(_compiled_forward, compiled, choice.codec, forward or block.forward)
+
+
+def compile_blocks_with(
+    model: nn.Module,
+    choices: BlockChoice | Mapping[str, BlockChoice],
+    filter_fn: FilterFn | None = None,
+    **compile_kwargs: Any,
+) -> list[AppliedChange]:
+    """``torch.compile`` each block's forward under its :class:`BlockChoice` (one for all, or
+    one per block path); the root stays eager. Returns one change per block, whose undo
+    restores the eager forward (``slimact.revert``); a block missing from a mapping is left
+    eager and reported as skipped. ``compile_kwargs`` go to ``torch.compile``."""
+    modules = dict(model.named_modules())
+    changes: list[AppliedChange] = []
+    for path in sites.block_paths(model):
+        block = modules[path]
+        choice = choices if isinstance(choices, BlockChoice) else choices.get(path)
+        if choice is None:
+            changes.append(AppliedChange(path, "compile", "no choice for this block", True))
+            continue
+        if filter_fn is not None and not filter_fn(block, path):
+            changes.append(AppliedChange(path, "compile", "filtered out", skipped=True))
+            continue
+        prev = block.__dict__.get("forward")
+        fwd = compile_block(block, choice, prev or block.forward, **compile_kwargs)
+        block.forward = NotCopyable(fwd, f"compiled block ({choice.label})")
+
+        def undo(b: nn.Module = block, prev=prev) -> None:
+            if prev is None:
+                b.__dict__.pop("forward", None)
+            else:
+                b.forward = prev
+
+        changes.append(AppliedChange(path, "compile", choice.label, undo=undo))
+    if not changes:
+        changes.append(AppliedChange("", "compile", "model has no repeated blocks", skipped=True))
+    return changes
+
+
+# ----------------------------------------------------------------------------- measuring
+def compiled_saved_tensors(loss: torch.Tensor) -> list[torch.Tensor]:
+    """What the compiled regions of ``loss``'s graph keep for backward: the saved tensors of
+    every ``CompiledFunctionBackward`` node reachable from ``loss.grad_fn`` (packed payloads
+    where the codec hooks were inlined)."""
+    out: list[torch.Tensor] = []
+    stack, seen = [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CompiledFunctionBackward":
+            out.extend(node.saved_tensors)
+        stack.extend(f for f, _ in node.next_functions)
+    return out
+
+
+def forward_live_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
+    """Run ``fn()`` (a forward returning the loss) under the CPU profiler; return the bytes it
+    left alive (allocations minus frees, the returned loss included) and its result.
+
+    What a forward leaves alive is what autograd saved for backward (plus the loss), also where
+    the saves are hidden from hooks inside compiled graphs. Drop other outputs (logits) inside
+    ``fn``. CPU only."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    live = sum(
+        e.nbytes()
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    )
+    return int(live), out

@@ -1,0 +1,82 @@
+"""Strategies of compiled blocks: ``compiled-none``, ``compiled-int8``, ``compiled-int4``,
+``compiled-recompute``, each ``@<budget>`` for compile's region budget (``compiled-int8@0.25``).
+
+One :class:`~slimact.compiled.blocks.BlockChoice` for every block; ``compiled-auto@<budget>``
+(``slimact.planner.compiled``) picks one per block instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from slimact.compiled.blocks import BlockChoice, compile_blocks_with
+from slimact.compiled.codec import resolve_codec
+from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
+
+PREFIX = "compiled-"
+
+
+@dataclass(frozen=True)
+class CompiledCodecConfig(StrategyConfig):
+    """``codec``: a traced codec name (``slimact.compiled.CODECS``); ``budget``: compile's
+    activation-memory budget for each block's region (1.0: compile's default partition)."""
+
+    codec: str = "int8"
+    budget: float = 1.0
+
+    def __post_init__(self) -> None:
+        resolve_codec(self.codec)
+        self.choice  # noqa: B018 - validates the budget
+
+    @property
+    def choice(self) -> BlockChoice:
+        return BlockChoice(self.budget, self.codec)
+
+    @classmethod
+    def from_spec(cls, spec: str) -> CompiledCodecConfig:
+        """``compiled-int8@0.25`` -> codec ``int8`` under region budget 0.25."""
+        name, _, arg = spec.partition("@")
+        codec = "none" if name == f"{PREFIX}recompute" else name.removeprefix(PREFIX)
+        default = 0.0 if name == f"{PREFIX}recompute" else 1.0
+        try:
+            budget = float(arg) if arg else default
+        except ValueError:
+            raise ValueError(
+                f"{spec!r}: the part after '@' is compile's region budget, a number in [0, 1] "
+                f"(e.g. '{name}@0.25'), got {arg!r}"
+            ) from None
+        return cls(codec, budget)
+
+
+def apply_compiled_codec(
+    model: nn.Module, config: CompiledCodecConfig, filter_fn: FilterFn | None = None
+) -> list[AppliedChange]:
+    return compile_blocks_with(model, config.choice, filter_fn)
+
+
+register_strategy(
+    "compiled-none",
+    CompiledCodecConfig("none"),
+    apply_compiled_codec,
+    "torch.compile per block with an identity saved-tensor hook pair inlined (no compression)",
+)
+register_strategy(
+    "compiled-int8",
+    CompiledCodecConfig("int8"),
+    apply_compiled_codec,
+    "torch.compile per block, per-row INT8 pack/unpack inlined into the compiled graphs",
+)
+register_strategy(
+    "compiled-int4",
+    CompiledCodecConfig("int4"),
+    apply_compiled_codec,
+    "torch.compile per block, INT4 (groups of 32) inlined; SDPA q/k/v/output INT8 per row",
+)
+register_strategy(
+    "compiled-recompute",
+    CompiledCodecConfig("none", 0.0),
+    apply_compiled_codec,
+    "torch.compile per block with region budget 0: compile recomputes all but block inputs",
+)

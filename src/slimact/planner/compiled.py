@@ -1,0 +1,336 @@
+"""The planner over compiled blocks: one MILP over compile's recompute budgets and traced codecs.
+
+Under torch.compile a block's saved tensors are decided by two knobs (``slimact.compiled.blocks``):
+compile's region budget ``b`` (what its min-cut partitioner recomputes) and a traced codec ``c``
+(how what it keeps is stored). Every pair ``o = (b, c)`` of a grid is an *option*; the planner
+measures each option on one block of each kind, on the real batch, and picks one per block:
+
+    bytes(o)   unique storages the compiled block's graphs save (read off its autograd graph,
+               as the meter does), its input made inside the call, so an input the block keeps
+               raw is counted and one it encodes is not (as in the model, where the raw
+               residual stream is freed once the next block has encoded it)
+    time(o)    fwd+bwd seconds of the compiled block: interleaved rounds over the options, the
+               median per-round ratio to the first option times that option's median
+    root       the eager model's bytes (the meter) minus its blocks' own (measured as above,
+               eagerly): embedding, final norm, head, loss, and inputs shared by all blocks
+
+    minimize   sum_k sum_o n_ko * time_k(o)
+    subject to sum_o n_ko = |blocks of kind k|,  root + sum_k sum_o n_ko * bytes_k(o) <= allowed
+
+with ``n_ko`` integer (identical blocks are interchangeable, so the MILP counts them; blocks
+take options in their order, the fewest bytes first). A uniform plan (every block at one option)
+is a feasible point, so the solution is never slower than the best single option that fits,
+and never holds more bytes than allowed by the measured figures. Compile's own
+``activation_memory_budget`` is the column ``c = none``; its partition is one of the options,
+not a competitor.
+
+Budgets are ``slimact.budget.Budget``: a share of the eager model's activation bytes (the
+meter's count), or device memory with parameters, gradients and AdamW states included. After the plan is installed, :func:`verify` measures the whole model;
+``CompiledAutoConfig`` (``compiled-auto@25%``) re-solves with the overshoot taken off the budget
+once and warns if the measured bytes still exceed it.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from slimact import sites
+from slimact.budget import Budget
+from slimact.classify import label_arg
+from slimact.compiled.blocks import BlockChoice, compile_block, compiled_saved_tensors
+from slimact.meter import MemoryReport, measure
+from slimact.planner.profile import static_memory
+from slimact.planner.profiler import kind_signature
+from slimact.timing import interleaved, load_average
+from slimact.utils import fmt_bytes
+
+BUDGETS = (1.0, 0.5, 0.25, 0.1, 0.0)
+CODECS = ("none", "int8", "int4")
+
+
+class BudgetWarning(UserWarning):
+    """A compiled plan's measured bytes exceed its budget."""
+
+
+@dataclass
+class OptionStat:
+    """One option measured on one block: bytes it adds, fwd+bwd seconds (median)."""
+
+    choice: BlockChoice
+    bytes: int
+    seconds: float
+
+
+@dataclass
+class CompiledProfile:
+    """Measured options per block kind, and the model's fixed parts."""
+
+    blocks: dict[str, list[str]]  # kind -> block paths in model order
+    options: dict[str, list[OptionStat]]  # kind -> one stat per option
+    baseline_bytes: int  # the eager model's saved bytes (the meter)
+    root_bytes: int  # what it saves outside its blocks
+    static_bytes: int  # parameters, gradients, AdamW states
+    batch: tuple[int, ...]
+    profile_time_s: float
+    load: tuple[float | None, float | None]
+
+    def option(self, kind: str, choice: BlockChoice) -> OptionStat:
+        return next(s for s in self.options[kind] if s.choice == choice)
+
+
+@dataclass
+class CompiledPlan:
+    """A choice per block path, with the predicted (and, once verified, measured) bytes."""
+
+    choices: dict[str, BlockChoice]
+    budget: str
+    allowed_bytes: int
+    predicted_bytes: int
+    predicted_seconds: float  # sum of the blocks' fwd+bwd seconds
+    baseline_bytes: int
+    measured_bytes: int | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [{"block": p, "action": c.label, **c.to_dict()} for p, c in self.choices.items()]
+
+    def table(self) -> str:
+        lines = [f"{'block':<24} action"]
+        lines += [f"{r['block']:<24} {r['action']}" for r in self.rows()]
+        base = max(self.baseline_bytes, 1)
+        lines.append(
+            f"predicted {fmt_bytes(self.predicted_bytes)} ({self.predicted_bytes / base:.3f} of "
+            f"eager), allowed {fmt_bytes(self.allowed_bytes)} (budget {self.budget})"
+        )
+        if self.measured_bytes is not None:
+            lines.append(f"measured {fmt_bytes(self.measured_bytes)}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["choices"] = {p: c.to_dict() for p, c in self.choices.items()}
+        d["rows"] = self.rows()
+        return d
+
+
+# ----------------------------------------------------------------------------- measuring
+def _first_tensor(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise TypeError(f"a block returned {type(out).__name__}; expected a tensor (or a tuple)")
+
+
+def _loss(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    name = (label_arg(model) or ("targets", 1))[0]
+    out = model(ids, **{name: targets})
+    loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
+    if loss is None and isinstance(out, dict):
+        loss = out.get("loss")
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError("the model's forward returned no loss for (input_ids, labels)")
+    return loss
+
+
+def capture_inputs(
+    model: nn.Module, ids: torch.Tensor, targets: torch.Tensor, paths: Sequence[str]
+) -> dict[str, tuple[tuple, dict]]:
+    """The (args, kwargs) each block in ``paths`` is called with on this batch (detached)."""
+    mods, got, handles = dict(model.named_modules()), {}, []
+
+    def pre(mod, args, kwargs, path):
+        det = lambda v: v.detach() if isinstance(v, torch.Tensor) else v  # noqa: E731
+        got.setdefault(path, (tuple(det(a) for a in args), {k: det(v) for k, v in kwargs.items()}))
+
+    for p in paths:
+        hook = lambda m, a, k, p=p: pre(m, a, k, p)  # noqa: E731
+        handles.append(mods[p].register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            _loss(model, ids, targets)
+    finally:
+        for h in handles:
+            h.remove()
+    return got
+
+
+def _unique_bytes(tensors: Sequence[torch.Tensor], skip: set[int]) -> int:
+    """Bytes of the unique storages of ``tensors`` whose key is not in ``skip`` (grows it)."""
+    total = 0
+    for t in tensors:
+        key = sites.storage_key(t)
+        if key not in skip:
+            skip.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+class _BlockRun:
+    """Calls of one block on captured inputs: its input made inside the call (see docstring).
+
+    Bytes count unique storages, without parameters and without the block's other inputs
+    (RoPE tables, masks: made once outside the blocks and shared by all of them, so they are
+    in the root's bytes; a codec's packed copy of one is the block's own and counts)."""
+
+    def __init__(self, fwd: Callable[..., Any], block: nn.Module, args: tuple, kwargs: dict):
+        self.fwd, self.block, self.args, self.kwargs = fwd, block, args, kwargs
+        self.params = [p for p in block.parameters() if p.requires_grad]
+        self.x = args[0].detach().requires_grad_(args[0].is_floating_point())
+        shared = [*args[1:], *kwargs.values(), *block.parameters(), *block.buffers()]
+        self.skip = {sites.storage_key(t) for t in shared if isinstance(t, torch.Tensor)}
+
+    def forward(self) -> torch.Tensor:
+        with torch.enable_grad():
+            h = self.x.clone()  # made here: counted if the block keeps it raw
+            return _first_tensor(self.fwd(h, *self.args[1:], **self.kwargs))
+
+    def saved_bytes(self) -> int:
+        """What the compiled graphs keep for backward (read off the autograd graph)."""
+        return _unique_bytes(compiled_saved_tensors(self.forward()), set(self.skip))
+
+    def eager_saved_bytes(self) -> int:
+        """What the eager block saves (its saves, through the site router)."""
+        stored: list[torch.Tensor] = []
+        with sites.tracking(self.block), sites.listening(lambda ev: stored.extend(ev.stored)):
+            self.forward()
+        return _unique_bytes(stored, set(self.skip))
+
+    def step(self) -> None:
+        out = self.forward()
+        leaves = [self.x, *self.params] if self.x.requires_grad else self.params
+        torch.autograd.grad(out, leaves, torch.ones_like(out), allow_unused=True)
+
+
+def profile_compiled(
+    model: nn.Module,
+    ids: torch.Tensor,
+    targets: torch.Tensor,
+    budgets: Sequence[float] = BUDGETS,
+    codecs: Sequence[str] = CODECS,
+    rounds: int = 5,
+    progress: Callable[[str], None] | None = None,
+) -> CompiledProfile:
+    """Measure every option of the grid on one block of each kind (module docstring); the
+    model is not changed (options run on copies of its blocks; the RNG state is restored)."""
+    t0, load0 = time.perf_counter(), load_average()
+    mods = dict(model.named_modules())
+    kinds: dict[str, list[str]] = {}
+    for p in sites.block_paths(model):
+        kinds.setdefault(kind_signature(mods[p]), []).append(p)
+    if not kinds:
+        raise ValueError(f"{type(model).__name__} has no repeated blocks to compile")
+    choices = [BlockChoice(b, c) for b in budgets for c in codecs]
+    with torch.random.fork_rng(devices=[]):
+        inputs = capture_inputs(model, ids, targets, [ps[0] for ps in kinds.values()])
+        base = metered_bytes(model, ids, targets)
+        options, eager = {}, {}
+        for kind, paths in kinds.items():
+            args, kwargs = inputs[paths[0]]
+            eager[kind] = _BlockRun(
+                mods[paths[0]], mods[paths[0]], args, kwargs
+            ).eager_saved_bytes()
+            runs = {}
+            for ch in choices:
+                if progress:
+                    progress(f"compiling {kind} under {ch.label}")
+                blk = copy.deepcopy(mods[paths[0]])
+                runs[ch] = _BlockRun(compile_block(blk, ch), blk, args, kwargs)
+                runs[ch].step()  # compile
+            stats = {ch: r.saved_bytes() for ch, r in runs.items()}
+            timing = interleaved({ch.label: r.step for ch, r in runs.items()}, rounds, warmup=1)
+            ref = choices[0].label  # seconds: per-round ratios to it (load cancels) x its median
+            secs = {c: timing.median_s(ref) * timing.ratio(c.label, ref).median for c in choices}
+            options[kind] = [OptionStat(c, stats[c], secs[c]) for c in choices]
+    return CompiledProfile(
+        blocks=kinds,
+        options=options,
+        baseline_bytes=base.total_bytes,
+        root_bytes=base.total_bytes - sum(eager[k] * len(ps) for k, ps in kinds.items()),
+        static_bytes=static_memory(model)["total"],
+        batch=tuple(ids.shape),
+        profile_time_s=time.perf_counter() - t0,
+        load=(load0, load_average()),
+    )
+
+
+# ----------------------------------------------------------------------------- solving
+def _allowed(profile: CompiledProfile, budget: Budget) -> int:
+    static = 0 if budget.relative else profile.static_bytes
+    return budget.allowed(profile.baseline_bytes, static)
+
+
+def solve_compiled(profile: CompiledProfile, budget: Budget | str | int) -> CompiledPlan:
+    """The fastest choice per block whose predicted bytes fit ``budget`` (module docstring)."""
+    budget = Budget.parse(budget)
+    allowed = _allowed(profile, budget)
+    var = [(k, s) for k, stats in profile.options.items() for s in stats]
+    cost = np.array([s.seconds for _, s in var])
+    size = np.array([float(s.bytes) for _, s in var])
+    kinds = list(profile.options)
+    counts = np.zeros((len(kinds), len(var)))
+    for j, (k, _) in enumerate(var):
+        counts[kinds.index(k), j] = 1.0
+    n = np.array([float(len(profile.blocks[k])) for k in kinds])
+    room = allowed - profile.root_bytes
+    cons = [LinearConstraint(counts, n, n), LinearConstraint(size[None, :], -np.inf, room)]
+    res = milp(cost, constraints=cons, integrality=np.ones(len(var)), bounds=Bounds(0, n.max()))
+    if res.x is None:
+        floor = profile.root_bytes + sum(
+            min(s.bytes for s in profile.options[k]) * len(profile.blocks[k]) for k in kinds
+        )
+        raise ValueError(
+            f"budget {budget} allows {fmt_bytes(allowed)} of activations; the smallest compiled "
+            f"plan keeps {fmt_bytes(floor)} ({floor / profile.baseline_bytes:.1%} of the eager "
+            f"model's {fmt_bytes(profile.baseline_bytes)}): raise the budget"
+        )
+    picks: dict[str, list[OptionStat]] = {k: [] for k in kinds}
+    for j, (k, s) in enumerate(var):
+        picks[k].extend([s] * int(round(res.x[j])))
+    choices = {}
+    for k in kinds:
+        ordered = sorted(picks[k], key=lambda s: (s.bytes, s.seconds))
+        choices.update({p: s.choice for p, s in zip(profile.blocks[k], ordered)})
+    flat = [s for k in kinds for s in picks[k]]
+    return CompiledPlan(
+        choices={p: choices[p] for ps in profile.blocks.values() for p in ps},
+        budget=str(budget),
+        allowed_bytes=int(allowed),
+        predicted_bytes=int(profile.root_bytes + sum(s.bytes for s in flat)),
+        predicted_seconds=float(sum(s.seconds for s in flat)),
+        baseline_bytes=profile.baseline_bytes,
+        meta={"profile_time_s": round(profile.profile_time_s, 2), "solver": "scipy HiGHS"},
+    )
+
+
+def metered_bytes(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> MemoryReport:
+    """The meter's report of one forward (exact, compiled blocks included)."""
+    with measure(model, n_tokens=ids.numel()) as m:
+        _loss(model, ids, targets)
+    return m.report
+
+
+def verify(plan: CompiledPlan, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> int:
+    """Measure the installed plan: the meter's bytes of one forward of the whole model."""
+    with torch.random.fork_rng(devices=[]):
+        live = metered_bytes(model, ids, targets).total_bytes
+    plan.measured_bytes = int(live)
+    if live > plan.allowed_bytes:
+        warnings.warn(
+            f"compiled plan for budget {plan.budget} keeps {fmt_bytes(live)}, "
+            f"{fmt_bytes(live - plan.allowed_bytes)} over the {fmt_bytes(plan.allowed_bytes)} "
+            f"it allows (predicted {fmt_bytes(plan.predicted_bytes)})",
+            BudgetWarning,
+            stacklevel=2,
+        )
+    return int(live)

@@ -1,0 +1,191 @@
+"""``compiled-auto@<budget>``: the compiled planner as a strategy.
+
+Profiles every (region budget, traced codec) option on one block of each kind, solves for the
+fastest choice per block that fits the budget (``slimact.planner.compiled``), compiles each
+block under its choice and measures the whole model once: if the measured bytes exceed the
+budget it re-solves once with the overshoot taken off, and warns (``BudgetWarning``) if they
+still do. Without ``batch``/``seq`` it plans on the first training forward, on that batch
+(before the forward runs, so that step already runs the plan; in a worker thread, so an enclosing
+``slimact.measure`` does not count the profiling passes); with them, at ``apply`` time on
+random tokens of that shape. The solved plan is ``slimact.state_of(model).compiled_plan``.
+
+``slimact.apply(model, "auto@25%", compile=True)`` is this strategy (see ``registry``).
+Specs: ``compiled-auto@25%``, ``compiled-auto@25%,codecs=none/int8,budgets=1/0.5/0,rounds=3``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from slimact.budget import Budget
+from slimact.classify import call_batch
+from slimact.compiled.blocks import compile_blocks_with
+from slimact.compiled.codec import CODECS as TRACED_CODECS
+from slimact.hf_inputs import refuse_unless_token_ids
+from slimact.patching import NotCopyable
+from slimact.planner.compiled import (
+    BUDGETS,
+    CODECS,
+    CompiledPlan,
+    profile_compiled,
+    solve_compiled,
+    verify,
+)
+from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
+from slimact.state import reset_field, state_of
+from slimact.utils import in_worker_thread
+
+
+@dataclass(frozen=True)
+class CompiledAutoConfig(StrategyConfig):
+    """``budget``: '25%' | '6GiB' | bytes (required); ``budgets``: compile region budgets to
+    try; ``codecs``: traced codecs to try; ``rounds``: interleaved timing rounds per option;
+    ``batch``/``seq``: plan at apply time on random tokens of that shape (else on the first
+    training forward)."""
+
+    budget: Budget | str | int | None = None
+    budgets: tuple[float, ...] = BUDGETS
+    codecs: tuple[str, ...] = CODECS
+    rounds: int = 5
+    batch: int | None = None
+    seq: int | None = None
+    seed: int = 0
+    compile_kwargs: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.budget is not None:
+            object.__setattr__(self, "budget", Budget.parse(self.budget))
+        if not self.budgets or any(not 0.0 <= float(b) <= 1.0 for b in self.budgets):
+            raise ValueError(f"budgets must be numbers in [0, 1], got {self.budgets!r}")
+        bad = [c for c in self.codecs if c not in TRACED_CODECS]
+        if not self.codecs or bad:
+            raise ValueError(f"codecs must be among {', '.join(TRACED_CODECS)}, got {bad or '()'}")
+        if not isinstance(self.rounds, int) or self.rounds < 1:
+            raise ValueError(f"rounds must be an int >= 1, got {self.rounds!r}")
+        if (self.batch is None) != (self.seq is None):
+            raise ValueError("give both batch and seq (plan at apply time) or neither")
+
+    @classmethod
+    def from_spec(cls, spec: str) -> CompiledAutoConfig:
+        """``compiled-auto@25%[,codecs=none/int8][,budgets=1/0.5/0][,rounds=3]``."""
+        _, _, arg = spec.partition("@")
+        budget, *opts = [p.strip() for p in arg.split(",")] if arg else [None]
+        kw: dict = {}
+        for opt in opts:
+            key, _, value = opt.partition("=")
+            if key == "codecs":
+                kw["codecs"] = tuple(v for v in value.split("/") if v)
+            elif key == "budgets":
+                kw["budgets"] = tuple(float(v) for v in value.split("/") if v)
+            elif key == "rounds":
+                kw["rounds"] = int(value)
+            else:
+                raise ValueError(
+                    f"{spec!r}: unknown option {key!r}; valid: codecs, budgets, rounds"
+                )
+        return cls(budget=budget or None, **kw)
+
+
+def plan_compiled(
+    model: nn.Module, config: CompiledAutoConfig, ids: torch.Tensor, targets: torch.Tensor
+) -> list[AppliedChange]:
+    """Profile, solve, install and verify (module docstring); the plan goes to the state."""
+    profile = profile_compiled(model, ids, targets, config.budgets, config.codecs, config.rounds)
+    plan = solve_compiled(profile, config.budget)
+    changes = _install(model, plan, config)
+    measured = verify(plan, model, ids, targets)
+    tighter = plan.allowed_bytes - (measured - plan.allowed_bytes)
+    if measured > plan.allowed_bytes and tighter > profile.root_bytes:
+        _undo(changes)  # once: re-solve with the overshoot taken off the budget
+        retry = solve_compiled(profile, f"{tighter}B" if not config.budget.relative else
+                               f"{100 * tighter / profile.baseline_bytes:.6f}%")  # fmt: skip
+        retry.budget, retry.allowed_bytes = plan.budget, plan.allowed_bytes
+        retry.meta["resolved_for"] = tighter
+        changes, plan = _install(model, retry, config), retry
+        verify(plan, model, ids, targets)
+    plan.meta["profile"] = {
+        "batch": list(profile.batch),
+        "root_bytes": profile.root_bytes,
+        "options": {
+            k: [{**s.choice.to_dict(), "bytes": s.bytes, "seconds": s.seconds} for s in stats]
+            for k, stats in profile.options.items()
+        },
+    }
+    state_of(model).compiled_plan = plan
+    return changes
+
+
+def _install(model: nn.Module, plan: CompiledPlan, config: CompiledAutoConfig):
+    return compile_blocks_with(model, plan.choices, **config.compile_kwargs)
+
+
+def _undo(changes: list[AppliedChange]) -> None:
+    for c in reversed(changes):
+        if c.undo is not None:
+            c.undo()
+
+
+class _LazyPlanner:
+    """Root forward pre-hook: plans on the first training forward's batch, then removes itself."""
+
+    def __init__(self, model: nn.Module, config: CompiledAutoConfig) -> None:
+        self.model, self.config, self.installed = model, config, []
+        self.handle = model.register_forward_pre_hook(
+            NotCopyable(self, "a pending compiled-auto plan"), with_kwargs=True
+        )
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        ids, targets = call_batch(module, args, kwargs)
+        if not isinstance(ids, torch.Tensor) or targets is None:
+            return
+        self.handle.remove()
+        plan = lambda: plan_compiled(module, self.config, ids, targets)  # noqa: E731
+        self.installed = in_worker_thread(plan, ids.device.type)  # unseen by a meter
+
+    def undo(self) -> None:
+        self.handle.remove()
+        _undo(self.installed)
+        self.installed = []
+        reset_field(self.model, "compiled_plan")
+
+
+def apply_compiled_auto(
+    model: nn.Module, config: CompiledAutoConfig, filter_fn: FilterFn | None = None
+) -> list[AppliedChange]:
+    if config.budget is None:
+        raise ValueError(
+            "strategy 'compiled-auto' needs a memory budget: 'compiled-auto@25%' (a share of "
+            "the eager model's activation bytes) or CompiledAutoConfig(budget='6GiB')"
+        )
+    if filter_fn is not None:
+        raise ValueError("strategy 'compiled-auto' plans every block; filter_fn is not supported")
+    refuse_unless_token_ids(model, "compiled-auto", "its planner profiles blocks on token ids")
+    lazy = _LazyPlanner(model, config)
+    if config.batch is not None:
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        if not isinstance(vocab, int):
+            raise ValueError("CompiledAutoConfig(batch, seq) needs model.config.vocab_size")
+        gen = torch.Generator().manual_seed(config.seed)
+        t = torch.randint(0, vocab, (config.batch, config.seq + 1), generator=gen)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        t = t.to(device)
+        lazy.handle.remove()
+        lazy.installed = plan_compiled(model, config, t[:, :-1], t[:, 1:])
+    what = "planned" if config.batch is not None else "plans on the first training forward"
+    head = AppliedChange("", "compiled-auto", f"budget {config.budget}; {what}", undo=lazy.undo)
+    # the blocks' rows, for slimact.applied(); the head's undo reverts them
+    rows = [AppliedChange(c.path, c.action, c.detail, c.skipped) for c in lazy.installed]
+    return [head, *rows]
+
+
+register_strategy(
+    "compiled-auto",
+    CompiledAutoConfig(),
+    apply_compiled_auto,
+    "MILP over torch.compile's region budgets x traced codecs per block (needs a budget)",
+)

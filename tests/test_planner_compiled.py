@@ -1,0 +1,161 @@
+"""slimact.planner.compiled and strategy compiled-auto: the MILP over compiled block options.
+
+The solver is tested on synthetic profiles (no compile): never slower than the best uniform
+option that fits, never over the budget, a clear error below the floor. The end-to-end tests
+profile llama-tiny blocks (each option compiles once; a small grid keeps them fast).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import slimact
+from slimact.compiled import BlockChoice
+from slimact.models import build_model
+from slimact.planner.compiled import (
+    BudgetWarning,
+    CompiledProfile,
+    OptionStat,
+    profile_compiled,
+    solve_compiled,
+)
+from slimact.registry import applied_strategies
+from slimact.state import state_of
+from slimact.strategies.compiled_auto import CompiledAutoConfig
+
+GRID = [  # (budget, codec, bytes per block, seconds per block)
+    (1.0, "none", 1000, 1.00),
+    (1.0, "int8", 300, 1.05),
+    (0.5, "none", 520, 1.02),
+    (0.5, "int8", 160, 1.08),
+    (0.0, "none", 100, 1.30),
+    (0.0, "int8", 40, 1.35),
+]
+
+
+def _profile(n_blocks=8, root=500, grid=GRID):
+    blocks = [f"layers.{i}" for i in range(n_blocks)]
+    stats = [OptionStat(BlockChoice(b, c), n, s) for b, c, n, s in grid]
+    base = root + n_blocks * 1200
+    return CompiledProfile(
+        blocks={"k": blocks},
+        options={"k": stats},
+        baseline_bytes=base,
+        root_bytes=root,
+        static_bytes=0,
+        batch=(1, 8),
+        profile_time_s=0.0,
+        load=(None, None),
+    )
+
+
+@pytest.mark.parametrize("share", [0.9, 0.5, 0.3, 0.2, 0.1, 0.09])
+def test_never_worse_than_the_best_uniform_option(share):
+    prof = _profile()
+    plan = solve_compiled(prof, f"{share * 100:g}%")
+    allowed = int(prof.baseline_bytes * share)
+    assert plan.predicted_bytes <= allowed == plan.allowed_bytes
+    fits = [s for s in prof.options["k"] if prof.root_bytes + 8 * s.bytes <= allowed]
+    if fits:
+        assert plan.predicted_seconds <= 8 * min(s.seconds for s in fits) + 1e-9
+    # brute force over counts: the MILP's optimum is the optimum
+    best = min(
+        (sum(n * s.seconds for n, s in zip(ns, prof.options["k"])), ns)
+        for ns in itertools.product(range(9), repeat=len(GRID))
+        if sum(ns) == 8
+        and prof.root_bytes + sum(n * s.bytes for n, s in zip(ns, prof.options["k"])) <= allowed
+    )
+    assert plan.predicted_seconds == pytest.approx(best[0])
+    assert list(plan.choices) == prof.blocks["k"]
+
+
+def test_mixes_options_across_blocks():
+    prof = _profile()
+    plan = solve_compiled(prof, "20%")  # between uniform int8@1.0 (0.27) and int8@0.5 (0.16)
+    assert len(set(plan.choices.values())) > 1
+    rows = plan.rows()
+    assert rows[0]["block"] == "layers.0" and "action" in rows[0]
+    assert "predicted" in plan.table()
+
+
+def test_below_the_floor_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"smallest compiled plan keeps .* raise the budget"):
+        solve_compiled(_profile(), "3%")
+
+
+def test_device_budget_counts_static_memory():
+    prof = _profile()
+    prof.static_bytes = 5000
+    plan = solve_compiled(prof, f"{5000 + 6000}B")
+    assert plan.allowed_bytes == 6000 and plan.predicted_bytes <= 6000
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="codecs must be among"):
+        CompiledAutoConfig(budget="25%", codecs=("int3",))
+    with pytest.raises(ValueError, match="budgets must be"):
+        CompiledAutoConfig(budget="25%", budgets=(1.5,))
+    with pytest.raises(ValueError, match="batch and seq"):
+        CompiledAutoConfig(budget="25%", batch=2)
+    cfg = CompiledAutoConfig.from_spec("compiled-auto@30%,codecs=none/int8,budgets=1/0,rounds=2")
+    assert cfg.codecs == ("none", "int8") and cfg.budgets == (1.0, 0.0) and cfg.rounds == 2
+    with pytest.raises(ValueError, match="unknown option"):
+        CompiledAutoConfig.from_spec("compiled-auto@30%,speed=1")
+    with pytest.raises(ValueError, match="needs a memory budget"):
+        slimact.apply(build_model("llama-tiny"), "compiled-auto")
+
+
+# ----------------------------------------------------------------------------- end to end
+X = torch.randint(0, 257, (2, 65), generator=torch.Generator().manual_seed(5))
+SMALL = "codecs=none/int8,budgets=1/0,rounds=1"
+
+
+def _step(model):
+    model.zero_grad(set_to_none=True)
+    with slimact.measure(model) as m:
+        loss = model(X[:, :-1], targets=X[:, 1:]).loss
+    loss.backward()
+    return m.report.total_bytes, torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+@pytest.mark.slow
+def test_profile_measures_every_option():
+    torch.manual_seed(0)
+    model = build_model("llama-tiny")
+    before = copy.deepcopy(model.state_dict())
+    prof = profile_compiled(model, X[:, :-1], X[:, 1:], (1.0, 0.0), ("none", "int8"), rounds=1)
+    (stats,) = prof.options.values()
+    by = {(s.choice.budget, s.choice.codec): s.bytes for s in stats}
+    assert by[(0.0, "int8")] < by[(0.0, "none")] < by[(1.0, "none")]
+    assert by[(0.0, "int8")] < by[(1.0, "int8")] < by[(1.0, "none")]
+    assert 0 < prof.root_bytes < prof.baseline_bytes
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert "forward" not in model.layers[0].__dict__  # profiling runs on copies
+
+
+@pytest.mark.slow
+def test_lazy_plan_meets_its_budget_under_the_meter():
+    """``apply(model, "auto@40%", compile=True)``: planned on the first training forward (in
+    a worker thread: the enclosing meter counts only the planned step), at most the budget,
+    gradients close to exact autograd's; ``revert`` restores the eager blocks."""
+    torch.manual_seed(0)
+    base = build_model("llama-tiny")
+    eager_bytes, eager_grads = _step(copy.deepcopy(base))
+    model = slimact.apply(copy.deepcopy(base), f"auto@40%,{SMALL}", compile=True)
+    assert applied_strategies(model) == [f"compiled-auto@40%,{SMALL}"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, grads = _step(model)
+    assert not [w for w in caught if issubclass(w.category, BudgetWarning)]
+    plan = state_of(model).compiled_plan
+    assert got == plan.measured_bytes <= plan.allowed_bytes == int(0.4 * eager_bytes)
+    assert plan.predicted_bytes == pytest.approx(got, rel=0.01)
+    assert F.cosine_similarity(grads.double(), eager_grads.double(), dim=0) > 0.999
+    slimact.revert(model)
+    assert state_of(model).compiled_plan is None and "forward" not in model.layers[0].__dict__
