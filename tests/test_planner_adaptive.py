@@ -52,6 +52,7 @@ def test_drift_changes_the_plan_and_stays_within_budget(tmp_path):
     model = slimact.build_model("llama-tiny")
     x = torch.randint(0, 257, (2, 64), generator=torch.Generator().manual_seed(0))
     opts = dict(codecs=("int4-outlier",), reform=False, layers="uniform", include_static=False)
+    opts["max_grad_err"] = None  # INT4 on llama-tiny costs more than the default gradient cap
     prof = _controlled(profile_model(model, x, codecs=opts["codecs"], repeats=1, reform=False))
     tight = solve_plan(prof, "25%", **opts).predicted_bytes + 1000  # a budget with no slack
     plan = solve_plan(prof, tight, **opts)

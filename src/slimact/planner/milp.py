@@ -29,6 +29,16 @@ from the profile) and the objective (Eq. 4, plus the measured slowdown of reform
     static + Σ_g Σ_{b∈g} [Σ_s (B_bs k_s + Σ_c B_bsc y_sc) + Σ_m E_m z_m] <= budget
     min  Σ_g |g| [Σ_A T_A r_A + Σ_sc (Tenc_sc + Tdec_sc) y_sc + Σ_m max(ΔT_m, 0) z_m]
     optional:  Σ_g |g| Σ_sc err_sc² y_sc <= max_quality        (sum of relative MSEs)
+    optional:  Σ_sc G_scP y_sc <= max_grad_err   for every group g and parameter P of its block
+
+``G_scP`` is the measured gradient error (``slimact.planner.gradstats``: 1 - cosine of parameter
+``P``'s gradient, or of the block's input gradient, with storage s alone through codec c, on the
+profiling batch's real upstream gradient): the training-aware quality model. 1 - cos of small
+independent errors adds up, so the row bounds each parameter's cosine in each block, which is
+what ``grad_cosine`` (the minimum over parameters) sees; a candidate without a figure (a
+shapes-only or old profile, a storage only a checkpoint stores) is bounded by ``max_rel_err``
+alone; one the profiler found too lossy to measure (``None``: ``gradstats.MEASURED_REL_ERR``)
+is out.
 
 A 1e-9 s cost per recompute/reformulation breaks ties towards doing nothing. Solved by HiGHS
 through ``scipy.optimize.milp``. ``evaluate`` computes bytes and time of a decision directly
@@ -51,12 +61,32 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from slimact.planner.plan import ROOT, KindProfile, Profile, inside, site_module
+from slimact.planner.plan import (
+    ROOT,
+    KindProfile,
+    Profile,
+    StorageProfile,
+    inside,
+    site_module,
+)
 
-__all__ = ["LAYER_MODES", "Decision", "Problem", "Result", "brute_force"]
+__all__ = [
+    "DEFAULT_MAX_GRAD_ERR",
+    "GRAD_KEY",
+    "LAYER_MODES",
+    "Decision",
+    "Problem",
+    "Result",
+    "brute_force",
+]
 
 LAYER_MODES = ("uniform", "ends", "each")
 EPS_S = 1e-9
+GRAD_KEY = "grad_err"  # Profile.meta key of the measured gradient errors (planner.gradstats)
+# per block and parameter, the summed 1 - cos the chosen codecs cost the gradient; llama-20m,
+# batch 4 x 256: the measured minimum cosine over parameters stays >= 0.999 at 10/25/50% budgets
+# (4e-3 let 0.994 through at 50%, unbounded 0.971; benchmarks/results/auto_quality.md)
+DEFAULT_MAX_GRAD_ERR = 2e-3
 
 
 @contextmanager
@@ -104,6 +134,7 @@ class Result:
     quality: float
     status: str
     solve_s: float
+    grad_err: float = 0.0  # the largest summed gradient error of one parameter (grad_load)
 
 
 SLOT_FROM = 5  # identical blocks of one kind, from this many on, share decisions in slots
@@ -153,10 +184,13 @@ class Problem:
         recompute: bool = True,
         reform: bool = True,
         max_rel_err: float | None = None,
+        max_grad_err: float | None = None,
     ) -> None:
         if layers not in LAYER_MODES:
             raise ValueError(f"layers must be one of {LAYER_MODES}, got {layers!r}")
         self.profile = profile
+        self.grad: dict = profile.meta.get(GRAD_KEY) or {}
+        self.max_grad_err = max_grad_err
         self.groups: list[Group] = []
         for kind in profile.kinds:
             b = kind.blocks
@@ -178,6 +212,7 @@ class Problem:
                         for c, st in s.codecs.items()
                         if (codecs is None or c in codecs)
                         and (max_rel_err is None or st.rel_err <= max_rel_err)
+                        and self._grad_ok(kind.kind, s, c)
                     ]
                     opts[s.id] = ["raw", *ok]
                 rc = list(range(len(kind.modules))) if recompute else []
@@ -201,6 +236,36 @@ class Problem:
         if opt == "raw":
             return 0.0
         return len(g.blocks) * g.kind.storages[sid].codecs[opt].rel_err ** 2
+
+    def grad_terms(self, g: Group, sid: int, opt: str) -> dict[str, float]:
+        """``{parameter or "<input>": 1 - cos}`` the gradient of one block loses to codec ``opt``
+        on storage ``sid`` (measured; {} for raw or where the profile has no figure)."""
+        if opt == "raw":
+            return {}
+        return self.grad.get(g.kind.kind, {}).get(str(sid), {}).get(opt) or {}
+
+    def _grad_ok(self, kind: str, s: StorageProfile, codec: str) -> bool:
+        """Under a gradient cap: no single figure above it, and a codec the profiler found too
+        lossy to measure (``None``) is not admitted; one it did not measure is."""
+        if self.max_grad_err is None:
+            return True
+        row = self.grad.get(kind, {}).get(str(s.id), {})
+        if codec not in row:
+            return True
+        got = row[codec]
+        return got is not None and max(got.values(), default=0.0) <= self.max_grad_err
+
+    def grad_load(self, decisions: list[Decision]) -> float:
+        """The largest summed gradient error of one parameter of one block (what
+        ``max_grad_err`` caps): per group and parameter, the sum over its encoded storages."""
+        worst = 0.0
+        for g, d in zip(self.groups, decisions):
+            load: dict[str, float] = {}
+            for sid, c in d.codecs.items():
+                for k, e in self.grad_terms(g, sid, c).items():
+                    load[k] = load.get(k, 0.0) + e
+            worst = max(worst, *load.values(), 0.0)
+        return worst
 
     @staticmethod
     def candidates(g: Group) -> list[tuple[str, str]]:
@@ -311,6 +376,7 @@ class Problem:
                     pa, pb = cand[a][1], cand[b][1]
                     if inside(pa, pb) or inside(pb, pa):
                         row({cvar[a]: 1, cvar[b]: 1}, -np.inf, 1)
+            grad_rows: dict[str, dict[int, float]] = {}
             for s in kind.storages:
                 kv, dv = var(gi, "k", s.id), var(gi, "d", s.id)
                 one = {kv: 1.0, dv: 1.0}
@@ -321,6 +387,9 @@ class Problem:
                     mem[yv] = float(self.bytes_of(g, s.id, c))
                     obj[yv] = self.time_of(g, s.id, c)
                     qual[yv] = self.quality_of(g, s.id, c)
+                    for k, e in self.grad_terms(g, s.id, c).items():
+                        if e > 0:
+                            grad_rows.setdefault(k, {})[yv] = e
                 row(one, 1, 1)
                 sil = []
                 for p in s.sites:
@@ -347,6 +416,10 @@ class Problem:
                 for h in holders:
                     lower[h] = lower.get(h, 0.0) + 1.0
                 row(lower, 1 - len(s.sites), np.inf)
+            if self.max_grad_err is not None:
+                for coefs in grad_rows.values():  # one row per parameter (and the input)
+                    if sum(coefs.values()) > self.max_grad_err:
+                        row(coefs, -np.inf, self.max_grad_err)
         return cols, index, rows, lo, hi, mem, obj, qual
 
     def solve(
@@ -411,7 +484,7 @@ class Problem:
             d.recompute, d.reform = frozenset(rec[gi]), frozenset(ref[gi])
         b, t, q = self.evaluate(decisions)
         status = "optimal" if res.status == 0 else f"status {res.status}: {res.message}"
-        return Result(decisions, b, t, q, status, solve_s)
+        return Result(decisions, b, t, q, status, solve_s, self.grad_load(decisions))
 
     def min_bytes(self, max_quality: float | None = None) -> Result:
         return self.solve(None, max_quality, minimize="bytes")
@@ -446,6 +519,9 @@ def brute_force(
         *[list(enumerate_group(problem, i)) for i in range(len(problem.groups))]
     ):
         b, t, q = problem.evaluate(list(combo))
+        cap = problem.max_grad_err
+        if cap is not None and problem.grad_load(list(combo)) > cap * (1 + 1e-9):
+            continue
         if b <= budget_bytes and (max_quality is None or q <= max_quality) and t < best:
             best, arg = t, list(combo)
     return best, arg

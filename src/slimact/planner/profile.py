@@ -61,6 +61,7 @@ from slimact.planner.codecstats import (
     lossy_allowed,
     run_policy,
 )
+from slimact.planner.gradstats import GRAD_KEY
 from slimact.planner.plan import KindProfile, Profile
 from slimact.planner.profiler import Profiler, kind_signature
 
@@ -129,6 +130,7 @@ def profile_model(
     reform: bool = True,
     per_block: bool = True,
     slopes: bool = False,
+    grads: bool = True,
     optimizer: str = "adamw",
     name: str = "",
 ) -> Profile:
@@ -137,6 +139,8 @@ def profile_model(
 
     ``slopes``: also record each codec's payload bytes per doubling of the rows
     (``per_block[rep][sid]["<codec>@slope"]``), which ``slimact.planner.scaled`` extrapolates by.
+    ``grads``: also measure what each lossy codec does to the gradient
+    (``slimact.planner.gradstats``; ``meta["grad_err"]``, its cost in ``meta["grad_s"]``).
     Parameters' ``.grad`` and the global RNG state are left untouched.
     """
     codecs = list(codecs) if codecs else codec_names()
@@ -147,7 +151,7 @@ def profile_model(
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     t_start = time.perf_counter()
     with torch.random.fork_rng(devices=[]):
-        prof = Profiler(model, input_ids.device, codecs, repeats, slopes=slopes)
+        prof = Profiler(model, input_ids.device, codecs, repeats, slopes=slopes, grads=grads)
         report = prof.forward(input_ids, input_ids if targets is None else targets)
         groups = tqdm(
             prof.groups, desc="slimact: profiling block kinds", unit="kind", delay=2.0, leave=False
@@ -160,6 +164,8 @@ def profile_model(
         "codecs": codecs,
         "autocast": autocast_state(input_ids.device),
     }
+    if grads:
+        meta |= {GRAD_KEY: prof.grad_err, "grad_s": prof.grad_s}
     return _profile(model, input_ids, report, kinds, optimizer, name, t_start, meta)
 
 
@@ -206,7 +212,7 @@ def profile_shapes(
     return _profile(model, input_ids, report, kinds, optimizer, name, t_start, {})
 
 
-PROFILE_FORMAT = 4  # bumped when what a profile records changes: old cache entries miss
+PROFILE_FORMAT = 5  # bumped when what a profile records changes: old cache entries miss
 _unwritable: set[str] = set()  # cache directories already warned about (one warning each)
 
 

@@ -6,6 +6,7 @@ candidates, codec statistics, reformulations and per-block rows (see ``slimact.p
 from __future__ import annotations
 
 import hashlib
+import time
 from functools import partial
 
 import torch
@@ -25,6 +26,7 @@ from slimact.planner.codecstats import (
     lossy_allowed,
     run_policy,
 )
+from slimact.planner.gradstats import grad_errors, loss_of
 from slimact.planner.measure import call_module, detach, median_time
 from slimact.planner.plan import (
     ROOT,
@@ -61,10 +63,16 @@ class Profiler:
         repeats: int,
         shapes_only: bool = False,
         slopes: bool = False,
+        grads: bool = False,
     ):
         self.model, self.device, self.codecs, self.repeats = model, device, codecs, repeats
         self.shapes_only = shapes_only  # fake tensors: structure, bytes and FLOPs, no values
         self.slopes = slopes  # per codec, payload bytes per extra copy of the rows (scaled.py)
+        self.grads = grads and not shapes_only  # per codec, its gradient error (gradstats.py)
+        self.grad_err: dict[str, dict] = {}  # kind -> storage id -> codec -> {param: 1-cos}
+        self.out_grads: dict[str, torch.Tensor] = {}  # rep block -> dLoss/d(its output)
+        self.last_out: torch.Tensor | None = None  # the last block's output (the head's input)
+        self.grad_s = 0.0  # seconds spent measuring gradient errors
         self.modules = dict(model.named_modules())
         self.blocks = sites.block_paths(model)
         groups: dict[str, list[str]] = {}
@@ -91,8 +99,15 @@ class Profiler:
                 kw = {k: detach(v) for k, v in kwargs.items()}
                 self.captured[path] = [tuple(detach(a) for a in args), kw, None]
 
+        live: dict[str, torch.Tensor] = {}
+
         def post(mod, args, kwargs, out, path):
             self.captured[path][2] = out.detach() if isinstance(out, torch.Tensor) else None
+            if self.grads and isinstance(out, torch.Tensor) and out.requires_grad:
+                live[path] = out
+
+        def last_post(mod, args, out):
+            self.last_out = out.detach() if isinstance(out, torch.Tensor) else None
 
         handles = []
         for path, m in self.modules.items():
@@ -101,6 +116,8 @@ class Profiler:
                     m.register_forward_pre_hook(partial(pre, path=path), with_kwargs=True)
                 )
                 handles.append(m.register_forward_hook(partial(post, path=path), with_kwargs=True))
+        if self.grads and self.blocks:
+            handles.append(self.modules[self.blocks[-1]].register_forward_hook(last_post))
         self.input_ids, self.targets = input_ids, targets
         self.label = (label_arg(self.model) or ("targets", 1))[0]  # HF: labels
         listen = lambda ev: self.views.setdefault(ev.site, detach(ev.tensor))  # noqa: E731
@@ -110,13 +127,24 @@ class Profiler:
                     call = (
                         partial(nn.Module.__call__, self.model) if self.shapes_only else self.model
                     )
-                    call(input_ids, **{self.label: targets})
+                    result = call(input_ids, **{self.label: targets})
         finally:
             for h in handles:
                 h.remove()
+        if self.grads:
+            self._out_grads(result, {b: live[b] for b in self.reps if b in live})
         self.report = meter.report
         self.owner_of = {sh: rec.site for rec in self.report.sites for sh in rec.shared_with}
         return self.report
+
+    def _out_grads(self, result, outs: dict[str, torch.Tensor]) -> None:
+        """dLoss/d(output) of every rep block, by one backward of the profiling forward (the
+        upstream gradients ``gradstats`` runs blocks with); parameters' ``.grad`` untouched."""
+        loss = loss_of(result)
+        if loss is None or not outs:
+            return
+        gs = torch.autograd.grad(loss, list(outs.values()), allow_unused=True)
+        self.out_grads = {b: g for b, g in zip(outs, gs) if g is not None}
 
     def kind(self, sig: str, members: list[str], reform: bool, per_block: bool) -> KindProfile:
         rep = members[0]
@@ -133,6 +161,11 @@ class Profiler:
                     st = codec_stat(c, vs, self.repeats, self.device)
                     if st is not None and (s.lossy_ok or st.rel_err == 0.0) and st.bytes < s.bytes:
                         s.codecs[c] = st
+        if self.grads:
+            t0 = time.perf_counter()
+            if errs := grad_errors(self, kp, rep):
+                self.grad_err[sig] = errs
+            self.grad_s += time.perf_counter() - t0
         if reform:
             block = self.modules[rep] if rep else self.model
             for rel in reform_candidates(block, self.device):

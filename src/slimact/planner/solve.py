@@ -14,7 +14,7 @@ from typing import Any
 
 from slimact import actions
 from slimact.budget import Budget
-from slimact.planner.milp import Problem
+from slimact.planner.milp import DEFAULT_MAX_GRAD_ERR, Problem
 from slimact.planner.plan import LayerPlan, Plan, Profile
 from slimact.utils import fmt_bytes
 
@@ -31,13 +31,16 @@ def solve_plan(
     reform: bool = True,
     max_quality: float | None = None,
     max_rel_err: float | None = None,
+    max_grad_err: float | None = DEFAULT_MAX_GRAD_ERR,
     include_static: bool = True,
 ) -> Plan:
     """Solve the MILP for ``budget`` (``"25%"``, ``"6GiB"``, an int of bytes) and return the ``Plan``.
 
     A budget below the smallest feasible one raises ``ValueError`` naming that smallest budget.
+    ``max_grad_err`` caps, per block and parameter, the summed measured gradient error of the
+    chosen codecs (``slimact.planner.milp``; None: no cap; a profile without figures: no effect).
     """
-    problem = Problem(profile, layers, codecs, recompute, reform, max_rel_err)
+    problem = Problem(profile, layers, codecs, recompute, reform, max_rel_err, max_grad_err)
     base = profile.baseline_bytes
     budget = Budget.parse(budget)
     static = profile.static.get("total", 0) if include_static and not budget.relative else 0
@@ -120,5 +123,7 @@ def make_plan(
         predicted_bytes=int(res.bytes), predicted_time_s=res.time_s, min_feasible_bytes=floor,
         solve_s=res.solve_s, layers=tuple(layers),
         meta=(("status", res.status), ("quality", res.quality), ("device", prof.device),
+              ("grad_err", getattr(res, "grad_err", 0.0)),
+              ("max_grad_err", getattr(problem, "max_grad_err", None)),
               ("autocast", prof.meta.get("autocast")), ("profile_s", prof.meta.get("profile_s"))),
     )  # fmt: skip

@@ -12,7 +12,7 @@ for command lines; ``AutoConfig.from_spec("auto@30%")`` parses any ``auto@<budge
 
 Specs take options after the budget: ``auto@25%,codecs=int4/int8,repeats=1,layers=uniform``
 (fields ``layers``, ``codecs`` (``/``-separated), ``repeats``, ``reform``, ``recompute``,
-``max_rel_err`` (``none`` for no cap), ``cache`` (``none``: no cache)).
+``max_rel_err``, ``max_grad_err`` (``none`` for no cap), ``cache`` (``none``: no cache)).
 
 Both strategies install a ``BudgetCheck`` (``slimact.planner.adaptive``): the first training
 forward's measured stored bytes are compared with the budget; a plan solved under other
@@ -36,7 +36,7 @@ from slimact.codecs.base import codec_names
 from slimact.hf_inputs import refuse_unless_token_ids
 from slimact.planner.adaptive import BudgetCheck
 from slimact.planner.apply import install
-from slimact.planner.milp import LAYER_MODES
+from slimact.planner.milp import DEFAULT_MAX_GRAD_ERR, LAYER_MODES
 from slimact.planner.plan import Plan
 from slimact.planner.profile import cached_profile, profile_model
 from slimact.planner.solve import solve_plan
@@ -50,7 +50,10 @@ class AutoConfig(StrategyConfig):
     codec names (None: all registered). ``max_quality``: cap on the summed relative MSE of
     encoded tensors; ``max_rel_err``: per-tensor cap on the relative L2 error of a
     codec's reconstruction (default 0.25 admits INT4/INT8 but, at the paper's ranks, not PRAC's
-    unbiased but noisy subspace estimates, 0.3-1.1; None admits every codec). ``cache``: profile JSON cache directory
+    unbiased but noisy subspace estimates, 0.3-1.1; None admits every codec). ``max_grad_err``:
+    the training-aware cap: per block and parameter, the summed 1 - cosine of the gradient that
+    the chosen codecs cost, measured while profiling (``slimact.planner.gradstats``; see
+    ``DEFAULT_MAX_GRAD_ERR`` in ``slimact.planner.milp``; None: no cap). ``cache``: profile JSON cache directory
     ('' = ~/.cache/slimact, None = no cache). ``batch``/``seq``: plan at apply time."""
 
     budget: Budget | str | int | None = None  # a Budget after __post_init__
@@ -60,6 +63,7 @@ class AutoConfig(StrategyConfig):
     reform: bool = True
     max_quality: float | None = None
     max_rel_err: float | None = 0.25
+    max_grad_err: float | None = DEFAULT_MAX_GRAD_ERR
     include_static: bool = True
     repeats: int = 3
     cache: str | None = ""
@@ -77,7 +81,7 @@ class AutoConfig(StrategyConfig):
             bad = [c for c in self.codecs if c not in codec_names()]
             if bad:
                 raise ValueError(f"unknown codec(s) {bad}; valid: {', '.join(codec_names())}")
-        for name in ("max_quality", "max_rel_err"):
+        for name in ("max_quality", "max_rel_err", "max_grad_err"):
             v = getattr(self, name)
             if v is not None and not v >= 0:
                 raise ValueError(f"AutoConfig.{name} must be >= 0 or None, got {v!r}")
@@ -132,6 +136,7 @@ _SPEC_FIELDS = {
     "reform": _flag,
     "recompute": _flag,
     "max_rel_err": _none_or(float),
+    "max_grad_err": _none_or(float),
     "max_quality": _none_or(float),
     "cache": _none_or(str),
 }
@@ -141,7 +146,7 @@ def solve_options(config: AutoConfig) -> dict:
     return dict(
         layers=config.layers, codecs=config.codecs, recompute=config.recompute,
         reform=config.reform, max_quality=config.max_quality, max_rel_err=config.max_rel_err,
-        include_static=config.include_static,
+        max_grad_err=config.max_grad_err, include_static=config.include_static,
     )  # fmt: skip
 
 

@@ -1,0 +1,212 @@
+"""What a codec does to the gradient, measured (the profiler's training-aware quality figure).
+
+A codec's reconstruction error (``codecstats``) says little about training: the same relative
+error is harmless in one tensor and ruins another (SDPA's output: any error swamps
+``rowsum(dO * O)``; issue 18.1: under a 0.25 reconstruction cap ``auto@25%`` reached gradient
+cosine 0.986 against 0.991 for ``int4``). So the profiler runs each kind's representative
+block forward and backward on its captured inputs, with the real upstream gradient of the
+profiling batch (the loss's gradient at the block's output, from one backward of the whole
+model): once as is, then once per lossy (storage, codec) candidate with that one storage stored
+through the codec (a real ``CodecPolicy``, so shared views are encoded once, as in
+training). It records, for each parameter of the block (names relative to the block) and for
+the gradient at the block's input(s) (key ``INPUT``), ``1 - cos(g_codec, g_exact)``, skipping
+parameters whose exact gradient norm is below 1e-6 x the block's largest (the
+``slimact memory`` ``grad_cosine`` rule: the minimum cosine over parameters). The root kind
+(embedding, final norm, head, loss) is measured the same way with every block bypassed: blocks
+pass their input through, the last one returns its captured output as a leaf, so one run costs
+the head, not the model.
+
+Storages only a checkpoint would store (module inputs no op saves) and codecs that reconstruct
+exactly get no figure; a codec less faithful than ``MEASURED_REL_ERR`` gets ``None`` (not worth
+a run). The runs use the first samples of the batch that hold ``GRAD_TOKENS`` tokens and stop
+after ``GRAD_BUDGET_S`` seconds per kind. The figures land in ``Profile.meta[GRAD_KEY]`` as
+``{kind: {storage id: {codec: {parameter or INPUT: 1 - cos}}}}``; ``slimact.planner.milp`` caps,
+per block and per parameter, their sum over the chosen codecs (1 - cos of independent small
+errors adds up: about half the summed relative MSE).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import ExitStack
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from slimact import sites
+from slimact.codecs.build import build_codec
+from slimact.codecs.saving import CodecPolicy
+from slimact.planner.measure import detach
+from slimact.planner.milp import GRAD_KEY
+from slimact.planner.plan import KindProfile, abs_site
+
+__all__ = ["GRAD_KEY", "INPUT", "grad_errors", "grad_figures", "loss_of", "measurable"]
+
+INPUT = "<input>"  # the key of the gradient at the block's input(s)
+MEASURED_REL_ERR = 0.5  # codecs less faithful than this get no figure (the MILP excludes them)
+GRAD_BUDGET_S = 60.0  # per kind: the runs stop here (a 7B block's twin: a few seconds a run)
+GRAD_TOKENS = 256  # the runs use the first samples of the batch holding at least this many tokens
+NEGLIGIBLE = 1e-6  # a parameter whose exact gradient norm is below this x the largest: skipped
+
+
+def grad_figures(profile_meta: dict, kind: str, sid: int, codec: str) -> dict[str, float] | None:
+    """``{parameter or INPUT: 1 - cos}`` of one candidate from a profile's meta, or None if
+    not measured."""
+    return profile_meta.get(GRAD_KEY, {}).get(kind, {}).get(str(sid), {}).get(codec)
+
+
+def _one_minus_cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().flatten(), b.detach().double().flatten()
+    na, nb = float(a.norm()), float(b.norm())
+    if na == 0.0 and nb == 0.0:
+        return 0.0
+    if na == 0.0 or nb == 0.0 or not math.isfinite(na * nb):
+        return 1.0 if math.isfinite(nb) else 2.0
+    return max(0.0, 1.0 - float(a @ b) / (na * nb))
+
+
+class _Runner:
+    """One block (or the root with its blocks bypassed) as fwd+bwd -> (param grads, input grads)."""
+
+    def __init__(self, prof: Any, rep: str):
+        self.prof, self.rep = prof, rep
+        self.module = prof.modules[rep] if rep else prof.model
+        inner = set() if rep else {id(p) for b in prof.blocks for p in prof.modules[b].parameters()}
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in named if id(p) not in inner]
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        batch = int(prof.input_ids.shape[0]) if prof.input_ids.dim() > 1 else 1
+        seq = int(prof.input_ids.shape[-1])
+        rows = min(batch, max(1, math.ceil(GRAD_TOKENS / max(seq, 1))))
+        cut = partial(_rows, batch=batch, rows=rows)
+        if rep:
+            args, kwargs, _ = prof.captured[rep]
+            self.args = tuple(cut(a) for a in args)
+            self.kwargs = {k: cut(v) for k, v in kwargs.items()}
+            self.upstream = cut(prof.out_grads[rep])
+        else:
+            self.ids, self.targets = cut(prof.input_ids), cut(prof.targets)
+            self.last_out = cut(prof.last_out)
+
+    def _bypass(self, stack: ExitStack) -> list[torch.Tensor]:
+        """Root run: blocks pass their first argument through; the last returns a leaf copy of
+        its captured output (the head's input). Returns [that leaf]."""
+        prof = self.prof
+        last = prof.blocks[-1]
+        leaf = self.last_out.detach().clone().requires_grad_(True)
+        for b in prof.blocks:
+            m = prof.modules[b]
+            own = m.__dict__.get("forward")
+            m.forward = (lambda *a, **k: leaf) if b == last else _passthrough
+            stack.callback(_restore, m, own)
+        return [leaf]
+
+    def __call__(self, assign=None) -> tuple[list, list]:  # type: ignore[no-untyped-def]
+        with ExitStack() as stack:
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(torch.random.fork_rng(devices=[]))
+            torch.manual_seed(0)  # dropout: the same masks in every run
+            if assign is not None:
+                stack.enter_context(sites.tracking(self.prof.model))
+                stack.enter_context(sites.policy(CodecPolicy(assign)))
+            if self.rep:
+                a = [detach(x) for x in self.args]
+                kw = {k: detach(v) for k, v in self.kwargs.items()}
+                ins = [x for x in (*a, *kw.values()) if isinstance(x, torch.Tensor)]
+                ins = [x for x in ins if x.requires_grad]
+                out = self.module(*a, **kw)
+                up = self.upstream
+            else:
+                ins = self._bypass(stack)
+                p = self.prof
+                result = p.model(self.ids, **{p.label: self.targets})
+                out, up = loss_of(result), None
+                if out is None:
+                    raise ValueError("the model's output holds no scalar loss")
+        gs = torch.autograd.grad(out, [*ins, *self.params], up, allow_unused=True)
+        return list(gs[len(ins) :]), list(gs[: len(ins)])
+
+
+def _rows(v: Any, batch: int, rows: int) -> Any:
+    """The first ``rows`` samples of a batch-major tensor (dim 0 == ``batch``), as a copy."""
+    if rows < batch and isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch:
+        return v.detach()[:rows].clone().requires_grad_(v.requires_grad and v.is_floating_point())
+    return v
+
+
+def _passthrough(*args: Any, **kwargs: Any) -> Any:
+    return args[0] if args else next(iter(kwargs.values()))
+
+
+def _restore(m: nn.Module, own: Any) -> None:
+    if own is None:
+        m.__dict__.pop("forward", None)
+    else:
+        m.forward = own
+
+
+def loss_of(result: Any) -> torch.Tensor | None:
+    loss = result if isinstance(result, torch.Tensor) else getattr(result, "loss", None)
+    ok = isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad
+    return loss if ok else None
+
+
+def measurable(prof: Any, rep: str) -> bool:
+    """Can ``rep`` (a block, or "" for the root) be run alone with a known upstream gradient?"""
+    if rep:
+        return rep in prof.captured and rep in getattr(prof, "out_grads", {})
+    return bool(prof.blocks) and isinstance(getattr(prof, "last_out", None), torch.Tensor)
+
+
+def _errors(names: list[str], ref: tuple[list, list], got: tuple[list, list]) -> dict:
+    (rp, ri), (gp, gi) = ref, got
+    norms = [float(g.norm()) if g is not None else 0.0 for g in rp]
+    big = max(norms, default=0.0)
+    out = {}
+    for name, r, g, n in zip(names, rp, gp, norms):
+        if r is not None and n >= NEGLIGIBLE * big and n > 0:
+            out[name] = _one_minus_cos(g if g is not None else torch.zeros_like(r), r)
+    pairs = [(g, r) for r, g in zip(ri, gi) if r is not None and g is not None]
+    out[INPUT] = max((_one_minus_cos(g, r) for g, r in pairs), default=0.0)
+    return {k: float(f"{v:.4g}") for k, v in out.items()}
+
+
+def grad_errors(prof: Any, kp: KindProfile, rep: str) -> dict[str, dict[str, dict | None]]:
+    """``{storage id: {codec: {parameter or INPUT: 1 - cos}}}`` for the lossy codecs of ``kp``'s
+    storages (see the module docstring); ``None`` for a codec less faithful than
+    ``MEASURED_REL_ERR`` (not worth a run: out under a gradient cap); {} where the kind cannot be
+    run alone. Runs stop after ``GRAD_BUDGET_S`` seconds, largest storages first; candidates
+    left over get no entry (bounded by ``max_rel_err`` alone)."""
+    if not measurable(prof, rep):
+        return {}
+    run = _Runner(prof, rep)
+    t0 = time.perf_counter()
+    try:
+        ref = run()
+    except (RuntimeError, TypeError, ValueError):  # an unusual block signature: no figures
+        return {}
+    out: dict[str, dict[str, dict | None]] = {}
+    for s in sorted(kp.storages, key=lambda s: -s.bytes):
+        names = {abs_site(x, rep) for x in s.sites if x != "!extern"}
+        lossy = [c for c, st in s.codecs.items() if st.rel_err > 0]
+        view = next((prof.views[n] for n in sorted(names) if n in prof.views), None)
+        if not names or not lossy or view is None:
+            continue
+        row = out.setdefault(str(s.id), {})
+        for c in lossy:
+            if s.codecs[c].rel_err > MEASURED_REL_ERR:
+                row[c] = None
+                continue
+            if time.perf_counter() - t0 > GRAD_BUDGET_S:
+                break
+            codec = build_codec(c, view)
+            assign = lambda site, t, c=codec, n=names: c if site in n else None  # noqa: E731
+            try:
+                row[c] = _errors(run.names, ref, run(assign))
+            except (RuntimeError, TypeError, ValueError, NotImplementedError):
+                continue
+    return {k: v for k, v in out.items() if v}
