@@ -15,7 +15,11 @@ Points, all in one process, fp32, one torch thread (unless --threads):
 * ``compiled-int8`` / ``compiled-int4``: ``slimact.compiled.compile_blocks_with`` (per-block
   compile, pack/unpack GraphModules inlined into the compiled graphs);
 * ``compiled-invact``: ``invact`` (inverted activations and norms as custom ops) then
-  ``compile_blocks``: the reformulation inside compiled blocks.
+  ``compile_blocks``: the reformulation inside compiled blocks;
+* ``compiled-auto@<x>%`` (``--auto``): the compiled planner (``slimact.planner.compiled``: one
+  region budget and traced codec per block, by MILP over measured options) given as budget the
+  bytes each compile anchor keeps (measured first, as a share of eager none's metered bytes),
+  and at 10%; one profile serves every budget.
 
 Saved bytes: what one forward leaves alive (``slimact.compiled.forward_live_bytes``: the torch
 profiler's memory events; loss included), measured on a call after compilation. For eager-none
@@ -31,8 +35,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import time
 import types
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -45,6 +51,9 @@ from slimact.compiled import TRACE_CALLS, compiled_saved_tensors, forward_live_b
 from slimact.envinfo import machine_info
 from slimact.hf import compile_blocks, graph_breaks
 from slimact.models import build_model
+from slimact.planner.compiled import profile_compiled
+from slimact.state import state_of
+from slimact.strategies.compiled_auto import CompiledAutoConfig, plan_compiled
 from slimact.timing import interleaved, load_average
 from slimact.utils import fmt_bytes, seed_everything
 
@@ -124,6 +133,8 @@ def run(args) -> dict:
     inv = slimact.apply(copy.deepcopy(base), "invact")
     compile_blocks(inv, backend="inductor")
     points["compiled-invact"] = Point(inv)
+    if args.auto:  # compiled-auto at each anchor's bytes (added after the anchors are measured)
+        points["compiled-auto"] = None
     if args.only:  # eager-none stays: it is every ratio's baseline
         unknown = set(args.only) - set(points)
         if unknown:
@@ -137,6 +148,17 @@ def run(args) -> dict:
     with slimact.measure(base) as meter:
         points["eager-none"].loss(x, y)
     meter_bytes = meter.report.total_bytes
+    if "compiled-auto" in points:
+        del points["compiled-auto"]
+        anchors = {k: p for k, p in points.items() if k.startswith("compile-budget")}
+        for name, p in anchors.items():  # the anchors' bytes first: the plans' budgets
+            t0 = time.perf_counter()
+            p.step(x, y)
+            rows[name] = {
+                "first_step_s": time.perf_counter() - t0,
+                "saved_bytes": forward_live_bytes(lambda p=p: p.loss(x, y))[0],
+            }
+        points.update(auto_points(base, x, y, args, meter_bytes, rows))
     for name, p in points.items():
         t0 = time.perf_counter()
         p.step(x, y)  # compiles
@@ -149,17 +171,21 @@ def run(args) -> dict:
         p.step(x, y)  # the meter's TorchFunctionMode is guarded on: compiled again, untimed
         calls = dict(TRACE_CALLS)
         loss = p.step(x, y)
-        rows[name] = {
-            "saved_bytes": live,
-            "compiled_saved_bytes_by_dtype": in_graphs,
-            "meter_bytes_outside_compiled": m.report.total_bytes,
-            "first_step_s": first_s,
-            "loss": loss,
-            "grad_cos": float(F.cosine_similarity(p.grads().double(), exact.double(), dim=0)),
-            "grad_cos_min": grad_cosine(exact_model, p.model),
-            "hook_trace_calls_after_compile": {k: TRACE_CALLS[k] - calls[k] for k in calls},
-        }
+        rows[name] = (
+            {"first_step_s": first_s}
+            | rows.get(name, {})
+            | {
+                "saved_bytes": live,
+                "compiled_saved_bytes_by_dtype": in_graphs,
+                "meter_bytes_outside_compiled": m.report.total_bytes,
+                "loss": loss,
+                "grad_cos": float(F.cosine_similarity(p.grads().double(), exact.double(), dim=0)),
+                "grad_cos_min": grad_cosine(exact_model, p.model),
+                "hook_trace_calls_after_compile": {k: TRACE_CALLS[k] - calls[k] for k in calls},
+            }
+        )
         print(name, json.dumps(rows[name]), flush=True)
+    rows = {k: rows[k] for k in points}  # in the points' order (eager-none first)
     base_bytes = rows["eager-none"]["saved_bytes"]
     for r in rows.values():
         r["bytes_ratio"] = r["saved_bytes"] / base_bytes
@@ -172,6 +198,9 @@ def run(args) -> dict:
     anchors = ["compiled-none", *(f"compile-budget ({b})" for b in args.budgets)]
     pairs = [(a, b) for a in ("compiled-int8", "compiled-int4") for b in anchors]
     pairs.append(("compiled-invact", "compiled-none"))
+    for name, r in rows.items():  # each compiled-auto point against the anchor it was given
+        if "anchor" in r:
+            pairs += [(name, r["anchor"]), (name, "compiled-none")]
     pairs = [(a, b) for a, b in pairs if a in points and b in points]
     cross = {f"{a} / {b}": timing.ratio(a, b).to_dict() for a, b in pairs}
     return {
@@ -189,6 +218,43 @@ def run(args) -> dict:
         "cross_ratios": cross,
         "times_s": timing.times,
     }
+
+
+def auto_points(base, x, y, args, meter_bytes: int, rows: dict) -> dict[str, Point]:
+    """``compiled-auto`` given each compile anchor's measured bytes as its budget (a share of
+    eager none's metered bytes, rounded down), plus ``compiled-auto@10%``; one profile of the
+    model's blocks (every option of the grid) serves every budget."""
+    codecs = tuple(args.auto_codecs)
+    t0 = time.perf_counter()
+    prof = profile_compiled(base, x, y, codecs=codecs, rounds=args.auto_rounds)
+    print(f"compiled-auto profile: {time.perf_counter() - t0:.1f} s", flush=True)
+    budgets = [
+        (math.floor(r["saved_bytes"] / meter_bytes * 1e6) / 1e4, name)
+        for name, r in rows.items()
+        if name.startswith("compile-budget")
+    ]
+    out = {}
+    for pct, anchor in [*budgets, (10.0, None)]:
+        model = copy.deepcopy(base)
+        cfg = CompiledAutoConfig(budget=f"{pct:.4f}%", codecs=codecs)
+        name = f"compiled-auto@{pct:.2f}%"
+        try:
+            plan_compiled(model, cfg, x, y, profile=prof)
+        except ValueError as e:  # below the smallest compiled plan: say so, no point
+            print(name, "infeasible:", e, flush=True)
+            continue
+        plan = state_of(model).compiled_plan
+        out[name] = Point(model)
+        rows[name] = {
+            "anchor": anchor,
+            "plan": [r["action"] for r in plan.rows()],
+            "plan_predicted_bytes": plan.predicted_bytes,
+            "plan_measured_bytes": plan.measured_bytes,
+            "plan_allowed_bytes": plan.allowed_bytes,
+            "profile_time_s": prof.profile_time_s,
+        }
+        print(name, plan.table(), flush=True)
+    return out
 
 
 def report(d: dict) -> str:
@@ -241,6 +307,15 @@ def report(d: dict) -> str:
             if k != "eager-none"
         )
         + ".",
+        "- compiled-auto plans (per block; predicted / measured bytes, allowed): "
+        + "; ".join(
+            f"{k} (given {r['anchor'] or 'a 10% budget'}): {_counts(r['plan'])}; "
+            f"{fmt_bytes(r['plan_predicted_bytes'])} / {fmt_bytes(r['plan_measured_bytes'])}, "
+            f"{fmt_bytes(r['plan_allowed_bytes'])}"
+            for k, r in d["rows"].items()
+            if "plan" in r
+        )
+        + ".",
         "- Python calls of the traced pack/unpack helpers during a step after compilation "
         "(0 = the hooks are inlined, nothing runs per tensor): "
         + ", ".join(
@@ -251,6 +326,10 @@ def report(d: dict) -> str:
         + ".",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _counts(actions: list[str]) -> str:
+    return ", ".join(f"{n} x {a}" for a, n in Counter(actions).items())
 
 
 def _by_dtype(d: dict[str, int]) -> str:
@@ -276,6 +355,18 @@ def main() -> None:
         help="comma-separated points to run besides eager-none (default: all)",
     )
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--auto",
+        action="store_true",
+        help="add compiled-auto points given each anchor's bytes as budget, and compiled-auto@10%%",
+    )
+    p.add_argument(
+        "--auto-codecs",
+        type=lambda t: [v.strip() for v in t.split(",")],
+        default=["none", "int8", "int4"],
+        help="traced codecs compiled-auto may use",
+    )
+    p.add_argument("--auto-rounds", type=int, default=5, help="compiled-auto's timing rounds")
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     args = p.parse_args()
     data = run(args)

@@ -7,6 +7,7 @@ at 2 x 64, where one block compiles in a few seconds.
 
 from __future__ import annotations
 
+import argparse
 import copy
 
 import pytest
@@ -17,7 +18,7 @@ import slimact
 from slimact import compiled as C
 from slimact.compiled.strategies import CompiledCodecConfig
 from slimact.models import build_model
-from slimact.registry import compiled_spec, resolve
+from slimact.registry import add_compile_argument, cli_spec, compiled_spec, resolve
 
 X = torch.randint(0, 257, (2, 65), generator=torch.Generator().manual_seed(3))
 
@@ -137,3 +138,12 @@ def test_budget_and_codec_compose(base, eager):
         got[spec] = _step(model)
     assert got["compiled-int8@0.25"][0] < min(got["compiled-int8"][0], got["compiled-none@0.25"][0])
     assert F.cosine_similarity(got["compiled-int8@0.25"][1], eager[1], dim=0) > 0.999
+
+
+def test_cli_spec_and_flag():
+    assert cli_spec("auto", "25%", compile=True) == "compiled-auto@25%"
+    assert cli_spec("auto", "25%") == "auto@25%"
+    assert cli_spec("invact+int8", None, True) == "invact+compiled-int8"
+    p = argparse.ArgumentParser()
+    add_compile_argument(p)
+    assert p.parse_args(["--compile"]).compile and not p.parse_args([]).compile

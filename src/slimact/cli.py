@@ -22,6 +22,7 @@ import logging
 import sys
 
 from slimact.budget import add_budget_argument
+from slimact.registry import add_compile_argument, cli_spec
 from slimact.utils import MissingDependency
 
 # name -> (module, add-arguments function, run function, help). Run functions return an exit code.
@@ -116,6 +117,7 @@ def _add_memory(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-tiny")
     p.add_argument("--strategy", default="recompute", help="name, or names joined by '+'")
     add_budget_argument(p)
+    add_compile_argument(p)
     from slimact.train.config import TrainConfig
 
     micro = "default: slimact train's micro-batch"
@@ -137,7 +139,6 @@ def _run_memory(args: argparse.Namespace) -> int:
     import torch
 
     from slimact.compare import CompareConfig, compare
-    from slimact.registry import with_budget
     from slimact.utils import default_device, fmt_bytes
 
     if args.threads is not None:
@@ -147,7 +148,7 @@ def _run_memory(args: argparse.Namespace) -> int:
     device = _device(args.device) if args.device else default_device()
     cfg = CompareConfig(
         model=args.model,
-        strategy=with_budget(args.strategy, args.budget),
+        strategy=cli_spec(args.strategy, args.budget, args.compile),
         batch=args.batch,
         seq=args.seq,
         seed=args.seed,

@@ -215,12 +215,15 @@ def _compiled_regions(meter: Meter, model: nn.Module | None) -> Iterator[None]:
     mods = dict(model.named_modules())
     mine = threading.get_ident()  # module hooks are global; a planner's worker thread is not ours
 
+    def ours() -> bool:  # not while dynamo traces a whole-model compile through the hooks
+        return not torch.compiler.is_compiling() and threading.get_ident() == mine
+
     def pre(mod, args, kwargs):
-        if threading.get_ident() == mine:
+        if ours():
             stop.update(t.grad_fn for t in _tensors([args, kwargs]) if t.grad_fn is not None)
 
     def post(mod, args, kwargs, out, path):
-        if threading.get_ident() == mine:
+        if ours():
             meter.compiled_saves(path, out, params, stop)
 
     handles = []

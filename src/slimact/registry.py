@@ -29,6 +29,7 @@ Composition rule (checked before anything is applied, in one spec and across ``a
 
 from __future__ import annotations
 
+import argparse
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -257,6 +258,23 @@ def compiled_spec(strategy: str) -> str:
             "and recompute merge: 'int8+recompute' is compiled-int8 at region budget 0)"
         )
     return "+".join([*eager, *(blocks or ["compiled-none"])])
+
+
+def add_compile_argument(parser: argparse.ArgumentParser) -> None:
+    """The ``--compile`` flag of the command lines (``apply(..., compile=True)``)."""
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile every block with the strategy's actions inside (root stays eager): auto "
+        "becomes compiled-auto, int8/int4 traced codecs, recompute compile's partitioner at "
+        "region budget 0; invact and chunked-ce compose",
+    )
+
+
+def cli_spec(strategy: str, budget: object = None, compile: bool = False) -> str:
+    """The spec a command line applies: ``--budget`` into ``auto``, then ``--compile``."""
+    spec = with_budget(strategy, None if budget is None else str(budget))
+    return compiled_spec(spec) if compile else spec
 
 
 def with_budget(strategy: str, budget: str | None) -> str:

@@ -30,6 +30,7 @@ from slimact.planner.compiled import (
     BUDGETS,
     CODECS,
     CompiledPlan,
+    CompiledProfile,
     profile_compiled,
     solve_compiled,
     verify,
@@ -90,10 +91,18 @@ class CompiledAutoConfig(StrategyConfig):
 
 
 def plan_compiled(
-    model: nn.Module, config: CompiledAutoConfig, ids: torch.Tensor, targets: torch.Tensor
+    model: nn.Module,
+    config: CompiledAutoConfig,
+    ids: torch.Tensor,
+    targets: torch.Tensor,
+    profile: CompiledProfile | None = None,
 ) -> list[AppliedChange]:
-    """Profile, solve, install and verify (module docstring); the plan goes to the state."""
-    profile = profile_compiled(model, ids, targets, config.budgets, config.codecs, config.rounds)
+    """Profile (unless given one of this model, e.g. to solve several budgets on one profile),
+    solve, install and verify (module docstring); the plan goes to the state."""
+    if profile is None:
+        profile = profile_compiled(
+            model, ids, targets, config.budgets, config.codecs, config.rounds
+        )
     plan = solve_compiled(profile, config.budget)
     changes = _install(model, plan, config)
     measured = verify(plan, model, ids, targets)

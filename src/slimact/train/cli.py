@@ -22,7 +22,7 @@ from rich.table import Table
 
 from slimact import dist as sdist
 from slimact.budget import add_budget_argument
-from slimact.registry import with_budget
+from slimact.registry import add_compile_argument, cli_spec
 from slimact.train.config import BASELINES, DEVICES, DIST_MODES, TrainConfig
 from slimact.train.loop import TrainResult, train
 from slimact.utils import fmt_bytes
@@ -41,6 +41,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     a("--model", default=d["model"], help="registered model name (see `slimact models`)")
     a("--strategy", default=d["strategy"], help="strategy name, or names joined by '+'")
     add_budget_argument(parser)
+    add_compile_argument(parser)
     a("--steps", type=int, default=d["steps"], help="optimizer steps")
     a("--batch", type=int, default=d["batch"], help="sequences per micro-batch")
     a("--seq", type=int, default=d["seq"], help="tokens per sequence (<= the model's max)")
@@ -92,8 +93,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)
     }
     values["progress"] = not getattr(args, "no_progress", False)
-    if getattr(args, "budget", None) is not None:
-        values["strategy"] = with_budget(values["strategy"], args.budget)
+    values["strategy"] = cli_spec(
+        values["strategy"], getattr(args, "budget", None), getattr(args, "compile", False)
+    )
     return TrainConfig(**values)
 
 
