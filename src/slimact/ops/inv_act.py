@@ -47,11 +47,12 @@ import torch
 import torch.nn.functional as F
 
 from slimact import sites
-from slimact.ops import inv_act_compiled
+from slimact.ops import inv_act_compiled, inv_act_traced
 from slimact.ops.inv_act_approx import (
     BRANCH,
     KINDS,
     MODES,
+    act_ref,
     dinv_ref,
     dinv_table,
     f_q_df,
@@ -120,13 +121,6 @@ def pack_bits_ref(s: torch.Tensor) -> torch.Tensor:
 def unpack_bits_ref(packed: torch.Tensor, n: int) -> torch.Tensor:
     shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
     return ((packed.view(-1, 1) >> shifts) & 1).view(-1)[:n].bool()
-
-
-def act_ref(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """torch's own forward (the exact reference)."""
-    if kind == "silu":
-        return F.silu(x)
-    return F.gelu(x, approximate="tanh" if kind == "gelu_tanh" else "none")
 
 
 def set_lsb_ref(y: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -377,6 +371,8 @@ def inv_act(
     if not (torch.is_grad_enabled() and x.requires_grad):
         return act_ref(x, kind)
     if torch.compiler.is_compiling():
+        if inv_act_traced.eligible(x, mode, variant, backend):
+            return inv_act_traced.inv_act_graph(x, kind)
         return inv_act_op(x, kind, mode, variant, backend)
     with sites.role(f"inv_{kind}"):
         return InvActFunction.apply(x, kind, mode, variant, backend)

@@ -55,9 +55,11 @@ underflows ``rstd³``; against the float64 truth ``invact`` has cosine 1.0.)
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 KINDS = ("gelu", "gelu_tanh", "silu")
 MODES = ("newton", "paper")
@@ -80,7 +82,8 @@ class Branch:
 
     @property
     def fT_hi(self) -> float:
-        return float(torch.tensor(self.fT, dtype=torch.float32))
+        # fT rounded to fp32 (nearest), in plain Python: traceable (no tensor, no host sync)
+        return struct.unpack("f", struct.pack("f", self.fT))[0]
 
     @property
     def fT_lo(self) -> float:
@@ -131,6 +134,13 @@ PAPER_SILU_RIGHT = (
     0.002696163985044,
     -5.770613302664509,
 )
+
+
+def act_ref(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """torch's own forward (the exact reference)."""
+    if kind == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh" if kind == "gelu_tanh" else "none")
 
 
 def check_kind_mode(kind: str, mode: str) -> None:
@@ -321,9 +331,5 @@ def exact_df(x: torch.Tensor, kind: str) -> torch.Tensor:
     """f'(x) by autograd through torch's own ops (the reference every mode is held to)."""
     x = x.detach().requires_grad_(True)
     with torch.enable_grad():
-        if kind == "silu":
-            y = torch.nn.functional.silu(x)
-        else:
-            y = torch.nn.functional.gelu(x, approximate="tanh" if kind == "gelu_tanh" else "none")
-        (g,) = torch.autograd.grad(y.sum(), x)
+        (g,) = torch.autograd.grad(act_ref(x, kind).sum(), x)
     return g
