@@ -29,6 +29,7 @@ recomputation) are reported with :func:`hold`, so the meter sees every stored by
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -287,7 +288,12 @@ def tracking(model: nn.Module | None = None) -> Iterator[None]:
     handles = []
     if model is not None:
         _state.excluded = _param_storages(model)
+        sealed: list[str] = []  # inside a compiled block, hooks would only cost recompiles
         for path, m in model.named_modules():
+            if any(path.startswith(f"{b}.") for b in sealed):
+                continue
+            if m in _COMPILED:
+                sealed.append(path)
             handles.append(m.register_forward_pre_hook(_make_pre_hook(path)))
             if path:  # the root needs no pop (an empty stack is the root), and a forward hook
                 # on it would be removed while a failing root call iterates its forward hooks
@@ -306,6 +312,21 @@ def tracking(model: nn.Module | None = None) -> Iterator[None]:
         _state.excluded = set()
         for h in handles:
             h.remove()
+
+
+# Modules whose forward runs compiled (``slimact.compiled.blocks``). The router hooks the module
+# itself (its path names what its graphs save) but none inside it: dynamo traces submodules'
+# hooks into the graph and guards on their ids, so hooks registered anew by every ``measure``
+# would recompile the block each time, until dynamo gives up and runs it eagerly.
+_COMPILED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def seal(module: nn.Module, compiled: bool = True) -> None:
+    """Mark ``module`` as running compiled (``compiled=False``: no longer)."""
+    if compiled:
+        _COMPILED.add(module)
+    else:
+        _COMPILED.discard(module)
 
 
 def _param_storages(model: nn.Module) -> set[int]:

@@ -7,7 +7,6 @@ from slimact.compiled.blocks import (
     compile_blocks_with,
     compiled_saved_tensors,
     forward_live_bytes,
-    region_budgets_supported,
 )
 from slimact.compiled.codec import (
     CODECS,
@@ -45,7 +44,6 @@ __all__ = [
     "forward_live_bytes",
     "hook_pair",
     "keeps_exact",
-    "region_budgets_supported",
     "resolve_codec",
     "saved_node",
 ]

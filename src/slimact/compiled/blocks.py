@@ -3,12 +3,14 @@
 A compiled block has two knobs, one per action it can take on what it saves (a
 :class:`BlockChoice`):
 
-* **recompute**: ``budget``, the activation-memory budget of the block's *region*
-  (``torch.autograd.graph.region_activation_memory_budget``, torch >= 2.13): compile's min-cut
-  partitioner solves a 0-1 knapsack to recompute in backward whatever keeps the block's saved
-  bytes at ``budget`` x what its default partition saves (1.0: the default, speed first; 0.0:
-  everything but the block's inputs is recomputed, i.e. per-block checkpointing done by the
-  compiler, which fuses the recomputation with the backward);
+* **recompute**: ``budget``, compile's ``activation_memory_budget`` for the block's graph: its
+  min-cut partitioner solves a 0-1 knapsack to recompute in backward whatever keeps the block's
+  saved bytes at ``budget`` x what its default partition saves (1.0: the default, speed first;
+  0.0: everything but the block's inputs is recomputed, i.e. per-block checkpointing done by
+  the compiler, which fuses the recomputation with the backward). It is set around the block's
+  compiled call, which is where dynamo compiles; torch 2.13's per-region annotation
+  (``torch.autograd.graph.region_activation_memory_budget``) would do the same but rejects
+  graphs with dropout (inductor's RNG seeds op falls outside the region);
 * **codec**: a traced codec (``slimact.compiled.codec``) applied to what the partition still
   saves, inlined into the compiled graphs.
 
@@ -17,7 +19,8 @@ kept tensor, so ``BlockChoice(0.25, "int8")`` keeps about a quarter of the block
 at a quarter of its bytes. Every block is its own graph (the root stays eager: embedding, final
 norm, head, loss), so blocks can take different choices; one code object per budget keeps
 dynamo from reusing a graph partitioned under another budget (its cache is per code object and
-does not guard on budgets), and blocks with equal choices share one compiled graph.
+does not guard on the budget: the measurement trap of compiling one function at several budgets),
+and blocks with equal choices share one compiled graph.
 
 ``slimact.planner.compiled`` picks a choice per block under a memory budget from measured
 bytes and times. Saved bytes inside compiled graphs are invisible to saved-tensor hooks (the
@@ -30,23 +33,20 @@ from __future__ import annotations
 
 import functools
 import types
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch._functorch.config as functorch_config
 import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
 from slimact import actions, sites
-from slimact.compiled.codec import CODECS, codec_hooks, resolve_codec
+from slimact.compiled.codec import CODECS, codec_hooks
 from slimact.patching import NotCopyable
 from slimact.registry import AppliedChange, FilterFn
-
-
-def region_budgets_supported() -> bool:
-    """Per-region activation-memory budgets exist in this torch (2.13+)."""
-    return hasattr(torch.autograd.graph, "region_activation_memory_budget")
 
 
 @dataclass(frozen=True)
@@ -68,11 +68,6 @@ class BlockChoice:
             raise ValueError(
                 f"BlockChoice.codec must be one of {', '.join(CODECS)}, got {self.codec!r}"
             )
-        if self.budget < 1.0 and not region_budgets_supported():
-            raise ValueError(
-                f"BlockChoice(budget={self.budget}) needs per-region activation-memory budgets "
-                f"(torch >= 2.13); this is torch {torch.__version__}: use budget=1.0"
-            )
 
     @property
     def label(self) -> str:
@@ -87,36 +82,44 @@ class BlockChoice:
         return {"budget": self.budget, "codec": self.codec}
 
 
-def _block_call(forward: Callable[..., Any], *args: Any, _budget: float = 1.0, **kwargs: Any):
-    if _budget >= 1.0:
-        return forward(*args, **kwargs)
-    if not torch.compiler.is_compiling():  # dynamo gave up on the frame (recompile limit?)
-        raise RuntimeError(
-            f"a compiled block with region budget {_budget} is running eagerly, where the "
-            "budget has no effect: torch.compile fell back to eager for it (see dynamo's "
-            "warnings, e.g. torch._dynamo.config.recompile_limit)"
+class CompileFallbackWarning(UserWarning):
+    """A compiled block ran eagerly: its budget and codec did not apply to that call."""
+
+
+def _block_call(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    if not torch.compiler.is_compiling() and torch.is_grad_enabled():
+        warnings.warn(
+            "a slimact compiled block is running eagerly: dynamo gave up compiling it (see its "
+            "warnings, e.g. torch._dynamo.config.recompile_limit), so its recompute budget and "
+            "codec do not apply and it saves more than its plan says",
+            CompileFallbackWarning,
+            stacklevel=2,
         )
-    with torch.autograd.graph.region_activation_memory_budget(_budget):
-        return forward(*args, **kwargs)
+    return forward(*args, **kwargs)
 
 
 @functools.cache
 def _block_fn(budget: float, codec: str, owner: type) -> Callable[..., Any]:
     """:func:`_block_call` with a code object of its own per (budget, codec, block class): dynamo
-    caches compiled frames per code object and guards neither on budgets nor (usefully) on
-    codecs, so options never share, nor evict, each other's graphs (module docstring)."""
+    caches compiled frames per code object and guards neither on the budget nor (usefully) on
+    the codec, so options never share, nor evict, each other's graphs (module docstring)."""
     tag = f"{owner.__name__}_{budget:.6f}_{codec}".replace(".", "_").replace("-", "_")
     code = _block_call.__code__.replace(co_name=f"_block_{tag}")
-    fn = types.FunctionType(code, _block_call.__globals__, code.co_name)
-    fn.__kwdefaults__ = {"_budget": budget}
-    return fn
+    return types.FunctionType(code, _block_call.__globals__, code.co_name)
 
 
 def _compiled_forward(
-    compiled: Callable[..., Any], codec: str, forward: Callable[..., Any], *args: Any, **kw: Any
+    compiled: Callable[..., Any],
+    choice: BlockChoice,
+    forward: Callable[..., Any],
+    *args: Any,
+    **kwargs: Any,
 ) -> Any:
-    with codec_hooks(codec):
-        return compiled(forward, *args, **kw)
+    with (
+        codec_hooks(choice.codec),
+        functorch_config.patch(activation_memory_budget=choice.budget),
+    ):
+        return compiled(forward, *args, **kwargs)
 
 
 def compile_block(
@@ -124,10 +127,9 @@ def compile_block(
 ) -> Callable[..., Any]:
     """The compiled forward of ``block`` under ``choice`` (not installed): the codec's hook pair
     around a compiled call of the block's forward inside its region budget."""
-    resolve_codec(choice.codec)
     kw.setdefault("dynamic", False)  # the pack's shape rules read concrete shapes
     compiled = torch.compile(_block_fn(choice.budget, choice.codec, type(block)), **kw)
-    return functools.partial(_compiled_forward, compiled, choice.codec, forward or block.forward)
+    return functools.partial(_compiled_forward, compiled, choice, forward or block.forward)
 
 
 def compile_blocks_with(
@@ -154,8 +156,10 @@ def compile_blocks_with(
         prev = block.__dict__.get("forward")
         fwd = compile_block(block, choice, prev or block.forward, **compile_kwargs)
         block.forward = NotCopyable(fwd, f"compiled block ({choice.label})")
+        sites.seal(block)
 
         def undo(b: nn.Module = block, prev=prev) -> None:
+            sites.seal(b, compiled=False)
             if prev is None:
                 b.__dict__.pop("forward", None)
             else:
