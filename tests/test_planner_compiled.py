@@ -84,6 +84,17 @@ def test_mixes_options_across_blocks():
     assert "predicted" in plan.table()
 
 
+def test_options_over_the_gradient_error_cap_are_not_candidates():
+    grid = [(b, c, n, t, 1e-2 if c == "int8" else 0.0) for b, c, n, t in GRID]
+    prof = _profile()
+    prof.options["k"] = [OptionStat(BlockChoice(b, c), n, t, e) for b, c, n, t, e in grid]
+    free = solve_compiled(prof, "30%", max_grad_err=None)
+    capped = solve_compiled(prof, "30%")  # the default cap, 2e-3, excludes int8 here
+    assert any(c.codec == "int8" for c in free.choices.values())
+    assert all(c.codec == "none" for c in capped.choices.values())
+    assert capped.predicted_seconds > free.predicted_seconds
+
+
 def test_below_the_floor_is_a_clear_error():
     with pytest.raises(ValueError, match=r"smallest compiled plan keeps .* raise the budget"):
         solve_compiled(_profile(), "3%")
@@ -135,6 +146,9 @@ def test_profile_measures_every_option():
     assert by[(0.0, "int8")] < by[(0.0, "none")] < by[(1.0, "none")]
     assert by[(0.0, "int8")] < by[(1.0, "int8")] < by[(1.0, "none")]
     assert 0 < prof.root_bytes < prof.baseline_bytes
+    err = {(s.choice.budget, s.choice.codec): s.grad_err for s in stats}
+    assert err[(1.0, "none")] < 1e-6 and err[(0.0, "none")] < 1e-6  # recompute is exact
+    assert 1e-6 < err[(1.0, "int8")] < 2e-3  # INT8 is lossy, within auto's default cap
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert "forward" not in model.layers[0].__dict__  # profiling runs on copies
 

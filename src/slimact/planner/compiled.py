@@ -11,6 +11,10 @@ measures each option on one block of each kind, on the real batch, and picks one
                residual stream is freed once the next block has encoded it)
     time(o)    fwd+bwd seconds of the compiled block: interleaved rounds over the options, the
                median per-round ratio to the first option times that option's median
+    err(o)     gradient error: max over the block's input and parameters of 1 - cos between
+               the compiled block's gradients and the eager block's, for one random upstream
+               gradient; options above ``max_grad_err`` (default 2e-3, as ``auto``'s) are
+               not candidates (traced INT4 typically is not: ~1e-2 on llama-20m)
     root       the eager model's bytes (the meter) minus its blocks' own (measured as above,
                eagerly): embedding, final norm, head, loss, and inputs shared by all blocks
 
@@ -42,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from slimact import sites
@@ -56,6 +61,7 @@ from slimact.utils import fmt_bytes
 
 BUDGETS = (1.0, 0.5, 0.25, 0.1, 0.0)
 CODECS = ("none", "int8", "int4")
+MAX_GRAD_ERR = 2e-3  # as auto's: 1 - cos of any parameter's (or the input's) block gradient
 
 
 class BudgetWarning(UserWarning):
@@ -69,6 +75,7 @@ class OptionStat:
     choice: BlockChoice
     bytes: int
     seconds: float
+    grad_err: float = 0.0  # max over input and parameters of 1 - cos vs the eager block's
 
 
 @dataclass
@@ -206,10 +213,25 @@ class _BlockRun:
             self.forward()
         return _unique_bytes(stored, set(self.skip))
 
-    def step(self) -> None:
+    def step(self, upstream: torch.Tensor | None = None) -> list[torch.Tensor | None]:
+        """fwd + bwd; the gradients of the input and the parameters (``upstream``: dL/d out)."""
         out = self.forward()
         leaves = [self.x, *self.params] if self.x.requires_grad else self.params
-        torch.autograd.grad(out, leaves, torch.ones_like(out), allow_unused=True)
+        g = torch.ones_like(out) if upstream is None else upstream
+        return list(torch.autograd.grad(out, leaves, g, allow_unused=True))
+
+
+def grad_error(got: Sequence[torch.Tensor | None], ref: Sequence[torch.Tensor | None]) -> float:
+    """Max over the input and the parameters of ``1 - cos(got, ref)``, skipping gradients whose
+    reference norm is below 1e-6 x the largest (``slimact memory``'s ``grad_cosine`` rule)."""
+    norms = [float(r.norm()) if r is not None else 0.0 for r in ref]
+    big = max(norms, default=0.0)
+    errs = [
+        1.0 - float(F.cosine_similarity(g.double().flatten(), r.double().flatten(), dim=0))
+        for g, r, n in zip(got, ref, norms)
+        if r is not None and g is not None and n > 0 and n >= 1e-6 * big
+    ]
+    return max(errs, default=0.0)
 
 
 def profile_compiled(
@@ -240,18 +262,23 @@ def profile_compiled(
             eager[kind] = _BlockRun(
                 mods[paths[0]], mods[paths[0]], args, kwargs
             ).eager_saved_bytes()
-            runs = {}
+            exact = _BlockRun(mods[paths[0]], mods[paths[0]], args, kwargs)
+            out = exact.forward().detach()
+            gen = torch.Generator(out.device).manual_seed(0)
+            upstream = torch.randn(out.shape, generator=gen, device=out.device, dtype=out.dtype)
+            ref = exact.step(upstream)
+            runs, errs = {}, {}
             for ch in choices:
                 if progress:
                     progress(f"compiling {kind} under {ch.label}")
                 blk = copy.deepcopy(mods[paths[0]])
                 runs[ch] = _BlockRun(compile_block(blk, ch), blk, args, kwargs)
-                runs[ch].step()  # compile
+                errs[ch] = grad_error(runs[ch].step(upstream), ref)  # (compiles)
             stats = {ch: r.saved_bytes() for ch, r in runs.items()}
             timing = interleaved({ch.label: r.step for ch, r in runs.items()}, rounds, warmup=1)
             ref = choices[0].label  # seconds: per-round ratios to it (load cancels) x its median
             secs = {c: timing.median_s(ref) * timing.ratio(c.label, ref).median for c in choices}
-            options[kind] = [OptionStat(c, stats[c], secs[c]) for c in choices]
+            options[kind] = [OptionStat(c, stats[c], secs[c], errs[c]) for c in choices]
     return CompiledProfile(
         blocks=kinds,
         options=options,
@@ -270,11 +297,17 @@ def _allowed(profile: CompiledProfile, budget: Budget) -> int:
     return budget.allowed(profile.baseline_bytes, static)
 
 
-def solve_compiled(profile: CompiledProfile, budget: Budget | str | int) -> CompiledPlan:
-    """The fastest choice per block whose predicted bytes fit ``budget`` (module docstring)."""
+def solve_compiled(
+    profile: CompiledProfile,
+    budget: Budget | str | int,
+    max_grad_err: float | None = MAX_GRAD_ERR,
+) -> CompiledPlan:
+    """The fastest choice per block whose predicted bytes fit ``budget`` (module docstring),
+    among the options whose measured gradient error is at most ``max_grad_err`` (None: all)."""
     budget = Budget.parse(budget)
     allowed = _allowed(profile, budget)
-    var = [(k, s) for k, stats in profile.options.items() for s in stats]
+    ok = lambda s: max_grad_err is None or s.grad_err <= max_grad_err  # noqa: E731
+    var = [(k, s) for k, stats in profile.options.items() for s in stats if ok(s)]
     cost = np.array([s.seconds for _, s in var])
     size = np.array([float(s.bytes) for _, s in var])
     kinds = list(profile.options)
@@ -287,7 +320,7 @@ def solve_compiled(profile: CompiledProfile, budget: Budget | str | int) -> Comp
     res = milp(cost, constraints=cons, integrality=np.ones(len(var)), bounds=Bounds(0, n.max()))
     if res.x is None:
         floor = profile.root_bytes + sum(
-            min(s.bytes for s in profile.options[k]) * len(profile.blocks[k]) for k in kinds
+            min(s.bytes for kk, s in var if kk == k) * len(profile.blocks[k]) for k in kinds
         )
         raise ValueError(
             f"budget {budget} allows {fmt_bytes(allowed)} of activations; the smallest compiled "

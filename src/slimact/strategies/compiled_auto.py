@@ -10,7 +10,8 @@ still do. Without ``batch``/``seq`` it plans on the first training forward, on t
 random tokens of that shape. The solved plan is ``slimact.state_of(model).compiled_plan``.
 
 ``slimact.apply(model, "auto@25%", compile=True)`` is this strategy (see ``registry``).
-Specs: ``compiled-auto@25%``, ``compiled-auto@25%,codecs=none/int8,budgets=1/0.5/0,rounds=3``.
+Specs: ``compiled-auto@25%``, ``compiled-auto@25%,codecs=none/int8,budgets=1/0.5/0,rounds=3``,
+``compiled-auto@10%,max_grad_err=none`` (admit every option, traced INT4 included).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from slimact.patching import NotCopyable
 from slimact.planner.compiled import (
     BUDGETS,
     CODECS,
+    MAX_GRAD_ERR,
     CompiledPlan,
     CompiledProfile,
     profile_compiled,
@@ -44,6 +46,8 @@ from slimact.utils import in_worker_thread
 class CompiledAutoConfig(StrategyConfig):
     """``budget``: '25%' | '6GiB' | bytes (required); ``budgets``: compile region budgets to
     try; ``codecs``: traced codecs to try; ``rounds``: interleaved timing rounds per option;
+    ``max_grad_err``: options whose measured block-gradient error (1 - cos, worst parameter)
+    exceeds it are not candidates (None: every option);
     ``batch``/``seq``: plan at apply time on random tokens of that shape (else on the first
     training forward)."""
 
@@ -51,6 +55,7 @@ class CompiledAutoConfig(StrategyConfig):
     budgets: tuple[float, ...] = BUDGETS
     codecs: tuple[str, ...] = CODECS
     rounds: int = 5
+    max_grad_err: float | None = MAX_GRAD_ERR
     batch: int | None = None
     seq: int | None = None
     seed: int = 0
@@ -64,6 +69,8 @@ class CompiledAutoConfig(StrategyConfig):
         bad = [c for c in self.codecs if c not in TRACED_CODECS]
         if not self.codecs or bad:
             raise ValueError(f"codecs must be among {', '.join(TRACED_CODECS)}, got {bad or '()'}")
+        if self.max_grad_err is not None and not self.max_grad_err >= 0:
+            raise ValueError(f"max_grad_err must be >= 0 or None, got {self.max_grad_err!r}")
         if not isinstance(self.rounds, int) or self.rounds < 1:
             raise ValueError(f"rounds must be an int >= 1, got {self.rounds!r}")
         if (self.batch is None) != (self.seq is None):
@@ -71,7 +78,7 @@ class CompiledAutoConfig(StrategyConfig):
 
     @classmethod
     def from_spec(cls, spec: str) -> CompiledAutoConfig:
-        """``compiled-auto@25%[,codecs=none/int8][,budgets=1/0.5/0][,rounds=3]``."""
+        """``compiled-auto@25%[,codecs=none/int8][,budgets=1/0.5/0][,rounds=3][,max_grad_err=x]``."""
         _, _, arg = spec.partition("@")
         budget, *opts = [p.strip() for p in arg.split(",")] if arg else [None]
         kw: dict = {}
@@ -83,9 +90,12 @@ class CompiledAutoConfig(StrategyConfig):
                 kw["budgets"] = tuple(float(v) for v in value.split("/") if v)
             elif key == "rounds":
                 kw["rounds"] = int(value)
+            elif key == "max_grad_err":
+                kw["max_grad_err"] = None if value.lower() == "none" else float(value)
             else:
                 raise ValueError(
-                    f"{spec!r}: unknown option {key!r}; valid: codecs, budgets, rounds"
+                    f"{spec!r}: unknown option {key!r}; valid: codecs, budgets, rounds, "
+                    "max_grad_err"
                 )
         return cls(budget=budget or None, **kw)
 
@@ -103,14 +113,16 @@ def plan_compiled(
         profile = profile_compiled(
             model, ids, targets, config.budgets, config.codecs, config.rounds
         )
-    plan = solve_compiled(profile, config.budget)
+    plan = solve_compiled(profile, config.budget, config.max_grad_err)
     changes = _install(model, plan, config)
     measured = verify(plan, model, ids, targets)
     tighter = plan.allowed_bytes - (measured - plan.allowed_bytes)
     if measured > plan.allowed_bytes and tighter > profile.root_bytes:
         _undo(changes)  # once: re-solve with the overshoot taken off the budget
-        retry = solve_compiled(profile, f"{tighter}B" if not config.budget.relative else
-                               f"{100 * tighter / profile.baseline_bytes:.6f}%")  # fmt: skip
+        retry = solve_compiled(profile, f"{tighter + profile.static_bytes}B"
+                               if not config.budget.relative else
+                               f"{100 * tighter / profile.baseline_bytes:.6f}%",
+                               config.max_grad_err)  # fmt: skip
         retry.budget, retry.allowed_bytes = plan.budget, plan.allowed_bytes
         retry.meta["resolved_for"] = tighter
         changes, plan = _install(model, retry, config), retry
