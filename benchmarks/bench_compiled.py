@@ -37,7 +37,6 @@ import copy
 import json
 import math
 import time
-import types
 from collections import Counter
 from pathlib import Path
 
@@ -47,7 +46,7 @@ import torch.nn.functional as F
 
 import slimact
 from slimact.compare import grad_cosine
-from slimact.compiled import TRACE_CALLS, compiled_saved_tensors, forward_live_bytes
+from slimact.compiled import TRACE_CALLS, compiled_saved_tensors, forward_live_bytes, own_code
 from slimact.envinfo import machine_info
 from slimact.hf import compile_blocks, graph_breaks
 from slimact.models import build_model
@@ -67,12 +66,6 @@ def env() -> dict:
 
 def loss_fn(model, x, y):
     return model(x, targets=y).loss
-
-
-def own_code(fn, tag: str):
-    """``fn`` with a code object of its own: dynamo's cache for it is not shared with others."""
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 class Point:
@@ -363,7 +356,7 @@ def main() -> None:
     p.add_argument(
         "--auto-codecs",
         type=lambda t: [v.strip() for v in t.split(",")],
-        default=["none", "int8", "int4"],
+        default=["none", "int8"],
         help="traced codecs compiled-auto may use",
     )
     p.add_argument("--auto-rounds", type=int, default=5, help="compiled-auto's timing rounds")

@@ -255,8 +255,21 @@ def test_time_case_interleaves_baseline_first_and_drops_a_failing_point():
     assert records["none"]["step_time_ratio"] == 1.0
 
 
+@pytest.mark.parametrize(
+    "name", ["anchor:compile-budget@0", "anchor:compile-budget@x", "anchor:torch-checkpoint@0.5"]
+)
+def test_anchor_arguments_are_checked(name):
+    with pytest.raises(ValueError, match="only compile-budget takes"):
+        BenchPoint(name)
+
+
 def test_suites_registered_and_valid():
-    assert suite_names() == ["quick", "full", "gpu"]
+    assert suite_names() == ["quick", "full", "gpu", "compiled"]
+    compiled = [p.name for p in get_suite("compiled").cases[0].points]
+    assert [p for p in compiled if p.startswith("anchor:")] == [
+        f"anchor:compile-budget@{b}" for b in (0.5, 0.25, 0.1)
+    ]
+    assert sum(p.startswith("compiled-auto@") for p in compiled) == 4
     quick = get_suite("quick")
     llama = quick.cases[0]
     assert llama.model == "llama-20m"

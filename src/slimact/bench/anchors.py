@@ -7,9 +7,10 @@ the ``forward(model, x, y) -> loss`` to call, a note, and a ``restore`` to call 
   ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, nothing else, through the same
   wrapper as slimact's ``recompute`` (``slimact.checkpointing.checkpointed``: the block inputs the
   checkpoint saves are named ``<block>:checkpoint_input#k``), so the two are measured alike.
-* ``compile-budget``: ``torch.compile`` (inductor) of the whole loss function with
-  ``torch._functorch.config.activation_memory_budget`` set (the suite's ``compile_budget``, 0.5 by
-  default): AOTAutograd's min-cut partitioner recomputes what it must to keep the saved bytes under
+* ``compile-budget`` (``compile-budget@0.25``: that budget): ``torch.compile`` (inductor) of the
+  whole loss function with ``torch._functorch.config.activation_memory_budget`` set (the suite's
+  ``compile_budget``, 0.5 by default; one code object per budget, see
+  ``slimact.compiled.own_code``, so anchors at several budgets coexist): AOTAutograd's min-cut partitioner recomputes what it must to keep the saved bytes under
   that fraction. The meter sees the compiled graph's saves (the router's hooks wrap the compiled
   autograd function; see benchmarks/results/compile.md), unnamed and attributed outside blocks,
   so its per-site chart is empty and its loss-head share unknown (``compiled=True``). The
@@ -32,10 +33,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch._functorch.config as functorch_config
 import torch.nn as nn
 
 from slimact import sites
 from slimact.checkpointing import checkpointed
+from slimact.compiled import own_code
 from slimact.patching import override_forward, run_all
 
 Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -73,17 +76,13 @@ def torch_checkpoint(model: nn.Module, forward: Forward) -> Prepared:
 
 
 def compile_budget(model: nn.Module, forward: Forward, budget: float = 0.5) -> Prepared:
-    import torch._dynamo
-    import torch._functorch.config as functorch_config
+    """The whole loss compiled under ``budget``: a code object of its own per budget, the budget
+    patched around every call, so several of these anchors coexist in one process."""
+    compiled = torch.compile(own_code(forward, f"budget_{budget:g}"), backend="inductor")
 
-    previous = functorch_config.activation_memory_budget
-    functorch_config.activation_memory_budget = budget
-    torch._dynamo.reset()
-    compiled = torch.compile(forward, backend="inductor")
-
-    def restore() -> None:
-        functorch_config.activation_memory_budget = previous
-        torch._dynamo.reset()
+    def fwd(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with functorch_config.patch(activation_memory_budget=budget):
+            return compiled(m, x, y)
 
     note = (
         f"torch.compile(inductor) of the whole loss, activation_memory_budget={budget}; "
@@ -94,7 +93,7 @@ def compile_budget(model: nn.Module, forward: Forward, budget: float = 0.5) -> P
             "; the model has dropout, whose masks inductor draws from its own RNG, so grad_cos "
             "and the loss curve differ from eager by the masks, not by the saving"
         )
-    return Prepared(model, compiled, note=note, compiled=True, restore=restore)
+    return Prepared(model, fwd, note=note, compiled=True)
 
 
 def save_on_cpu(model: nn.Module, forward: Forward, device: torch.device) -> Prepared:
@@ -121,11 +120,13 @@ def prepare(
     device: torch.device,
     compile_budget_fraction: float = 0.5,
 ) -> Prepared:
-    """The anchor ``name`` (see module docstring) applied to ``model``."""
+    """The anchor ``name`` (see module docstring) applied to ``model``; ``compile-budget@0.25``
+    names its budget (else the suite's ``compile_budget_fraction``)."""
+    name, _, arg = name.partition("@")
     if name == "torch-checkpoint":
         return torch_checkpoint(model, forward)
     if name == "compile-budget":
-        return compile_budget(model, forward, compile_budget_fraction)
+        return compile_budget(model, forward, float(arg) if arg else compile_budget_fraction)
     if name == "save-on-cpu":
         return save_on_cpu(model, forward, device)
     from slimact.bench.suites import ANCHORS

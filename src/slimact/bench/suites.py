@@ -2,13 +2,14 @@
 
 A :class:`Suite` is a list of :class:`ModelCase` (a model, its batch shape, timing and training
 steps, and its :class:`BenchPoint` list). Every config is a frozen dataclass validated in
-``__post_init__``; errors name the bad value and the valid ones. Three suites are registered:
+``__post_init__``; errors name the bad value and the valid ones. Four suites are registered:
 
 * ``quick``: a few minutes on a 2-core CPU (llama-20m with every point, the other models with a
   subset, llama-20m at a real 32,000-token vocabulary with a few points; 2 x 128 tokens, ~20
   training steps);
 * ``full``: about an hour on the same CPU (every model x every point, more steps);
-* ``gpu``: for a lent GPU (cuda, bf16 autocast, larger batches, longer training).
+* ``gpu``: for a lent GPU (cuda, bf16 autocast, larger batches, longer training);
+* ``compiled``: torch.compile's budgets 0.5 / 0.25 / 0.1 beside slimact's compiled points.
 
 Points: a strategy spec as ``slimact.apply`` takes it (``"invact+int4"``, ``"auto@25%"``), or an
 anchor (plain PyTorch, see :mod:`slimact.bench.anchors`) written ``"anchor:<name>"``.
@@ -40,10 +41,16 @@ class BenchPoint:
         if not isinstance(self.name, str) or not self.name.strip():
             raise ValueError(f"a bench point needs a non-empty name, got {self.name!r}")
         if self.is_anchor:
-            if self.anchor not in ANCHORS:
+            base, at, arg = self.anchor.partition("@")
+            if base not in ANCHORS:
                 raise ValueError(
                     f"unknown anchor {self.anchor!r}; valid anchors: "
                     + ", ".join(ANCHOR_PREFIX + a for a in ANCHORS)
+                )
+            if at and (base != "compile-budget" or not _fraction(arg)):
+                raise ValueError(
+                    f"anchor {self.anchor!r}: only compile-budget takes '@<budget>', a number "
+                    "in (0, 1] (e.g. anchor:compile-budget@0.25)"
                 )
         else:
             from slimact.strategies import resolve
@@ -61,6 +68,13 @@ class BenchPoint:
     @property
     def kind(self) -> str:
         return "anchor" if self.is_anchor else "strategy"
+
+
+def _fraction(text: str) -> bool:
+    try:
+        return 0 < float(text) <= 1
+    except ValueError:
+        return False
 
 
 def _max_seq(model: str) -> int:
@@ -400,7 +414,29 @@ def _gpu() -> Suite:
     )
 
 
-_FACTORIES = {"quick": _quick, "full": _full, "gpu": _gpu}
+COMPILED_POINTS = (  # compiled-auto at about the bytes each compile anchor keeps on llama-20m
+    "none",
+    "compiled-none",
+    "invact+compiled-none",
+    "compiled-int8",
+    *(f"anchor:compile-budget@{b}" for b in (0.5, 0.25, 0.1)),
+    *(f"compiled-auto@{p}%" for p in (38, 19, 10, 7.5)),
+)
+
+
+def _compiled() -> Suite:
+    return Suite(
+        name="compiled",
+        description="torch.compile on a 2-core CPU: compile's activation_memory_budget at 0.5, "
+        "0.25, 0.1 beside slimact's compiled blocks and compiled planner (llama-20m, 4 x 256)",
+        cases=(
+            _case("llama-20m", COMPILED_POINTS, batch=4, seq=256, timing_steps=7, train_steps=10),
+        ),
+        expected_minutes=30,
+    )
+
+
+_FACTORIES = {"quick": _quick, "full": _full, "gpu": _gpu, "compiled": _compiled}
 
 
 SUITES: dict[str, Suite] = {name: make() for name, make in _FACTORIES.items()}

@@ -7,6 +7,7 @@ from slimact.compiled.blocks import (
     compile_blocks_with,
     compiled_saved_tensors,
     forward_live_bytes,
+    own_code,
 )
 from slimact.compiled.codec import (
     CODECS,
@@ -43,6 +44,7 @@ __all__ = [
     "encode_ref",
     "forward_live_bytes",
     "hook_pair",
+    "own_code",
     "keeps_exact",
     "resolve_codec",
     "saved_node",

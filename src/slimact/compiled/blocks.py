@@ -32,6 +32,7 @@ of a loss's graph hold.
 from __future__ import annotations
 
 import functools
+import re
 import types
 import warnings
 from collections.abc import Callable, Mapping
@@ -98,14 +99,21 @@ def _block_call(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return forward(*args, **kwargs)
 
 
+def own_code(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
+    """``fn`` with a code object of its own, named ``<fn>_<tag>``: dynamo caches compiled frames
+    per code object and does not guard on ``activation_memory_budget``, so compiling one
+    function under several budgets in one process keeps the first one's partition unless each
+    budget calls its own code object."""
+    tag = re.sub(r"\W", "_", tag)
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
 @functools.cache
 def _block_fn(budget: float, codec: str, owner: type) -> Callable[..., Any]:
-    """:func:`_block_call` with a code object of its own per (budget, codec, block class): dynamo
-    caches compiled frames per code object and guards neither on the budget nor (usefully) on
-    the codec, so options never share, nor evict, each other's graphs (module docstring)."""
-    tag = f"{owner.__name__}_{budget:.6f}_{codec}".replace(".", "_").replace("-", "_")
-    code = _block_call.__code__.replace(co_name=f"_block_{tag}")
-    return types.FunctionType(code, _block_call.__globals__, code.co_name)
+    """:func:`_block_call` with a code object of its own per (budget, codec, block class), so
+    options never share, nor evict, each other's graphs (module docstring)."""
+    return own_code(_block_call, f"{owner.__name__}_{budget:.6f}_{codec}")
 
 
 def _compiled_forward(
