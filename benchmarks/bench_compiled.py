@@ -45,6 +45,7 @@ import torch._functorch.config as functorch_config
 import torch.nn.functional as F
 
 import slimact
+from slimact.bench.tables import pareto_front
 from slimact.compare import grad_cosine
 from slimact.compiled import TRACE_CALLS, compiled_saved_tensors, forward_live_bytes, own_code
 from slimact.envinfo import machine_info
@@ -309,6 +310,8 @@ def report(d: dict) -> str:
             if "plan" in r
         )
         + ".",
+        "- Pareto front (saved bytes, median step ratio vs eager none; the anchors are "
+        "`compile-budget`): " + _front(d["rows"]) + ".",
         "- Python calls of the traced pack/unpack helpers during a step after compilation "
         "(0 = the hooks are inlined, nothing runs per tensor): "
         + ", ".join(
@@ -319,6 +322,18 @@ def report(d: dict) -> str:
         + ".",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _front(rows: dict) -> str:
+    timed = [(k, r) for k, r in rows.items() if k == "eager-none" or "step_ratio" in r]
+    xy = [
+        (r["bytes_ratio"], r["step_ratio"]["median"] if "step_ratio" in r else 1.0)
+        for _, r in timed
+    ]
+    return ", ".join(
+        f"{timed[i][0]} ({xy[i][0]:.3f}, {xy[i][1]:.3f})"
+        for i in sorted(pareto_front(xy), key=lambda i: xy[i][0])
+    )
 
 
 def _counts(actions: list[str]) -> str:
