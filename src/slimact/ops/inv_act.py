@@ -34,9 +34,13 @@ CPU under ``TRITON_INTERPRET=1`` with ``backend="triton"``; none for ``near-bran
 loop instead of ~150 small eager ops; the backward reads g from ``inv_act_approx.newton_table``);
 ``backend="torch"`` runs the ``*_ref`` functions eagerly (the reference the tests hold all to).
 
-``torch.compile``: under dynamo the op goes through two ``torch.library`` custom ops,
+``torch.compile``: under dynamo, CPU tensors the eager path would run through the table
+(``MIN_NUMEL`` elements or more, bitmask, newton, not fp64) go through ``ops.inv_act_traced``: an
+opaque forward custom op (y + bits) and a traced backward that inductor fuses into the block's
+backward graph. Everything else goes through two ``torch.library`` custom ops,
 ``slimact::inv_act_fwd`` (x -> y, side) and ``slimact::inv_act_bwd`` (dy, y, side -> dx), tied
-by ``register_autograd``; opaque to the compiler, so AOTAutograd saves exactly y + side.
+by ``register_autograd``. Either way the forward is opaque to the compiler, so AOTAutograd saves
+exactly y + side.
 """
 
 from __future__ import annotations
