@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -10,13 +11,22 @@ import torch.nn.functional as F
 
 import slimact
 from slimact import sites
+from slimact.budget import Budget
 from slimact.codecs.build import build_codec
 from slimact.codecs.saving import CodecPolicy
 from slimact.planner.gradstats import INPUT, MEASURED_REL_ERR
-from slimact.planner.milp import DEFAULT_MAX_GRAD_ERR, GRAD_KEY, Problem, brute_force
+from slimact.planner.milp import (
+    DEFAULT_MAX_GRAD_ERR,
+    GRAD_CKPT_KEY,
+    GRAD_KEY,
+    Decision,
+    Problem,
+    Result,
+    brute_force,
+)
 from slimact.planner.plan import ROOT, Profile
 from slimact.planner.profile import PROFILE_FORMAT, profile_key, profile_model
-from slimact.planner.solve import solve_plan
+from slimact.planner.solve import make_plan, solve_plan
 from slimact.strategies.auto import AutoConfig
 from test_planner_milp import synthetic
 
@@ -89,6 +99,58 @@ def test_a_figure_matches_the_whole_model_with_that_one_codec(tiny):
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_recomputing_from_a_lossy_input_is_measured_jointly(tiny):
+    """Recomputing the block from an INT4 copy of its input feeds the copy to every save of the
+    re-run: far worse than INT4 on the norm's saved input alone (the old blind spot)."""
+    _, _, prof = tiny
+    block = _block(prof)
+    mods = {m.path: m for m in block.modules}
+    sid = str(mods[""].inputs[0])
+    alone = max(prof.meta[GRAD_KEY][block.kind][sid]["int4"].values())
+    joint = prof.meta[GRAD_CKPT_KEY][block.kind][sid]["int4"]
+    assert set(joint) == {m.path for m in block.modules if int(sid) in m.inputs}
+    assert max(joint[""].values()) > max(1e-3, 10 * alone)
+    assert max(joint[""].values()) > max(joint["input_layernorm"].values())  # more re-run
+    int8 = prof.meta[GRAD_CKPT_KEY][block.kind][sid]["int8"][""]
+    assert max(int8.values()) < max(joint[""].values()) / 10
+
+
+def test_the_joint_figure_matches_the_plan_runtime(tiny):
+    """A plan that recomputes layers.0 from an INT4 copy of its input, applied by the plan
+    runtime: layers.0's worst parameter loses what the profile's joint figure says."""
+    model, x, prof = tiny
+    block = _block(prof)
+    sid = next(m for m in block.modules if m.path == "").inputs[0]
+    want = prof.meta[GRAD_CKPT_KEY][block.kind][str(sid)]["int4"][""]
+    prob = Problem(prof, layers="each", codecs=("int4",), reform=False)
+    decisions = [Decision() for _ in prob.groups]
+    decisions[0] = Decision(frozenset({""}), frozenset(), {sid: "int4"})
+    assert prob.groups[0].blocks == ["layers.0"]
+    b, t, q = prob.evaluate(decisions)
+    res = Result(decisions, b, t, q, "optimal", 0.0)
+    plan = make_plan(prob, res, Budget.parse("100%"), b, 0, b)
+    exact = {n: g for n, g in _grads(model, x).items() if n.startswith("layers.0.")}
+    planned = copy.deepcopy(model)
+    slimact.apply(planned, plan)
+    got = _grads(planned, x)
+    checked = []
+    for name, g in exact.items():
+        rel = name.removeprefix("layers.0.")
+        if rel in want:
+            cos = float(F.cosine_similarity(g.flatten().double(), got[name].flatten().double(), 0))
+            checked.append((rel, 1 - cos, want[rel]))
+            assert 1 - cos == pytest.approx(want[rel], rel=0.25, abs=2e-5), name
+    assert len(checked) >= 7 and max(w for _, _, w in checked) > 1e-3, checked
+
+
+def _grads(model, x):
+    model.zero_grad(set_to_none=True)
+    model(x, targets=x).loss.backward()
+    out = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
 def test_profile_format_bumped_so_old_caches_miss(tiny):
     model, x, _ = tiny
     assert PROFILE_FORMAT >= 5 and profile_key(model, x)["format"] == PROFILE_FORMAT
@@ -108,6 +170,14 @@ def _with_figures(prof: Profile, seed: int) -> Profile:
                 for c in s.codecs
             }  # fmt: skip
     prof.meta[GRAD_KEY] = {kind.kind: figs}
+    ckpt: dict = {}  # recomputing a module from a lossy copy of its input: a bigger error
+    for m in kind.modules:
+        for sid in m.inputs:
+            s = kind.storages[sid]
+            for c in s.codecs:
+                f = {p: rng.uniform(1, 4) * (2e-3 if c == "int4" else 1e-4) for p in params}
+                ckpt.setdefault(str(sid), {}).setdefault(c, {})[m.path] = f
+    prof.meta[GRAD_CKPT_KEY] = {kind.kind: ckpt}
     return prof
 
 
@@ -125,6 +195,26 @@ def test_milp_respects_the_gradient_cap_and_equals_brute_force(seed):
         assert res.status == "optimal" and res.bytes <= budget
         assert res.time_s == pytest.approx(want, rel=1e-6, abs=1e-7)
         assert res.grad_err == capped.grad_load(res.decisions) <= 3e-3 + 1e-12
+
+
+def test_a_codec_feeding_a_recomputation_counts_only_with_it():
+    prof = _with_figures(synthetic(1), 1)
+    prob = Problem(prof, layers="uniform", max_grad_err=3e-3)
+    g = prob.groups[0]
+    mlp = next(m for m in g.kind.modules if m.path == "mlp")
+    sid = mlp.inputs[0]  # the virtual storage: stored only as mlp's checkpoint input
+    codec = {sid: "int4"}
+    assert prob.grad_load([Decision(frozenset(), frozenset(), codec), Decision()]) == 0
+    with_mlp = Decision(frozenset({"mlp"}), frozenset(), codec)
+    want = max(prof.meta[GRAD_CKPT_KEY][g.kind.kind][str(sid)]["int4"]["mlp"].values())
+    assert prob.grad_load([with_mlp, Decision()]) == pytest.approx(want)
+    prof.meta[GRAD_CKPT_KEY][g.kind.kind][str(sid)]["int4"]["mlp"] = None  # left unmeasured
+    prob = Problem(prof, layers="uniform", max_grad_err=3e-3)
+    assert prob.grad_load([with_mlp, Decision()]) == float("inf")
+    for frac in (0.3, 0.5):
+        res = prob.solve(frac * prob.baseline_bytes)
+        d = res.decisions[0] if res.decisions else Decision()
+        assert not ("mlp" in d.recompute and d.codecs.get(sid) == "int4")
 
 
 def test_the_cap_binds():

@@ -16,13 +16,21 @@ parameters whose exact gradient norm is below 1e-6 x the block's largest (the
 pass their input through, the last one returns its captured output as a leaf, so one run costs
 the head, not the model.
 
-Storages only a checkpoint would store (module inputs no op saves) and codecs that reconstruct
-exactly get no figure; a codec less faithful than ``MEASURED_REL_ERR`` gets ``None`` (not worth
-a run). The runs use the first samples of the batch that hold ``GRAD_TOKENS`` tokens and stop
-after ``GRAD_BUDGET_S`` seconds per kind. The figures land in ``Profile.meta[GRAD_KEY]`` as
-``{kind: {storage id: {codec: {parameter or INPUT: 1 - cos}}}}``; ``slimact.planner.milp`` caps,
-per block and per parameter, their sum over the chosen codecs (1 - cos of independent small
-errors adds up: about half the summed relative MSE).
+A codec on the input of a recompute candidate also feeds the module's re-run in backward: that
+pair is measured too, the module's forward wrapped so that its output stays exact and its
+backward is that of a re-run on the codec's copy (what non-reentrant checkpointing with a codec
+on its stored input does), the storage's own savers through the codec as well; storages only a
+checkpoint would store (module inputs no op saves) get only these figures. Codecs that
+reconstruct exactly get no figure; a codec less faithful than ``MEASURED_REL_ERR`` gets ``None``
+(not worth a run; the MILP leaves it out under a gradient cap), and so do the candidates left
+when ``GRAD_BUDGET_S`` seconds per kind are spent (largest storages, most faithful codecs first).
+A codec whose reconstruction equals one already measured (INT4 with outlier channels where there
+are none) shares its figures. The runs use the first samples of the batch that hold
+``GRAD_TOKENS`` tokens. The figures land in
+``Profile.meta[milp.GRAD_KEY]`` as ``{kind: {storage id: {codec: {parameter or INPUT: 1 - cos}}}}``
+and ``meta[milp.GRAD_CKPT_KEY]`` as ``{kind: {storage id: {codec: {module: {...}}}}}``;
+``slimact.planner.milp`` caps, per block and per parameter, their sum over the chosen codecs
+(1 - cos of independent small errors adds up: about half the summed relative MSE).
 """
 
 from __future__ import annotations
@@ -39,23 +47,17 @@ import torch.nn as nn
 from slimact import sites
 from slimact.codecs.build import build_codec
 from slimact.codecs.saving import CodecPolicy
+from slimact.planner.codecstats import run_policy
 from slimact.planner.measure import detach
-from slimact.planner.milp import GRAD_KEY
-from slimact.planner.plan import KindProfile, abs_site
+from slimact.planner.plan import KindProfile, abs_path, abs_site
 
-__all__ = ["GRAD_KEY", "INPUT", "grad_errors", "grad_figures", "loss_of", "measurable"]
+__all__ = ["INPUT", "grad_errors", "loss_of", "measurable"]
 
 INPUT = "<input>"  # the key of the gradient at the block's input(s)
 MEASURED_REL_ERR = 0.5  # codecs less faithful than this get no figure (the MILP excludes them)
-GRAD_BUDGET_S = 60.0  # per kind: the runs stop here (a 7B block's twin: a few seconds a run)
+GRAD_BUDGET_S = 120.0  # per kind: the runs stop here; llama-20m's block: ~10 s on an idle CPU
 GRAD_TOKENS = 256  # the runs use the first samples of the batch holding at least this many tokens
 NEGLIGIBLE = 1e-6  # a parameter whose exact gradient norm is below this x the largest: skipped
-
-
-def grad_figures(profile_meta: dict, kind: str, sid: int, codec: str) -> dict[str, float] | None:
-    """``{parameter or INPUT: 1 - cos}`` of one candidate from a profile's meta, or None if
-    not measured."""
-    return profile_meta.get(GRAD_KEY, {}).get(kind, {}).get(str(sid), {}).get(codec)
 
 
 def _one_minus_cos(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -105,7 +107,9 @@ class _Runner:
             stack.callback(_restore, m, own)
         return [leaf]
 
-    def __call__(self, assign=None) -> tuple[list, list]:  # type: ignore[no-untyped-def]
+    def __call__(self, assign=None, ckpt=None) -> tuple[list, list]:  # type: ignore[no-untyped-def]
+        """``assign``: the codec policy's rule; ``ckpt``: (module, its input positions, codec):
+        that module recomputed in backward from the codec's copy of those inputs."""
         with ExitStack() as stack:
             stack.enter_context(torch.enable_grad())
             stack.enter_context(torch.random.fork_rng(devices=[]))
@@ -113,6 +117,12 @@ class _Runner:
             if assign is not None:
                 stack.enter_context(sites.tracking(self.prof.model))
                 stack.enter_context(sites.policy(CodecPolicy(assign)))
+            if ckpt is not None:
+                module, positions, codec = ckpt
+                own = module.__dict__.get("forward")
+                module.forward = partial(_lossy_recompute, module.forward, self.prof.skip,
+                                         positions, codec)  # fmt: skip
+                stack.callback(_restore, module, own)
             if self.rep:
                 a = [detach(x) for x in self.args]
                 kw = {k: detach(v) for k, v in self.kwargs.items()}
@@ -129,6 +139,37 @@ class _Runner:
                     raise ValueError("the model's output holds no scalar loss")
         gs = torch.autograd.grad(out, [*ins, *self.params], up, allow_unused=True)
         return list(gs[len(ins) :]), list(gs[: len(ins)])
+
+
+def _lossy_recompute(forward, skip: set, positions: set, codec, *args, **kwargs):  # type: ignore[no-untyped-def]
+    """``forward`` as non-reentrant checkpointing with a codec on its stored inputs runs it: the
+    output is the exact one, its backward that of a re-run on the codec's copy of the inputs at
+    ``positions`` (tensor arguments that are not parameters or buffers, in order)."""
+    cpu = torch.get_rng_state()
+    gpu = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    with torch.no_grad():
+        exact = forward(*args, **kwargs)
+    torch.set_rng_state(cpu)  # the re-run draws the same dropout masks, as checkpointing's does
+    if gpu is not None:
+        torch.cuda.set_rng_state_all(gpu)
+    j = 0
+
+    def lossy(a: Any) -> Any:
+        nonlocal j
+        if not isinstance(a, torch.Tensor) or sites.storage_key(a) in skip:
+            return a
+        j += 1
+        if j - 1 not in positions:
+            return a
+        copy = run_policy(codec, [("checkpoint", a.detach())])[0].unpack()
+        return a + (copy - a).detach()  # the copy's values, the exact input's gradient path
+
+    args = tuple(lossy(a) for a in args)
+    kwargs = {k: lossy(v) for k, v in kwargs.items()}
+    out = forward(*args, **kwargs)
+    if isinstance(out, torch.Tensor) and isinstance(exact, torch.Tensor):
+        return out + (exact - out).detach()
+    return out
 
 
 def _rows(v: Any, batch: int, rows: int) -> Any:
@@ -175,38 +216,62 @@ def _errors(names: list[str], ref: tuple[list, list], got: tuple[list, list]) ->
     return {k: float(f"{v:.4g}") for k, v in out.items()}
 
 
-def grad_errors(prof: Any, kp: KindProfile, rep: str) -> dict[str, dict[str, dict | None]]:
-    """``{storage id: {codec: {parameter or INPUT: 1 - cos}}}`` for the lossy codecs of ``kp``'s
-    storages (see the module docstring); ``None`` for a codec less faithful than
-    ``MEASURED_REL_ERR`` (not worth a run: out under a gradient cap); {} where the kind cannot be
-    run alone. Runs stop after ``GRAD_BUDGET_S`` seconds, largest storages first; candidates
-    left over get no entry (bounded by ``max_rel_err`` alone)."""
+def grad_errors(prof: Any, kp: KindProfile, rep: str) -> tuple[dict, dict]:
+    """``({storage id: {codec: figures}}, {storage id: {codec: {module: figures}}})``, figures
+    ``{parameter or INPUT: 1 - cos}``: the lossy codecs of ``kp``'s storages as stored by their
+    sites, and as the input of a recompute candidate (the module re-run in backward from the
+    codec's copy, its savers' saves through the codec too); see the module docstring. ``None``
+    for a codec less faithful than ``MEASURED_REL_ERR`` (not worth a run: out under a gradient
+    cap); nothing where the kind cannot be run alone. Runs stop after ``GRAD_BUDGET_S`` seconds,
+    largest storages first; candidates left over get no entry (``max_rel_err`` alone)."""
     if not measurable(prof, rep):
-        return {}
+        return {}, {}
     run = _Runner(prof, rep)
     t0 = time.perf_counter()
     try:
         ref = run()
     except (RuntimeError, TypeError, ValueError):  # an unusual block signature: no figures
-        return {}
-    out: dict[str, dict[str, dict | None]] = {}
+        return {}, {}
+    alone: dict[str, dict[str, dict | None]] = {}
+    ckpt: dict[str, dict[str, dict[str, dict]]] = {}
     for s in sorted(kp.storages, key=lambda s: -s.bytes):
         names = {abs_site(x, rep) for x in s.sites if x != "!extern"}
         lossy = [c for c, st in s.codecs.items() if st.rel_err > 0]
         view = next((prof.views[n] for n in sorted(names) if n in prof.views), None)
-        if not names or not lossy or view is None:
+        view = prof.views.get(f"{rep}|{s.name}") if view is None else view
+        holders = [m for m in kp.modules if s.id in m.inputs]
+        if not lossy or view is None or not (names or holders):
             continue
-        row = out.setdefault(str(s.id), {})
-        for c in lossy:
-            if s.codecs[c].rel_err > MEASURED_REL_ERR:
-                row[c] = None
+        key, seen = str(s.id), []  # seen: (reconstruction, codec) of the codecs measured
+        for c in sorted(lossy, key=lambda c: s.codecs[c].rel_err):  # most faithful first
+            if s.codecs[c].rel_err > MEASURED_REL_ERR or time.perf_counter() - t0 > GRAD_BUDGET_S:
+                if names:
+                    alone.setdefault(key, {})[c] = None
+                for m in holders:
+                    ckpt.setdefault(key, {}).setdefault(c, {})[m.path] = None
                 continue
-            if time.perf_counter() - t0 > GRAD_BUDGET_S:
-                break
             codec = build_codec(c, view)
             assign = lambda site, t, c=codec, n=names: c if site in n else None  # noqa: E731
             try:
-                row[c] = _errors(run.names, ref, run(assign))
+                with torch.no_grad():
+                    dec = run_policy(codec, [("view", view)])[0].unpack()
+                twin = next(
+                    (d for t, d in seen if t.shape == dec.shape and torch.equal(t, dec)), ""
+                )
+                if twin:  # the same reconstruction as a codec measured: the same figures
+                    if names:
+                        alone.setdefault(key, {})[c] = alone.get(key, {}).get(twin)
+                    if holders:
+                        ckpt.setdefault(key, {})[c] = dict(ckpt.get(key, {}).get(twin, {}))
+                    continue
+                if names:
+                    alone.setdefault(key, {})[c] = _errors(run.names, ref, run(assign))
+                for m in holders:
+                    at = {j for j, i in enumerate(m.inputs) if i == s.id}
+                    mod = prof.modules[abs_path(m.path, rep)]
+                    got = _errors(run.names, ref, run(assign, (mod, at, codec)))
+                    ckpt.setdefault(key, {}).setdefault(c, {})[m.path] = got
+                seen.append((dec, c))
             except (RuntimeError, TypeError, ValueError, NotImplementedError):
                 continue
-    return {k: v for k, v in out.items() if v}
+    return {k: v for k, v in alone.items() if v}, ckpt

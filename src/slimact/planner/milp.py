@@ -29,13 +29,16 @@ from the profile) and the objective (Eq. 4, plus the measured slowdown of reform
     static + Σ_g Σ_{b∈g} [Σ_s (B_bs k_s + Σ_c B_bsc y_sc) + Σ_m E_m z_m] <= budget
     min  Σ_g |g| [Σ_A T_A r_A + Σ_sc (Tenc_sc + Tdec_sc) y_sc + Σ_m max(ΔT_m, 0) z_m]
     optional:  Σ_g |g| Σ_sc err_sc² y_sc <= max_quality        (sum of relative MSEs)
-    optional:  Σ_sc G_scP y_sc <= max_grad_err   for every group g and parameter P of its block
+    optional:  Σ_sc G_scP y_sc + Σ_scA H_scAP w_scA <= max_grad_err   for every group g and
+               parameter P of its block,  w_scA >= y_sc + r_A - 1  (s an input of A)
 
 ``G_scP`` is the measured gradient error (``slimact.planner.gradstats``: 1 - cosine of parameter
 ``P``'s gradient, or of the block's input gradient, with storage s alone through codec c, on the
 profiling batch's real upstream gradient): the training-aware quality model. 1 - cos of small
 independent errors adds up, so the row bounds each parameter's cosine in each block, which is
-what ``grad_cosine`` (the minimum over parameters) sees; a candidate without a figure (a
+what ``grad_cosine`` (the minimum over parameters) sees. ``H_scAP`` is what recomputing A from
+codec c's copy of its input s adds (measured jointly: the re-run's saves all derive from the
+copy). A candidate without a figure (a
 shapes-only or old profile, a storage only a checkpoint stores) is bounded by ``max_rel_err``
 alone; one the profiler found too lossy to measure (``None``: ``gradstats.MEASURED_REL_ERR``)
 is out.
@@ -72,6 +75,7 @@ from slimact.planner.plan import (
 
 __all__ = [
     "DEFAULT_MAX_GRAD_ERR",
+    "GRAD_CKPT_KEY",
     "GRAD_KEY",
     "LAYER_MODES",
     "Decision",
@@ -83,6 +87,7 @@ __all__ = [
 LAYER_MODES = ("uniform", "ends", "each")
 EPS_S = 1e-9
 GRAD_KEY = "grad_err"  # Profile.meta key of the measured gradient errors (planner.gradstats)
+GRAD_CKPT_KEY = "grad_err_recompute"  # the same for a codec on a recomputed module's input
 # per block and parameter, the summed 1 - cos the chosen codecs cost the gradient; llama-20m,
 # batch 4 x 256: the measured minimum cosine over parameters stays >= 0.999 at 10/25/50% budgets
 # (4e-3 let 0.994 through at 50%, unbounded 0.971; benchmarks/results/auto_quality.md)
@@ -190,6 +195,7 @@ class Problem:
             raise ValueError(f"layers must be one of {LAYER_MODES}, got {layers!r}")
         self.profile = profile
         self.grad: dict = profile.meta.get(GRAD_KEY) or {}
+        self.grad_ckpt: dict = profile.meta.get(GRAD_CKPT_KEY) or {}
         self.max_grad_err = max_grad_err
         self.groups: list[Group] = []
         for kind in profile.kinds:
@@ -244,6 +250,20 @@ class Problem:
             return {}
         return self.grad.get(g.kind.kind, {}).get(str(sid), {}).get(opt) or {}
 
+    def ckpt_terms(self, g: Group, sid: int, opt: str, module: str) -> dict[str, float] | None:
+        """What recomputing ``module`` from codec ``opt``'s copy of its input ``sid`` adds to
+        ``grad_terms`` (measured jointly; {} where not measured; None where the profiler left the
+        pair out: not allowed under a gradient cap)."""
+        if opt == "raw":
+            return {}
+        row = self.grad_ckpt.get(g.kind.kind, {}).get(str(sid), {}).get(opt, {})
+        if module not in row:
+            return {}
+        if row[module] is None:
+            return None
+        alone = self.grad_terms(g, sid, opt)
+        return {k: e - alone.get(k, 0.0) for k, e in row[module].items() if e > alone.get(k, 0.0)}
+
     def _grad_ok(self, kind: str, s: StorageProfile, codec: str) -> bool:
         """Under a gradient cap: no single figure above it, and a codec the profiler found too
         lossy to measure (``None``) is not admitted; one it did not measure is."""
@@ -262,8 +282,14 @@ class Problem:
         for g, d in zip(self.groups, decisions):
             load: dict[str, float] = {}
             for sid, c in d.codecs.items():
-                for k, e in self.grad_terms(g, sid, c).items():
-                    load[k] = load.get(k, 0.0) + e
+                terms = [self.grad_terms(g, sid, c)]
+                terms += [self.ckpt_terms(g, sid, c, m.path) for m in g.kind.modules
+                          if m.path in d.recompute and sid in m.inputs]  # fmt: skip
+                for t in terms:
+                    if t is None:
+                        return math.inf
+                    for k, e in t.items():
+                        load[k] = load.get(k, 0.0) + e
             worst = max(worst, *load.values(), 0.0)
         return worst
 
@@ -390,6 +416,17 @@ class Problem:
                     for k, e in self.grad_terms(g, s.id, c).items():
                         if e > 0:
                             grad_rows.setdefault(k, {})[yv] = e
+                    for i in g.rc if self.max_grad_err is not None else ():
+                        m = kind.modules[i]
+                        extra = self.ckpt_terms(g, s.id, c, m.path) if s.id in m.inputs else {}
+                        rv = index[(gi, "r", m.path)]
+                        if extra is None:  # the pair was left unmeasured: not both
+                            row({yv: 1.0, rv: 1.0}, -np.inf, 1)
+                        elif extra:  # w >= y_sc + r_m - 1: the codec feeds m's re-run
+                            wv = var(gi, "w", (s.id, c, m.path))
+                            row({wv: 1.0, yv: -1.0, rv: -1.0}, -1, np.inf)
+                            for k, e in extra.items():
+                                grad_rows.setdefault(k, {})[wv] = e
                 row(one, 1, 1)
                 sil = []
                 for p in s.sites:

@@ -22,6 +22,11 @@ expensive measurements run on one block per kind (the first) and are shared by i
   longer saves, the storage its output gains a saver for, the bytes of new storages (mask, rstd),
   and the fwd+bwd time difference; the loss head (output projection + cross-entropy) likewise as
   ``chunked-ce``;
+- **gradients** (``slimact.planner.gradstats``): for every lossy codec of every storage, what it
+  does to training: 1 - cos of each block parameter's gradient and of the block input's, with
+  that storage alone through the codec, on the batch's real upstream gradient (``meta["grad_err"]``;
+  as a recomputed module's input: ``meta["grad_err_recompute"]``; the cost in ``meta["grad_s"]``);
+  the MILP caps their sum per block and parameter;
 - **per block**: payload bytes of the non-stateful codecs and the outlier-channel count of every
   storage of *every* block (data-dependent: outliers differ between layers, adacc.txt Fig. 4);
 - **static memory**: parameters + gradients + optimizer states; AdamW's states are measured by
@@ -61,7 +66,7 @@ from slimact.planner.codecstats import (
     lossy_allowed,
     run_policy,
 )
-from slimact.planner.gradstats import GRAD_KEY
+from slimact.planner.milp import GRAD_CKPT_KEY, GRAD_KEY
 from slimact.planner.plan import KindProfile, Profile
 from slimact.planner.profiler import Profiler, kind_signature
 
@@ -165,7 +170,7 @@ def profile_model(
         "autocast": autocast_state(input_ids.device),
     }
     if grads:
-        meta |= {GRAD_KEY: prof.grad_err, "grad_s": prof.grad_s}
+        meta |= {GRAD_KEY: prof.grad_err, GRAD_CKPT_KEY: prof.grad_ckpt, "grad_s": prof.grad_s}
     return _profile(model, input_ids, report, kinds, optimizer, name, t_start, meta)
 
 

@@ -72,6 +72,7 @@ class Profiler:
         self.grad_err: dict[str, dict] = {}  # kind -> storage id -> codec -> {param: 1-cos}
         self.out_grads: dict[str, torch.Tensor] = {}  # rep block -> dLoss/d(its output)
         self.last_out: torch.Tensor | None = None  # the last block's output (the head's input)
+        self.grad_ckpt: dict[str, dict] = {}  # the same, as a recomputed module's input
         self.grad_s = 0.0  # seconds spent measuring gradient errors
         self.modules = dict(model.named_modules())
         self.blocks = sites.block_paths(model)
@@ -163,8 +164,11 @@ class Profiler:
                         s.codecs[c] = st
         if self.grads:
             t0 = time.perf_counter()
-            if errs := grad_errors(self, kp, rep):
-                self.grad_err[sig] = errs
+            alone, ckpt = grad_errors(self, kp, rep)
+            if alone:
+                self.grad_err[sig] = alone
+            if ckpt:
+                self.grad_ckpt[sig] = ckpt
             self.grad_s += time.perf_counter() - t0
         if reform:
             block = self.modules[rep] if rep else self.model
