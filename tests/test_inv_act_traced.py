@@ -166,3 +166,11 @@ def test_inductor_saves_output_and_bits_not_input():
             assert not any(torch.equal(t, gate) for t in floats)  # x of the SiLU is not kept
             assert any(torch.allclose(t, F.silu(gate), atol=1e-6) for t in floats)  # y is
     assert sizes[True] <= sizes[False], sizes
+
+
+def test_table_reads_are_guarded_by_the_table_shape():
+    """dinv_table reads the table unchecked (no per-lane bounds check): a table of another shape
+    is refused up front."""
+    y = torch.randn(10)
+    with pytest.raises(ValueError, match="newton_table"):
+        ap.dinv_table(y, y < 0, "silu", ap.newton_table("silu")[:-1])
