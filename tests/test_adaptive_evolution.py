@@ -45,7 +45,11 @@ def _step(model, x=X):
 def _planned(codecs, codec_s, recompute_s, budget="25%"):
     torch.manual_seed(0)
     model = slimact.build_model("llama-tiny")
-    opts = dict(codecs=codecs, reform=False, layers="uniform", include_static=False)
+    # INT4 on llama-tiny is above auto's default gradient-error cap: these tests are about
+    # drift, not quality, so every codec is admitted
+    opts = dict(
+        codecs=codecs, reform=False, layers="uniform", include_static=False, max_grad_err=None
+    )
     prof = profile_model(model, X, codecs=codecs, repeats=1, reform=False)
     prof = _fixed_times(prof, codec_s, recompute_s)
     plan = solve_plan(prof, budget, **opts)

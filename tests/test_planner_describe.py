@@ -18,7 +18,10 @@ from slimact.registry import strategy_names
 # compiled-* run (profile / compile) for tens of seconds: one of each, marked slow
 SPECIAL = {"cola": "cola-tiny", "cola-m": "cola-tiny"}
 SLOW = {"auto@10%", "auto@50%", "compiled-none", "compiled-int8", "compiled-int4"}
-SKIP = {"plan", "auto"}  # need a Plan object / a budget: the auto@25% case covers both
+SLOW |= {"compiled-recompute"}
+# need a Plan object / a budget: the auto@25% case covers the first two; compiled-auto is
+# tests/test_planner_compiled.py's
+SKIP = {"plan", "auto", "compiled-auto"}
 
 
 def _model(name: str) -> torch.nn.Module:

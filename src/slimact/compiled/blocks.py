@@ -32,6 +32,7 @@ of a loss's graph hold.
 from __future__ import annotations
 
 import functools
+import gc
 import re
 import types
 import warnings
@@ -203,7 +204,10 @@ def forward_live_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
 
     What a forward leaves alive is what autograd saved for backward (plus the loss), also where
     the saves are hidden from hooks inside compiled graphs. Drop other outputs (logits) inside
-    ``fn``. CPU only."""
+    ``fn``. CPU only. Garbage is collected first: the profiler reports the free of a block
+    allocated under an *earlier* profile as negative bytes, so garbage freed during ``fn``
+    would be subtracted from its count."""
+    gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
     live = sum(
