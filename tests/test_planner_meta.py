@@ -211,3 +211,17 @@ def test_scaled_plan_applies_and_the_meter_agrees(codec):
     with slimact.measure(model) as m:
         model(ids[:, :-1], targets=ids[:, 1:]).loss.backward()
     assert plan.predicted_bytes == pytest.approx(m.report.total_bytes, rel=0.01)
+
+
+def test_scaled_profile_skips_gradient_figures_of_big_blocks(monkeypatch):
+    """A twin block above GRAD_MAX_BLOCK_BYTES gets no gradient figures (their copies would
+    blow a small machine's memory: llama-7b reached 5.6 GB RSS), and the plan says so."""
+    from slimact.planner import scaled
+    from slimact.planner.milp import GRAD_KEY
+    from slimact.planner.solve import solve_plan
+
+    monkeypatch.setattr(scaled, "GRAD_MAX_BLOCK_BYTES", 0)
+    prof = scaled.profile_scaled("llama-tiny", 4, 64, scaled.ScaledConfig(max_tokens=32))
+    assert "MiB of parameters" in prof.meta["grad_err_skipped"]
+    assert not prof.meta.get(GRAD_KEY)
+    assert "grad_err_skipped" in dict(solve_plan(prof, "50%").meta)

@@ -42,7 +42,7 @@ SECTIONS: list[tuple[str, list[str]]] = [
     ("5. CoLA and CoLA-M (cola.txt)", ["cola.md"]),
     (
         "6. The planner (adacc.txt §3.3-3.4, every action)",
-        ["planner.md", "head_plan.md", "maxbatch.md"],
+        ["planner.md", "auto_quality.md", "head_plan.md", "maxbatch.md"],
     ),
     (
         "7. Hugging Face models, torch.compile, distributed",

@@ -125,5 +125,7 @@ def make_plan(
         meta=(("status", res.status), ("quality", res.quality), ("device", prof.device),
               ("grad_err", getattr(res, "grad_err", 0.0)),
               ("max_grad_err", getattr(problem, "max_grad_err", None)),
-              ("autocast", prof.meta.get("autocast")), ("profile_s", prof.meta.get("profile_s"))),
+              ("autocast", prof.meta.get("autocast")), ("profile_s", prof.meta.get("profile_s")))
+        + ((("grad_err_skipped", prof.meta["grad_err_skipped"]),)
+           if "grad_err_skipped" in prof.meta else ()),
     )  # fmt: skip
