@@ -129,3 +129,16 @@ __all__ = [
     "main_input",
     "refuse_unless_token_ids",
 ]
+
+
+def random_token_batch(
+    model: nn.Module, batch: int, seq: int, seed: int, who: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, next-token targets) of ``batch`` x ``seq`` random tokens from ``seed``, on the
+    model's device: what a planner given a batch shape (not a batch) profiles on."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if not isinstance(vocab, int):
+        raise ValueError(f"{who}(batch, seq) needs model.config.vocab_size to draw tokens")
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, vocab, (batch, seq + 1), generator=gen).to(_device(model))
+    return t[:, :-1], t[:, 1:]

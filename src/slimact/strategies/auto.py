@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from slimact.budget import Budget
 from slimact.codecs.base import codec_names
-from slimact.hf_inputs import refuse_unless_token_ids
+from slimact.hf_inputs import random_token_batch, refuse_unless_token_ids
 from slimact.planner.adaptive import BudgetCheck
 from slimact.planner.apply import install
 from slimact.planner.milp import DEFAULT_MAX_GRAD_ERR, LAYER_MODES
@@ -175,12 +175,6 @@ def plan_model(
     return (plan, prof) if return_profile else plan
 
 
-def _model_device(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
 def apply_auto(
     model: nn.Module, config: AutoConfig, filter_fn: FilterFn | None = None
 ) -> list[AppliedChange]:
@@ -197,16 +191,11 @@ def apply_auto(
     opts = solve_options(config)
     if config.batch is None:
         return _checked(model, install(model, planner=planner, solve_options=opts), replanner)
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if not isinstance(vocab, int):
-        raise ValueError("AutoConfig(batch, seq) needs model.config.vocab_size to draw tokens")
-    gen = torch.Generator().manual_seed(config.seed)
-    ids = torch.randint(0, vocab, (config.batch, config.seq + 1), generator=gen)
-    ids = ids.to(_model_device(model))
+    ids, targets = random_token_batch(model, config.batch, config.seq, config.seed, "AutoConfig")
     was = model.training
     model.train()
     try:
-        plan, prof = planner(ids[:, :-1], ids[:, 1:])
+        plan, prof = planner(ids, targets)
     finally:
         model.train(was)
     changes = install(model, plan=plan, planner=planner, profile=prof, solve_options=opts)

@@ -25,7 +25,7 @@ from slimact.budget import Budget
 from slimact.classify import call_batch
 from slimact.compiled.blocks import compile_blocks_with
 from slimact.compiled.codec import CODECS as TRACED_CODECS
-from slimact.hf_inputs import refuse_unless_token_ids
+from slimact.hf_inputs import random_token_batch, refuse_unless_token_ids
 from slimact.patching import NotCopyable
 from slimact.planner.compiled import (
     BUDGETS,
@@ -188,15 +188,11 @@ def apply_compiled_auto(
     refuse_unless_token_ids(model, "compiled-auto", "its planner profiles blocks on token ids")
     lazy = _LazyPlanner(model, config)
     if config.batch is not None:
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-        if not isinstance(vocab, int):
-            raise ValueError("CompiledAutoConfig(batch, seq) needs model.config.vocab_size")
-        gen = torch.Generator().manual_seed(config.seed)
-        t = torch.randint(0, vocab, (config.batch, config.seq + 1), generator=gen)
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        t = t.to(device)
+        ids, targets = random_token_batch(
+            model, config.batch, config.seq, config.seed, "CompiledAutoConfig"
+        )
         lazy.handle.remove()
-        lazy.installed = plan_compiled(model, config, t[:, :-1], t[:, 1:])
+        lazy.installed = plan_compiled(model, config, ids, targets)
     what = "planned" if config.batch is not None else "plans on the first training forward"
     head = AppliedChange("", "compiled-auto", f"budget {config.budget}; {what}", undo=lazy.undo)
     # the blocks' rows, for slimact.applied(); the head's undo reverts them
