@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from slimact.compiled import compiled_saved_tensors
 from slimact.ops import inv_act_approx as ap
 from slimact.ops import inv_act_compiled as ic
 from slimact.ops import inv_act_traced as it
@@ -90,22 +91,9 @@ def _grads(model, x, compiled=None, dtype=None):
     fn = model if compiled is None else compiled
     with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
         loss = fn(x).float().pow(2).mean()
-    saved = _compiled_saves(loss)
+    saved = compiled_saved_tensors(loss)
     loss.backward()
     return [x.grad, *(p.grad for p in model.parameters())], saved
-
-
-def _compiled_saves(loss):
-    out, stack, seen = [], [loss.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == "CompiledFunctionBackward":
-            out.extend(node.saved_tensors)
-        stack.extend(f for f, _ in node.next_functions)
-    return out
 
 
 def _check(got, want, rel):
