@@ -16,12 +16,16 @@ measures each option on one block of each kind, on the real batch, and picks one
                gradient; options above ``max_grad_err`` (default 2e-3, as ``auto``'s) are
                not candidates (traced INT4 typically is not: ~1e-2 on llama-20m)
     root       the eager model's bytes (the meter) minus its blocks' own (measured as above,
-               eagerly): embedding, final norm, head, loss, and inputs shared by all blocks
+               eagerly): embedding, final norm, head, loss, and inputs shared by all blocks;
+               the root stays eager and takes one of its own options ``r`` (keep, or an eager
+               codec on its norm/linear inputs through the plan runtime; bytes, seconds and
+               the model's gradient error measured: ``slimact.planner.compiled_root``)
 
-    minimize   sum_k sum_o n_ko * time_k(o)
-    subject to sum_o n_ko = |blocks of kind k|,  root + sum_k sum_o n_ko * bytes_k(o) <= allowed
+    minimize   sum_r x_r * time(r) + sum_k sum_o n_ko * time_k(o)
+    subject to sum_o n_ko = |blocks of kind k|,  sum_r x_r = 1,
+               sum_r x_r * bytes(r) + sum_k sum_o n_ko * bytes_k(o) <= allowed
 
-with ``n_ko`` integer (identical blocks are interchangeable, so the MILP counts them; blocks
+with ``n_ko`` integer, ``x_r`` binary (identical blocks are interchangeable, so the MILP counts them; blocks
 take options in their order, the fewest bytes first). A uniform plan (every block at one option)
 is a feasible point, so the solution is never slower than the best single option that fits,
 and never holds more bytes than allowed by the measured figures. Compile's own
@@ -51,9 +55,9 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from slimact import sites
 from slimact.budget import Budget
-from slimact.classify import label_arg
 from slimact.compiled.blocks import BlockChoice, compile_block, compiled_saved_tensors
 from slimact.meter import MemoryReport, measure
+from slimact.planner.compiled_root import ROOT_CODECS, RootOption, model_loss, profile_root
 from slimact.planner.profile import static_memory
 from slimact.planner.profiler import kind_signature
 from slimact.timing import interleaved, load_average
@@ -90,6 +94,11 @@ class CompiledProfile:
     batch: tuple[int, ...]
     profile_time_s: float
     load: tuple[float | None, float | None]
+    root_options: list[RootOption] = field(default_factory=list)  # [] = keep only
+
+    def roots(self) -> list[RootOption]:
+        """The root's options ("keep" first; ``slimact.planner.compiled_root``)."""
+        return self.root_options or [RootOption("none", self.root_bytes)]
 
     def option(self, kind: str, choice: BlockChoice) -> OptionStat:
         return next(s for s in self.options[kind] if s.choice == choice)
@@ -107,9 +116,12 @@ class CompiledPlan:
     baseline_bytes: int
     measured_bytes: int | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    root: RootOption | None = None  # the eager root's option (None: keep)
 
     def rows(self) -> list[dict[str, Any]]:
-        return [{"block": p, "action": c.label, **c.to_dict()} for p, c in self.choices.items()]
+        rows = [{"block": p, "action": c.label, **c.to_dict()} for p, c in self.choices.items()]
+        root = self.root.label if self.root is not None else "keep"
+        return [*rows, {"block": "(root)", "action": root, "budget": None, "codec": None}]
 
     def table(self) -> str:
         lines = [f"{'block':<24} action"]
@@ -126,6 +138,7 @@ class CompiledPlan:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["choices"] = {p: c.to_dict() for p, c in self.choices.items()}
+        d["root"] = self.root.to_dict() if self.root is not None else None
         d["rows"] = self.rows()
         return d
 
@@ -137,17 +150,6 @@ def _first_tensor(out: Any) -> torch.Tensor:
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
     raise TypeError(f"a block returned {type(out).__name__}; expected a tensor (or a tuple)")
-
-
-def _loss(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    name = (label_arg(model) or ("targets", 1))[0]
-    out = model(ids, **{name: targets})
-    loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
-    if loss is None and isinstance(out, dict):
-        loss = out.get("loss")
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError("the model's forward returned no loss for (input_ids, labels)")
-    return loss
 
 
 def capture_inputs(
@@ -165,7 +167,7 @@ def capture_inputs(
         handles.append(mods[p].register_forward_pre_hook(hook, with_kwargs=True))
     try:
         with torch.no_grad():
-            _loss(model, ids, targets)
+            model_loss(model, ids, targets)
     finally:
         for h in handles:
             h.remove()
@@ -242,6 +244,7 @@ def profile_compiled(
     codecs: Sequence[str] = CODECS,
     rounds: int = 5,
     progress: Callable[[str], None] | None = None,
+    root_codecs: Sequence[str] = ROOT_CODECS,
 ) -> CompiledProfile:
     """Measure every option of the grid on one block of each kind (module docstring); the
     model is not changed (options run on copies of its blocks; the RNG state is restored)."""
@@ -279,15 +282,20 @@ def profile_compiled(
             ref = choices[0].label  # seconds: per-round ratios to it (load cancels) x its median
             secs = {c: timing.median_s(ref) * timing.ratio(c.label, ref).median for c in choices}
             options[kind] = [OptionStat(c, stats[c], secs[c], errs[c]) for c in choices]
+        root_bytes = base.total_bytes - sum(eager[k] * len(ps) for k, ps in kinds.items())
+        if progress:
+            progress("measuring the root's options")
+        roots = profile_root(model, ids, targets, root_bytes, root_codecs, rounds)
     return CompiledProfile(
         blocks=kinds,
         options=options,
         baseline_bytes=base.total_bytes,
-        root_bytes=base.total_bytes - sum(eager[k] * len(ps) for k, ps in kinds.items()),
+        root_bytes=root_bytes,
         static_bytes=static_memory(model)["total"],
         batch=tuple(ids.shape),
         profile_time_s=time.perf_counter() - t0,
         load=(load0, load_average()),
+        root_options=roots,
     )
 
 
@@ -302,24 +310,27 @@ def solve_compiled(
     budget: Budget | str | int,
     max_grad_err: float | None = MAX_GRAD_ERR,
 ) -> CompiledPlan:
-    """The fastest choice per block whose predicted bytes fit ``budget`` (module docstring),
-    among the options whose measured gradient error is at most ``max_grad_err`` (None: all)."""
+    """The fastest choice per block, and for the eager root, whose predicted bytes fit
+    ``budget`` (module docstring), among the options whose measured gradient error is at most
+    ``max_grad_err`` (None: all)."""
     budget = Budget.parse(budget)
     allowed = _allowed(profile, budget)
     ok = lambda s: max_grad_err is None or s.grad_err <= max_grad_err  # noqa: E731
     var = [(k, s) for k, stats in profile.options.items() for s in stats if ok(s)]
-    cost = np.array([s.seconds for _, s in var])
-    size = np.array([float(s.bytes) for _, s in var])
+    roots = [r for r in profile.roots() if ok(r)]
     kinds = list(profile.options)
-    counts = np.zeros((len(kinds), len(var)))
+    nv, nr = len(var), len(roots)
+    cost = np.array([s.seconds for _, s in var] + [r.seconds for r in roots])
+    size = np.array([float(s.bytes) for _, s in var] + [float(r.bytes) for r in roots])
+    counts = np.zeros((len(kinds) + 1, nv + nr))  # blocks per kind; one root option
     for j, (k, _) in enumerate(var):
         counts[kinds.index(k), j] = 1.0
-    n = np.array([float(len(profile.blocks[k])) for k in kinds])
-    room = allowed - profile.root_bytes
-    cons = [LinearConstraint(counts, n, n), LinearConstraint(size[None, :], -np.inf, room)]
-    res = milp(cost, constraints=cons, integrality=np.ones(len(var)), bounds=Bounds(0, n.max()))
+    counts[-1, nv:] = 1.0
+    n = np.array([float(len(profile.blocks[k])) for k in kinds] + [1.0])
+    cons = [LinearConstraint(counts, n, n), LinearConstraint(size[None, :], -np.inf, allowed)]
+    res = milp(cost, constraints=cons, integrality=np.ones(nv + nr), bounds=Bounds(0, n.max()))
     if res.x is None:
-        floor = profile.root_bytes + sum(
+        floor = min(r.bytes for r in roots) + sum(
             min(s.bytes for kk, s in var if kk == k) * len(profile.blocks[k]) for k in kinds
         )
         raise ValueError(
@@ -330,6 +341,7 @@ def solve_compiled(
     picks: dict[str, list[OptionStat]] = {k: [] for k in kinds}
     for j, (k, s) in enumerate(var):
         picks[k].extend([s] * int(round(res.x[j])))
+    root = roots[int(np.argmax(res.x[nv:]))]
     choices = {}
     for k in kinds:
         ordered = sorted(picks[k], key=lambda s: (s.bytes, s.seconds))
@@ -339,17 +351,18 @@ def solve_compiled(
         choices={p: choices[p] for ps in profile.blocks.values() for p in ps},
         budget=str(budget),
         allowed_bytes=int(allowed),
-        predicted_bytes=int(profile.root_bytes + sum(s.bytes for s in flat)),
-        predicted_seconds=float(sum(s.seconds for s in flat)),
+        predicted_bytes=int(root.bytes + sum(s.bytes for s in flat)),
+        predicted_seconds=float(root.seconds + sum(s.seconds for s in flat)),
         baseline_bytes=profile.baseline_bytes,
         meta={"profile_time_s": round(profile.profile_time_s, 2), "solver": "scipy HiGHS"},
+        root=root if root.codec != "none" else None,
     )
 
 
 def metered_bytes(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> MemoryReport:
     """The meter's report of one forward (exact, compiled blocks included)."""
     with measure(model, n_tokens=ids.numel()) as m:
-        _loss(model, ids, targets)
+        model_loss(model, ids, targets)
     return m.report
 
 

@@ -37,6 +37,7 @@ from slimact.planner.compiled import (
     solve_compiled,
     verify,
 )
+from slimact.planner.compiled_root import install_root
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
 from slimact.state import reset_field, state_of
 from slimact.utils import in_worker_thread
@@ -134,13 +135,21 @@ def plan_compiled(
             k: [{**s.choice.to_dict(), "bytes": s.bytes, "seconds": s.seconds} for s in stats]
             for k, stats in profile.options.items()
         },
+        "root_options": [r.to_dict() for r in profile.roots()],
     }
     state_of(model).compiled_plan = plan
     return changes
 
 
 def _install(model: nn.Module, plan: CompiledPlan, config: CompiledAutoConfig):
-    return compile_blocks_with(model, plan.choices, **config.compile_kwargs)
+    changes = compile_blocks_with(model, plan.choices, **config.compile_kwargs)
+    if plan.root is not None:
+        try:
+            changes += install_root(model, plan.root)
+        except Exception:
+            _undo(changes)
+            raise
+    return changes
 
 
 def _undo(changes: list[AppliedChange]) -> None:

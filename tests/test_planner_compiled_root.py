@@ -1,0 +1,95 @@
+"""slimact.planner.compiled_root: the eager root's options in a compiled plan.
+
+Measured on llama-tiny (eager, no compile: fast); the solver's use of them on synthetic
+profiles, against brute force over every (root option, block counts) pair."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+import slimact
+from slimact.compiled import BlockChoice
+from slimact.models import build_model
+from slimact.planner.compiled import CompiledProfile, OptionStat, solve_compiled
+from slimact.planner.compiled_root import RootOption, install_root, profile_root
+
+X = torch.randint(0, 257, (2, 65), generator=torch.Generator().manual_seed(3))
+
+
+def _root_bytes(model) -> int:
+    with slimact.measure(model) as m:
+        model(X[:, :-1], targets=X[:, 1:])
+    return m.report.per_block["(outside blocks)"]
+
+
+def test_root_int8_measured_and_installed_through_the_plan_runtime():
+    torch.manual_seed(0)
+    model = build_model("llama-tiny")
+    raw = _root_bytes(model)
+    before = copy.deepcopy(model.state_dict())
+    keep, int8 = profile_root(model, X[:, :-1], X[:, 1:], raw, ("none", "int8"), repeats=1)
+    assert keep.codec == "none" and keep.bytes == raw and keep.label == "keep"
+    assert int8.label == "codec:int8" and int8.sites
+    assert int8.bytes < raw and int8.seconds > 0
+    assert 0 < int8.grad_err < 2e-3  # lossy, within auto's default cap
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert install_root(model, keep) == []
+    changes = install_root(model, int8)
+    assert changes and changes[0].action == "plan"
+    assert _root_bytes(model) == int8.bytes  # the prediction is the meter's count
+    changes[0].undo()  # the runtime's undo (compiled-auto's revert calls it)
+    assert _root_bytes(model) == raw
+
+
+GRID = [(1.0, "none", 1000, 1.0), (1.0, "int8", 300, 1.05), (0.0, "int8", 40, 1.35)]
+
+
+def _profile(roots):
+    stats = [OptionStat(BlockChoice(b, c), n, s) for b, c, n, s in GRID]
+    return CompiledProfile(
+        blocks={"k": [f"layers.{i}" for i in range(4)]},
+        options={"k": stats},
+        baseline_bytes=500 + 4 * 1200,
+        root_bytes=500,
+        static_bytes=0,
+        batch=(1, 8),
+        profile_time_s=0.0,
+        load=(None, None),
+        root_options=roots,
+    )
+
+
+@pytest.mark.parametrize("share", [0.5, 0.3, 0.15, 0.1, 0.06])
+def test_solver_picks_the_root_option_jointly(share):
+    roots = [RootOption("none", 500), RootOption("int8", 140, 0.02, 1e-4, ("norm:mul#0",))]
+    prof = _profile(roots)
+    allowed = int(prof.baseline_bytes * share)
+    feasible = [
+        (r.seconds + sum(n * s.seconds for n, s in zip(ns, prof.options["k"])), r.codec)
+        for r in roots
+        for ns in itertools.product(range(5), repeat=len(GRID))
+        if sum(ns) == 4
+        and r.bytes + sum(n * s.bytes for n, s in zip(ns, prof.options["k"])) <= allowed
+    ]
+    if not feasible:
+        with pytest.raises(ValueError, match="raise the budget"):
+            solve_compiled(prof, f"{share * 100:g}%")
+        return
+    plan = solve_compiled(prof, f"{share * 100:g}%")
+    assert plan.predicted_bytes <= allowed
+    assert plan.predicted_seconds == pytest.approx(min(feasible)[0])
+    assert plan.rows()[-1]["block"] == "(root)"
+    assert (plan.root.codec if plan.root else "none") in {
+        c for t, c in feasible if t == min(feasible)[0]
+    }
+
+
+def test_root_option_over_the_gradient_cap_is_not_a_candidate():
+    roots = [RootOption("none", 500), RootOption("int8", 140, 0.0, 1e-2, ("norm:mul#0",))]
+    prof = _profile(roots)
+    assert solve_compiled(prof, "30%", max_grad_err=None).root is not None
+    assert solve_compiled(prof, "30%").root is None
