@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from slimact import sites
 from slimact.state import peek
@@ -160,11 +161,9 @@ def wrap(model: nn.Module, mode: str, device: torch.device | str = "cpu") -> nn.
         raise RuntimeError(f"--dist {mode} needs a process group: call slimact.dist.init() first")
     device = torch.device(device)
     if mode == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         ids = [device.index if device.index is not None else 0] if device.type == "cuda" else None
         return DDP(model, device_ids=ids)
-    try:
+    try:  # optional: FSDP2's fully_shard is torch >= 2.6 (slimact takes torch >= 2.4)
         from torch.distributed.fsdp import fully_shard
     except ImportError as e:  # torch < 2.6
         raise RuntimeError(f"--dist fsdp needs torch.distributed.fsdp.fully_shard: {e}") from e
@@ -184,6 +183,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded CPU weights (a collective under FSDP2: call it on every rank)."""
     inner = unwrap(model)
     if any(type(p).__name__ == "DTensor" for p in inner.parameters()):
+        # FSDP2 only: torch.distributed.checkpoint needs a torch built with distributed
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -52,9 +52,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch._dynamo.utils import counters
 
 from slimact import sites
-from slimact.hf_inputs import dummy_inputs, main_input
+from slimact.hf_inputs import dummy_inputs, is_hf_model, lm_loss, main_input, mlm_batch
 from slimact.meter import MemoryReport, measure
 from slimact.registry import AppliedChange, StrategyConfig, applied, apply, revert
 from slimact.state import peek, state_of
@@ -62,44 +63,6 @@ from slimact.state import peek, state_of
 _ACT_NAME = re.compile(r"gelu|silu|swish|act|relu|tanh|mish", re.IGNORECASE)
 _NORM_NAME = re.compile(r"norm", re.IGNORECASE)
 _ATTN_NAME = re.compile(r"attn|attention", re.IGNORECASE)
-
-
-# ----------------------------------------------------------------------------- losses
-def is_hf_model(model: nn.Module) -> bool:
-    """A ``transformers.PreTrainedModel`` (checked without importing transformers)."""
-    return any(c.__name__ == "PreTrainedModel" for c in type(model).__mro__)
-
-
-def lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The training loss of one batch, for slimact models and HF causal / masked LMs.
-
-    slimact models: ``model(input_ids, targets=labels)`` (labels already shifted). HF models:
-    ``model(input_ids=..., labels=...)``; causal LMs shift ``labels`` themselves (pass
-    ``input_ids``), masked LMs score the positions whose label is not -100.
-    """
-    if is_hf_model(model):
-        out = model(input_ids=input_ids, labels=labels)
-    else:
-        out = model(input_ids, targets=labels)
-    if getattr(out, "loss", None) is None:
-        raise ValueError(
-            f"{type(model).__name__} returned no loss; is it a *ForCausalLM/*ForMaskedLM?"
-        )
-    return out.loss
-
-
-def mlm_batch(
-    input_ids: torch.Tensor, mask_token_id: int, prob: float = 0.15, seed: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """BERT-style masking: ``prob`` of positions replaced by ``mask_token_id``; labels -100 else."""
-    if not 0 < prob < 1:
-        raise ValueError(f"prob must be in (0, 1), got {prob}")
-    gen = torch.Generator().manual_seed(seed)
-    chosen = torch.rand(input_ids.shape, generator=gen) < prob
-    chosen[..., 0] |= ~chosen.any(-1)  # at least one scored position per row
-    chosen = chosen.to(input_ids.device)
-    labels = torch.where(chosen, input_ids, torch.full_like(input_ids, -100))
-    return torch.where(chosen, torch.full_like(input_ids, mask_token_id), input_ids), labels
 
 
 # ----------------------------------------------------------------------------- structure
@@ -187,7 +150,7 @@ def patched_modules(model: nn.Module) -> list[str]:
 
 # ----------------------------------------------------------------------------- Trainer
 def _callback_base() -> type:
-    try:
+    try:  # optional dependency (slimact[hf])
         from transformers import TrainerCallback
     except ImportError:  # transformers is optional: the callback is then a plain object
         return object
@@ -303,8 +266,6 @@ def compile_blocks(
 
 def graph_breaks() -> dict[str, int]:
     """dynamo's graph-break counter (reason -> count) since the last ``torch._dynamo.reset()``."""
-    from torch._dynamo.utils import counters
-
     return dict(counters["graph_break"])
 
 

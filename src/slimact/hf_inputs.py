@@ -8,6 +8,9 @@ inside the model. :func:`dummy_inputs` builds the input the forward really takes
 ``2 * max_source_positions``) and raw-audio ``input_values`` (long enough for the conv feature
 encoder), plus ``decoder_input_ids`` for encoder-decoder models. :func:`refuse_unless_token_ids`
 is the one-line refusal of strategies that can only drive a model with token ids (``auto``).
+:func:`lm_loss` calls the loss of slimact's models and HF causal / masked LMs alike,
+:func:`mlm_batch` masks a batch BERT-style, :func:`random_token_batch` draws a planning batch
+(``slimact.hf`` re-exports the first two).
 
 Layer 2 (see ARCHITECTURE.md): torch only, so ``reformulate`` and the strategies can use it.
 """
@@ -122,13 +125,36 @@ def refuse_unless_token_ids(model: nn.Module, strategy: str, why: str) -> None:
     )
 
 
-__all__ = [
-    "dummy_inputs",
-    "is_encoder_decoder",
-    "is_hf_model",
-    "main_input",
-    "refuse_unless_token_ids",
-]
+def lm_loss(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The training loss of one batch, for slimact models and HF causal / masked LMs.
+
+    slimact models: ``model(input_ids, targets=labels)`` (labels already shifted). HF models:
+    ``model(input_ids=..., labels=...)``; causal LMs shift ``labels`` themselves (pass
+    ``input_ids``), masked LMs score the positions whose label is not -100.
+    """
+    if is_hf_model(model):
+        out = model(input_ids=input_ids, labels=labels)
+    else:
+        out = model(input_ids, targets=labels)
+    if getattr(out, "loss", None) is None:
+        raise ValueError(
+            f"{type(model).__name__} returned no loss; is it a *ForCausalLM/*ForMaskedLM?"
+        )
+    return out.loss
+
+
+def mlm_batch(
+    input_ids: torch.Tensor, mask_token_id: int, prob: float = 0.15, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT-style masking: ``prob`` of positions replaced by ``mask_token_id``; labels -100 else."""
+    if not 0 < prob < 1:
+        raise ValueError(f"prob must be in (0, 1), got {prob}")
+    gen = torch.Generator().manual_seed(seed)
+    chosen = torch.rand(input_ids.shape, generator=gen) < prob
+    chosen[..., 0] |= ~chosen.any(-1)  # at least one scored position per row
+    chosen = chosen.to(input_ids.device)
+    labels = torch.where(chosen, input_ids, torch.full_like(input_ids, -100))
+    return torch.where(chosen, torch.full_like(input_ids, mask_token_id), input_ids), labels
 
 
 def random_token_batch(
@@ -142,3 +168,15 @@ def random_token_batch(
     gen = torch.Generator().manual_seed(seed)
     t = torch.randint(0, vocab, (batch, seq + 1), generator=gen).to(_device(model))
     return t[:, :-1], t[:, 1:]
+
+
+__all__ = [
+    "dummy_inputs",
+    "is_encoder_decoder",
+    "is_hf_model",
+    "lm_loss",
+    "main_input",
+    "mlm_batch",
+    "random_token_batch",
+    "refuse_unless_token_ids",
+]

@@ -15,25 +15,19 @@ rebuilds BENCHMARKS.md (:mod:`slimact.bench.document`).
     slimact bench --report-only
 """
 
-_EXPORTS = {
-    "SUITES": "slimact.bench.suites",
-    "BenchPoint": "slimact.bench.suites",
-    "ModelCase": "slimact.bench.suites",
-    "Suite": "slimact.bench.suites",
-    "get_suite": "slimact.bench.suites",
-    "suite_names": "slimact.bench.suites",
-    "pareto_front": "slimact.bench.report",
-    "render": "slimact.bench.report",
-    "write_report": "slimact.bench.report",
-    "run_suite": "slimact.bench.runner",
-}
-__all__ = sorted(_EXPORTS)
+from slimact.bench.report import pareto_front, render, write_report
+from slimact.bench.runner import run_suite
+from slimact.bench.suites import SUITES, BenchPoint, ModelCase, Suite, get_suite, suite_names
 
-
-def __getattr__(name: str):
-    """Lazy exports: ``slimact bench --help`` stays light (no model registry, no matplotlib)."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'slimact.bench' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__all__ = [
+    "SUITES",
+    "BenchPoint",
+    "ModelCase",
+    "Suite",
+    "get_suite",
+    "pareto_front",
+    "render",
+    "run_suite",
+    "suite_names",
+    "write_report",
+]

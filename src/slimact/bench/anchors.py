@@ -37,6 +37,7 @@ import torch._functorch.config as functorch_config
 import torch.nn as nn
 
 from slimact import sites
+from slimact.bench.suites import ANCHORS
 from slimact.checkpointing import checkpointed
 from slimact.compiled import own_code
 from slimact.patching import override_forward, run_all
@@ -129,6 +130,4 @@ def prepare(
         return compile_budget(model, forward, float(arg) if arg else compile_budget_fraction)
     if name == "save-on-cpu":
         return save_on_cpu(model, forward, device)
-    from slimact.bench.suites import ANCHORS
-
     raise ValueError(f"unknown anchor {name!r}; valid anchors: {', '.join(ANCHORS)}")

@@ -6,7 +6,7 @@
   the corpus (byte tokens, ``BatchLoader`` from the suite's seed) or, with ``vocab_size``, random
   ids in ``[0, vocab)`` from seeded generators (memory and speed do not depend on the ids; the
   loss curve then only shows that every point trains alike). BERT's batches are masked with
-  ``slimact.hf.mlm_batch``.
+  ``slimact.hf_inputs.mlm_batch``.
 * :func:`train_point`: ``train_steps`` AdamW steps (``slimact.train.make_optimizer``,
   ``WarmupCosine``, clipping 0.5), the loss curve and the validation loss after them. ``auto``
   runs its plan evolver as ``slimact train`` does; its sampling is switched off afterwards so it
@@ -24,7 +24,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from slimact.bench.suites import MASK_TOKEN_ID, ModelCase
+from slimact.bench.suites import HF_MODELS, MASK_TOKEN_ID, ModelCase
+from slimact.data import BatchLoader, ByteTokenizer, fixed_batches
+from slimact.hf_inputs import lm_loss, mlm_batch
+from slimact.models import build_model
+from slimact.planner import PlanEvolver
+from slimact.train import WarmupCosine, make_optimizer
+from slimact.utils import seed_everything
 
 
 def build(
@@ -32,26 +38,18 @@ def build(
 ) -> nn.Module:
     """The model of a case, built from ``seed`` (random weights) on ``device``, in train mode,
     at ``vocab_size`` (default: the byte tokenizer's, or BERT's own 30,522)."""
-    from slimact.bench.suites import HF_MODELS
-    from slimact.data import ByteTokenizer
-    from slimact.utils import seed_everything
-
     seed_everything(seed)
     if model_name in HF_MODELS:
-        from transformers import BertConfig, BertForMaskedLM
+        from transformers import BertConfig, BertForMaskedLM  # optional: slimact[hf]
 
         cfg = BertConfig() if vocab_size is None else BertConfig(vocab_size=vocab_size)
         model = BertForMaskedLM(cfg)
     else:
-        from slimact.models import build_model
-
         model = build_model(model_name, vocab_size=vocab_size or ByteTokenizer().vocab_size)
     return model.to(device).train()
 
 
 def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    from slimact.hf import lm_loss
-
     return lm_loss(model, x, y)
 
 
@@ -62,8 +60,6 @@ class Data:
     seeded generators (``splits`` unused)."""
 
     def __init__(self, case: ModelCase, splits: Any, seed: int, device: torch.device) -> None:
-        from slimact.bench.suites import HF_MODELS
-
         self.mlm = case.model in HF_MODELS
         self.device = device
         self.case, self.splits, self.seed = case, splits, seed
@@ -72,8 +68,6 @@ class Data:
             gen = torch.Generator().manual_seed(seed + 10_000)
             self.val = [self._prep(self._random(gen), 10_000 + i) for i in range(case.eval_batches)]
             return
-        from slimact.data import BatchLoader, fixed_batches
-
         self.batch = self._prep(
             BatchLoader(splits.train, case.batch, case.seq, seed + 1).next_batch(), 0
         )
@@ -88,8 +82,6 @@ class Data:
     def _prep(self, b: tuple[torch.Tensor, torch.Tensor], mask_seed: int):
         x, y = b
         if self.mlm:
-            from slimact.hf import mlm_batch
-
             x, y = mlm_batch(x, MASK_TOKEN_ID, seed=self.seed + mask_seed)
         return x.to(self.device), y.to(self.device)
 
@@ -100,8 +92,6 @@ class Data:
             while True:
                 step += 1
                 yield self._prep(self._random(gen), step)
-        from slimact.data import BatchLoader
-
         loader = BatchLoader(self.splits.train, self.case.batch, self.case.seq, self.seed)
         step = 0
         while True:
@@ -111,10 +101,6 @@ class Data:
 
 def train_point(model, forward, data: Data, case: ModelCase, seed: int) -> dict:
     """The short training run of one point (module docstring); returns its ``train`` record."""
-    from slimact.planner import PlanEvolver
-    from slimact.train import WarmupCosine, make_optimizer
-    from slimact.utils import seed_everything
-
     seed_everything(seed)
     opt = make_optimizer(model, case.lr, 0.01)
     sched = WarmupCosine(case.lr, case.train_steps, max(1, case.train_steps // 10), 0.1)

@@ -16,6 +16,12 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
+from slimact.bench.report import write_report
+from slimact.bench.runner import default_results_dir, run_suite
+from slimact.bench.suites import get_suite, suite_names
+
 
 def _csv(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
@@ -62,12 +68,6 @@ def report_paths(out_dir: Path) -> tuple[Path, Path | None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from slimact.bench.report import write_report
-    from slimact.bench.runner import default_results_dir, run_suite
-    from slimact.bench.suites import get_suite, suite_names
-
     out_dir = Path(args.out_dir) if args.out_dir else default_results_dir()
     if not args.report_only:
         if args.suite is None:

@@ -19,7 +19,7 @@ import json
 import re
 from pathlib import Path
 
-from slimact.bench import plots
+from slimact.bench import document, plots
 from slimact.bench.tables import (  # noqa: F401  (model_table, pareto_front: public here too)
     MIB,
     anchor_lines,
@@ -285,8 +285,6 @@ def write_report(
     """Write ``out_md`` (bench.md) and its plots (next to it unless ``plot_dir``), create the
     reading placeholder next to it if missing, and, with ``benchmarks_md``, rebuild that file
     from ``out_md``'s directory (``slimact.bench.document``). Returns the files written."""
-    from slimact.bench import document
-
     results = load_results(results_dir)
     if not results:
         raise FileNotFoundError(

@@ -38,6 +38,8 @@ measured (``meta.complete`` is false until the end).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import time
 import traceback
 from collections.abc import Callable
@@ -48,9 +50,17 @@ from typing import Any
 
 import torch
 
+from slimact import sites
+from slimact.bench import anchors
 from slimact.bench.case_data import Data, build, loss_fn, train_point
-from slimact.bench.suites import ModelCase, Suite
+from slimact.bench.suites import BenchPoint, ModelCase, Suite
 from slimact.bench.timing_phase import Live, release, time_case
+from slimact.compare import grad_cosine, grads_of, measured_step, train_step_fn
+from slimact.data import load_data
+from slimact.envinfo import machine_info
+from slimact.peak import step_peak
+from slimact.strategies import applied, apply
+from slimact.utils import seed_everything
 
 SCHEMA_VERSION = 2
 HEAD_MODULES = ("lm_head", "cls")  # the output projection: slimact's models, HF BERT's MLM head
@@ -119,14 +129,6 @@ def measure_point(
 ) -> tuple[dict, dict[str, torch.Tensor] | None, Live | None]:
     """Phase 1 of one (case, point): its record, the baseline's gradients (for the baseline
     only), and the prepared model kept for the timing rounds (None when skipped)."""
-    import slimact
-    from slimact import sites
-    from slimact.bench import anchors
-    from slimact.bench.suites import BenchPoint
-    from slimact.compare import grad_cosine, grads_of, measured_step, train_step_fn
-    from slimact.peak import step_peak
-    from slimact.utils import seed_everything
-
     point = BenchPoint(point_name)
     device = data.device
     rec: dict[str, Any] = {
@@ -148,9 +150,9 @@ def measure_point(
             prepared = anchors.prepare(point.anchor, model, loss_fn, device, suite.compile_budget)
             forward, rec["note"] = prepared.forward, prepared.note
         else:
-            slimact.apply(model, point.name)
+            apply(model, point.name)
             forward = loss_fn
-            skipped = [c for c in slimact.applied(model) if c.skipped]
+            skipped = [c for c in applied(model) if c.skipped]
             if skipped:
                 rec["note"] = (
                     f"{len(skipped)} target(s) skipped, e.g. {skipped[0].path}: {skipped[0].detail}"
@@ -244,8 +246,6 @@ def _write(path: Path, result: dict) -> None:
 
 def _dirty_files() -> list[str] | None:
     """Tracked files under src/ that differ from the commit (the run used them as they are)."""
-    import subprocess
-
     try:
         out = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no", "--", "src"],
@@ -263,8 +263,6 @@ def _dirty_files() -> list[str] | None:
 
 def _load() -> list[float] | None:
     """1/5/15-minute load averages (how busy the machine was; timings move with it)."""
-    import os
-
     try:
         return [round(x, 2) for x in os.getloadavg()]
     except (OSError, AttributeError):
@@ -293,9 +291,6 @@ def run_suite(
     command: str | None = None,
 ) -> Path:
     """Run every point of ``suite``; write and return ``<out_dir>/<suite>.json``."""
-    from slimact.data import load_data
-    from slimact.envinfo import machine_info
-
     if threads:
         torch.set_num_threads(threads)
     device = torch.device(suite.device)

@@ -24,6 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from slimact.models import get_spec, model_names
+from slimact.strategies import resolve
+
 ANCHORS = ("torch-checkpoint", "compile-budget", "save-on-cpu")
 HF_MODELS = ("hf-bert-base",)  # transformers.BertForMaskedLM(BertConfig()), random weights
 DEVICES = ("cpu", "cuda")
@@ -53,8 +56,6 @@ class BenchPoint:
                     "in (0, 1] (e.g. anchor:compile-budget@0.25)"
                 )
         else:
-            from slimact.strategies import resolve
-
             resolve(self.name)  # unknown strategy names fail here, listing the valid ones
 
     @property
@@ -80,8 +81,6 @@ def _fraction(text: str) -> bool:
 def _max_seq(model: str) -> int:
     if model in HF_MODELS:
         return 512  # BertConfig().max_position_embeddings
-    from slimact.models import get_spec
-
     return int(get_spec(model).config.max_seq_len)
 
 
@@ -101,8 +100,6 @@ class ModelCase:
     vocab_size: int | None = None  # None: the byte tokenizer's 257 tokens and the corpus
 
     def __post_init__(self) -> None:
-        from slimact.models import model_names
-
         valid = [*model_names(), *HF_MODELS]
         if self.model not in valid:
             raise ValueError(f"unknown model {self.model!r}; valid models: {', '.join(valid)}")

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from slimact.bench.suites import ModelCase
+from slimact.timing import interleaved
 
 Log = Callable[[str], None]
 BASELINE = "none"
@@ -69,8 +70,6 @@ def _guarded(name: str, kept: Live) -> Callable[[], None]:
 
 def time_case(case: ModelCase, live: dict[str, Live], records: dict[str, dict], log: Log) -> dict:
     """Interleaved rounds over ``live`` (baseline first); fills the timing keys of ``records``."""
-    from slimact.timing import interleaved
-
     names = [n for n in live if n == BASELINE] + [n for n in live if n != BASELINE]
     failed: dict[str, str] = {}
     timing = None

@@ -20,6 +20,7 @@ forward, so saves inside checkpointed regions stay under the checkpoint's own ho
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -177,8 +178,6 @@ class CodecPolicy:
         self._exact_next: tuple[str, str] | None = None  # (prefix, site) of a fallback just made
 
     def _report_fallback(self, site: str, reason: str) -> None:
-        import warnings  # (kept out of the module's import block, which another change owns)
-
         counts = self.__dict__.setdefault("fallbacks", {}).setdefault(site, {})
         if not counts:
             warnings.warn(

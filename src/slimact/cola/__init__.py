@@ -6,13 +6,20 @@ calculators (Tables 2-4, App. B-C) and the effective-rank analysis of Eq. 1 / Fi
     model = slimact.build_model("cola-20m")          # or convert(build_model("llama-20m"))
     slimact.apply(model, "cola-m")                    # save only rank-r activations
 
-``colam``, ``flops`` and ``rank`` are imported on first use (they are not needed to build models).
+CoLA-M lives in ``slimact.cola.colam`` (layer 5, with the strategies; importing this package,
+which ``slimact.models`` does, stays in layer 2), the effective-rank analysis in
+``slimact.cola.rank`` (layer 6: it loads trained checkpoints); see ARCHITECTURE.md.
 """
 
 from __future__ import annotations
 
-import importlib
-
+from slimact.cola.flops import (
+    activation_memory,
+    count_flops,
+    layer_flops,
+    recompute_flops,
+    training_flops,
+)
 from slimact.cola.layers import ACTIVATIONS, CoLALinear, cola_linear, cola_linears
 from slimact.cola.model import (
     CoLAConfig,
@@ -25,26 +32,6 @@ from slimact.cola.model import (
     is_cola_model,
 )
 
-_LAZY = {
-    "lowrank_up": "colam",
-    "lowrank_up_ref": "colam",
-    "colam_block": "colam",
-    "training_flops": "flops",
-    "layer_flops": "flops",
-    "activation_memory": "flops",
-    "recompute_flops": "flops",
-    "count_flops": "flops",
-    "effective_rank": "rank",
-    "activation_ranks": "rank",
-}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
     "ACTIVATIONS",
     "CoLAConfig",
@@ -52,11 +39,15 @@ __all__ = [
     "CoLAGPT2Model",
     "CoLALinear",
     "CoLALlamaModel",
+    "activation_memory",
     "cola_config",
     "cola_linear",
     "cola_linears",
     "convert",
+    "count_flops",
     "default_both_sigma",
     "is_cola_model",
-    *_LAZY,
+    "layer_flops",
+    "recompute_flops",
+    "training_flops",
 ]

@@ -1,15 +1,21 @@
-"""``slimact flops`` and ``slimact rank`` (wired into ``slimact.cli`` by the lead).
+"""``slimact flops`` and ``slimact rank`` (wired into ``slimact.cli``).
 
     slimact flops --model llama-1b --seq 256 [--batch 1 --rank 512 --json]
     slimact rank --model llama-20m --checkpoint runs/llama-20m-none-0 [--plot out.png --json]
 
-Each pair is ``add_*_arguments(parser)`` / ``run_*(args) -> exit status``; heavy imports stay inside.
+Each pair is ``add_*_arguments(parser)`` / ``run_*(args) -> exit status``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+
+import torch
+
+from slimact.cola.flops import model_dims, training_flops
+from slimact.cola.rank import activation_ranks, load_trained, plot_spectra, ranks_to_json
+from slimact.data import fixed_batches, load_data
 
 
 def add_flops_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,8 +28,6 @@ def add_flops_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_flops(args: argparse.Namespace) -> int:
-    from slimact.cola.flops import model_dims, training_flops
-
     res = training_flops(args.model, args.seq, args.batch, args.rank, not args.no_head)
     dims = model_dims(args.model)
     res = {"model": args.model, "d": dims.d, "d_ff": dims.d_ff, "n_layers": dims.n_layers, **res}
@@ -66,11 +70,6 @@ def add_rank_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_rank(args: argparse.Namespace) -> int:
-    import torch
-
-    from slimact.cola.rank import activation_ranks, load_trained, plot_spectra, ranks_to_json
-    from slimact.data import fixed_batches, load_data
-
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.batches < 1:

@@ -30,6 +30,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from slimact.models.registry import get_spec
 
 METHODS = ("full-rank", "cola", "lora", "sltrain", "galore")
 MEMORY_METHODS = ("full-rank", "vanilla-gcp", "cola", "cola-m")
@@ -157,8 +160,6 @@ class Dims:
 def model_dims(model: str | nn.Module | Any) -> Dims:
     """Dims of a registered model name, a model, or a config."""
     if isinstance(model, str):
-        from slimact.models import get_spec
-
         cfg = get_spec(model).config
     elif isinstance(model, nn.Module):
         cfg = model.config
@@ -262,8 +263,6 @@ def count_flops(
     its backward counts 5 GEMMs like torch's CUDA formula (recompute QKᵀ + dV, dP, dQ, dK), so
     it is 10n²d where the paper's Table 2 writes 8n²d.
     """
-    from torch.utils.flop_counter import FlopCounterMode
-
     targets = input_ids if targets is None else targets
     model.zero_grad(set_to_none=True)
     with FlopCounterMode(display=False, custom_mapping=_sdpa_mapping()) as fwd:

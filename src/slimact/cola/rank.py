@@ -23,9 +23,13 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from safetensors.torch import load_model
 
 from slimact import sites
 from slimact.cola.layers import CoLALinear
+from slimact.data import ByteTokenizer
+from slimact.models import build_model
+from slimact.train.checkpoint import MODEL_FILE, latest_checkpoint
 from slimact.utils import require
 
 
@@ -187,12 +191,6 @@ def load_trained(model: str, checkpoint: str | Path) -> nn.Module:
     ``checkpoint`` is a run directory (its latest ``ckpt-*`` is used), a ``ckpt-N`` directory
     or a ``.safetensors`` file.
     """
-    from safetensors.torch import load_model
-
-    from slimact.data import ByteTokenizer
-    from slimact.models import build_model
-    from slimact.train.checkpoint import MODEL_FILE, latest_checkpoint
-
     p = Path(checkpoint)
     if p.is_dir() and not (p / MODEL_FILE).exists():
         latest = latest_checkpoint(p)

@@ -16,7 +16,22 @@ from __future__ import annotations
 import argparse
 import json
 
+import torch
+
 from slimact.budget import add_budget_argument
+from slimact.models import build_model
+from slimact.models.registry import get_spec
+from slimact.planner.auto import plan_for
+from slimact.planner.describe import describe
+from slimact.planner.scaled import (
+    SCALED_FROM_BYTES,
+    ScaledConfig,
+    cached_profile_scaled,
+    param_bytes,
+    profile_scaled,
+)
+from slimact.planner.solve import solve_plan
+from slimact.utils import default_device, seed_everything
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,21 +76,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from slimact.models import build_model
-    from slimact.models.registry import get_spec
-    from slimact.planner import plan_for
-    from slimact.planner.scaled import (
-        SCALED_FROM_BYTES,
-        ScaledConfig,
-        cached_profile_scaled,
-        param_bytes,
-        profile_scaled,
-    )
-    from slimact.planner.solve import solve_plan
-    from slimact.utils import default_device, seed_everything
-
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -121,11 +121,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _described(args: argparse.Namespace, device, dtype):
-    import torch
-
-    from slimact.models import build_model
-    from slimact.planner.describe import describe
-
     model = build_model(args.model, device=device).to(dtype)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(args.seed)

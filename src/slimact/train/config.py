@@ -15,6 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from slimact.models import get_spec
+from slimact.strategies import resolve
+
 # Fields that change what a run computes; resuming requires them to match the checkpoint.
 TRAJECTORY_FIELDS = (
     "model",
@@ -43,14 +48,10 @@ MAX_LR = 1.0
 
 
 def _model_max_seq_len(model: str) -> int:
-    from slimact.models import get_spec
-
     return int(get_spec(model).config.max_seq_len)
 
 
 def _check_strategy(strategy: str) -> None:
-    from slimact.strategies import resolve
-
     resolve(strategy)
 
 
@@ -199,8 +200,6 @@ class TrainConfig:
         return Path(self.out or f"runs/{self.model}-{strategy}-{self.seed}")
 
     def resolved_device(self) -> str:
-        import torch
-
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         if self.device.startswith("cuda") and not torch.cuda.is_available():

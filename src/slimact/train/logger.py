@@ -35,7 +35,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 def _tensorboard_writer(log_dir: Path) -> Any | None:
-    try:
+    try:  # optional: needs the tensorboard package, not a slimact dependency
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         return None

@@ -133,6 +133,7 @@ class RunCheckpoints:
         """Weights and optimizer state in place; the rest of the state dict is returned."""
         if not self.sharded:  # DDP shares the bare model's parameters: load in place
             return load_checkpoint(path, self.model, self.optimizer)
+        # FSDP2 only: torch.distributed.checkpoint needs a torch built with distributed
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -149,6 +150,7 @@ class RunCheckpoints:
     def save(self, step: int, state: dict[str, Any], extra_files: dict[str, str]) -> None:
         model, optimizer = self.model, self.optimizer
         if self.sharded:  # gather full weights and optimizer state (collectives: every rank)
+            # (torch.distributed.checkpoint: optional, as in load above)
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
                 get_model_state_dict,
