@@ -7,7 +7,7 @@ adacc.txt §3.3-3.4 extended to every action slimact has (keep, recompute, each 
     print(plan.table()); plan.save("plan.json")
     slimact.apply(model, plan)                             # or slimact.apply(model, "auto@25%")
 
-Modules: ``profile`` (measurements), ``milp`` (the model and its solver), ``solve`` (budget -> ``Plan``),
+Modules: ``profile`` (measurements), ``milp`` (the model; ``highs`` solves it), ``solve`` (budget -> ``Plan``),
 ``plan`` (the JSON data), ``auto`` (``AutoConfig``, ``plan_model``, ``plan_for``),
 ``apply`` (the runtime that installs a plan), ``adaptive`` (re-planning during training),
 ``cli`` (``slimact plan``).

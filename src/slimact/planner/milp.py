@@ -43,8 +43,8 @@ shapes-only or old profile, a storage only a checkpoint stores) is bounded by ``
 alone; one the profiler found too lossy to measure (``None``: ``gradstats.MEASURED_REL_ERR``)
 is out.
 
-A 1e-9 s cost per recompute/reformulation breaks ties towards doing nothing. Solved by HiGHS
-through ``scipy.optimize.milp``. ``evaluate`` computes bytes and time of a decision directly
+A 1e-9 s cost per recompute/reformulation breaks ties towards doing nothing. Linearized and
+solved by HiGHS through ``scipy.optimize.milp`` in ``slimact.planner.highs``. ``evaluate`` computes bytes and time of a decision directly
 from these rules (no linearization), and ``brute_force`` enumerates decisions for small groups:
 the optimality test checks the MILP against it.
 """
@@ -53,17 +53,12 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
+from slimact.planner import highs
 from slimact.planner.plan import (
     ROOT,
     KindProfile,
@@ -85,32 +80,12 @@ __all__ = [
 ]
 
 LAYER_MODES = ("uniform", "ends", "each")
-EPS_S = 1e-9
 GRAD_KEY = "grad_err"  # Profile.meta key of the measured gradient errors (planner.gradstats)
 GRAD_CKPT_KEY = "grad_err_recompute"  # the same for a codec on a recomputed module's input
 # per block and parameter, the summed 1 - cos the chosen codecs cost the gradient; llama-20m,
 # batch 4 x 256: the measured minimum cosine over parameters stays >= 0.999 at 10/25/50% budgets
 # (4e-3 let 0.994 through at 50%, unbounded 0.971; benchmarks/results/auto_quality.md)
 DEFAULT_MAX_GRAD_ERR = 2e-3
-
-
-@contextmanager
-def _quiet_stdout() -> Iterator[None]:
-    """HiGHS may printf debug lines even with disp=False; keep them off stdout (``--json``)."""
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):  # captured / redirected in Python
-        yield
-        return
-    sys.stdout.flush()
-    saved, devnull = os.dup(fd), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, fd)
-    try:
-        yield
-    finally:
-        os.dup2(saved, fd)
-        os.close(saved)
-        os.close(devnull)
 
 
 @dataclass
@@ -353,112 +328,7 @@ class Problem:
     def baseline_bytes(self) -> int:
         return self.evaluate([Decision() for _ in self.groups])[0]
 
-    # -- the MILP ------------------------------------------------------------------------------
-    def _build(self):
-        if getattr(self, "_built", None) is None:
-            self._built = self._build_rows()
-        cols, index, rows, lo, hi, mem, obj, qual = self._built
-        return cols, index, list(rows), list(lo), list(hi), mem, obj, qual
-
-    def _build_rows(self):
-        cols: list[tuple] = []  # (group index, kind, key)
-        index: dict[tuple, int] = {}
-
-        def var(gi: int, kind: str, key) -> int:
-            k = (gi, kind, key)
-            if k not in index:
-                index[k] = len(cols)
-                cols.append(k)
-            return index[k]
-
-        rows: list[dict[int, float]] = []
-        lo: list[float] = []
-        hi: list[float] = []
-
-        def row(coefs: dict[int, float], lb: float, ub: float) -> None:
-            rows.append(coefs)
-            lo.append(lb)
-            hi.append(ub)
-
-        mem: dict[int, float] = {}
-        obj: dict[int, float] = {}
-        qual: dict[int, float] = {}
-        for gi, g in enumerate(self.groups):
-            kind, n = g.kind, len(g.blocks)
-            cand = self.candidates(g)
-            cvar = [var(gi, t, p) for t, p in cand]
-            for va in cvar:
-                obj[va] = n * EPS_S
-            for i in g.rc:
-                m = kind.modules[i]
-                obj[index[(gi, "r", m.path)]] += n * m.recompute_s
-            for i in g.rf:
-                r = kind.reforms[i]
-                v = index[(gi, "z", r.path)]
-                obj[v] += n * max(r.delta_s, 0.0)
-                mem[v] = mem.get(v, 0.0) + n * r.extra_bytes
-            for a in range(len(cand)):
-                for b in range(a + 1, len(cand)):
-                    pa, pb = cand[a][1], cand[b][1]
-                    if inside(pa, pb) or inside(pb, pa):
-                        row({cvar[a]: 1, cvar[b]: 1}, -np.inf, 1)
-            grad_rows: dict[str, dict[int, float]] = {}
-            for s in kind.storages:
-                kv, dv = var(gi, "k", s.id), var(gi, "d", s.id)
-                one = {kv: 1.0, dv: 1.0}
-                mem[kv] = float(self.bytes_of(g, s.id, "raw"))
-                for c in g.options[s.id][1:]:
-                    yv = var(gi, "y", (s.id, c))
-                    one[yv] = 1.0
-                    mem[yv] = float(self.bytes_of(g, s.id, c))
-                    obj[yv] = self.time_of(g, s.id, c)
-                    qual[yv] = self.quality_of(g, s.id, c)
-                    for k, e in self.grad_terms(g, s.id, c).items():
-                        if e > 0:
-                            grad_rows.setdefault(k, {})[yv] = e
-                    for i in g.rc if self.max_grad_err is not None else ():
-                        m = kind.modules[i]
-                        extra = self.ckpt_terms(g, s.id, c, m.path) if s.id in m.inputs else {}
-                        rv = index[(gi, "r", m.path)]
-                        if extra is None:  # the pair was left unmeasured: not both
-                            row({yv: 1.0, rv: 1.0}, -np.inf, 1)
-                        elif extra:  # w >= y_sc + r_m - 1: the codec feeds m's re-run
-                            wv = var(gi, "w", (s.id, c, m.path))
-                            row({wv: 1.0, yv: -1.0, rv: -1.0}, -1, np.inf)
-                            for k, e in extra.items():
-                                grad_rows.setdefault(k, {})[wv] = e
-                row(one, 1, 1)
-                sil = []
-                for p in s.sites:
-                    terms = {}
-                    if p != "!extern":
-                        for i in g.rc:
-                            if inside(site_module(p), kind.modules[i].path):
-                                terms[index[(gi, "r", kind.modules[i].path)]] = 1.0
-                        for i in g.rf:
-                            if p in kind.reforms[i].silenced:
-                                terms[index[(gi, "z", kind.reforms[i].path)]] = 1.0
-                    sil.append(terms)
-                    row({dv: 1.0, **{v: -1.0 for v in terms}}, -np.inf, 0)
-                holders = [index[(gi, "r", kind.modules[i].path)] for i in g.rc
-                           if s.id in kind.modules[i].inputs]  # fmt: skip
-                holders += [index[(gi, "z", kind.reforms[i].path)] for i in g.rf
-                            if s.id in kind.reforms[i].added]  # fmt: skip
-                for h in holders:
-                    row({dv: 1.0, h: 1.0}, -np.inf, 1)
-                lower: dict[int, float] = {dv: 1.0}
-                for terms in sil:
-                    for v in terms:
-                        lower[v] = lower.get(v, 0.0) - 1.0
-                for h in holders:
-                    lower[h] = lower.get(h, 0.0) + 1.0
-                row(lower, 1 - len(s.sites), np.inf)
-            if self.max_grad_err is not None:
-                for coefs in grad_rows.values():  # one row per parameter (and the input)
-                    if sum(coefs.values()) > self.max_grad_err:
-                        row(coefs, -np.inf, self.max_grad_err)
-        return cols, index, rows, lo, hi, mem, obj, qual
-
+    # -- the MILP (linearized and solved in slimact.planner.highs) ------------------------------
     def solve(
         self,
         budget_bytes: float | None,
@@ -468,47 +338,16 @@ class Problem:
     ) -> Result:
         """Minimize added time s.t. bytes <= ``budget_bytes`` (or minimize bytes)."""
         t0 = time.perf_counter()
-        cols, index, rows, lo, hi, mem, obj, qual = self._build()
-        n = len(cols)
-        scale = 2.0**20  # bytes in MiB and seconds in ms keep HiGHS' tolerances meaningful
-        if budget_bytes is not None:
-            rows.append({v: c / scale for v, c in mem.items()})
-            lo.append(-np.inf)
-            hi.append(budget_bytes / scale)
-        if max_quality is not None:
-            rows.append(dict(qual))
-            lo.append(-np.inf)
-            hi.append(max_quality)
-        c = np.zeros(n)
-        src = obj if minimize == "time" else mem
-        for v, x in src.items():
-            c[v] = x * (1e3 if minimize == "time" else 1 / scale)
-        if minimize != "time":
-            for v, x in obj.items():
-                c[v] += x * 1e-6  # among the smallest plans, the fastest
-        ri, ci, vals = [], [], []
-        for i, r in enumerate(rows):
-            for v, x in r.items():
-                ri.append(i)
-                ci.append(v)
-                vals.append(x)
-        a = coo_matrix((vals, (ri, ci)), shape=(len(rows), n)).tocsr()
-        with _quiet_stdout():
-            res = milp(
-                c,
-                constraints=LinearConstraint(a, np.array(lo), np.array(hi)),
-                integrality=np.ones(n),
-                bounds=Bounds(0, 1),
-                options={"time_limit": time_limit, "mip_rel_gap": 1e-9, "disp": False},
-            )
+        if getattr(self, "_built", None) is None:
+            self._built = highs.build(self)
+        res = highs.run(self._built, budget_bytes, max_quality, minimize, time_limit)
         solve_s = time.perf_counter() - t0
         if res.x is None:
             return Result([], 0, math.inf, math.inf, "infeasible", solve_s)
-        x = np.round(res.x).astype(int)
         decisions = [Decision(frozenset(), frozenset(), {}) for _ in self.groups]
         rec: list[set] = [set() for _ in self.groups]
         ref: list[set] = [set() for _ in self.groups]
-        for (gi, kind, key), v in zip(cols, x):
+        for (gi, kind, key), v in zip(self._built.cols, np.round(res.x).astype(int)):
             if not v:
                 continue
             if kind == "r":
