@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from slimact.bench.cases import BenchPoint, ModelCase, Suite
 from slimact.bench.report import (
     load_results,
     model_table,
@@ -15,7 +16,7 @@ from slimact.bench.report import (
     shown_suites,
     write_report,
 )
-from slimact.bench.suites import BenchPoint, ModelCase, Suite, get_suite, suite_names
+from slimact.bench.suites import get_suite, suite_names
 
 MIB = 2**20
 

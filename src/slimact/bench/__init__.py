@@ -1,6 +1,7 @@
 """``slimact bench``: one command reproduces the benchmark report (issue #9).
 
-A *suite* (``quick`` | ``full`` | ``gpu``, :mod:`slimact.bench.suites`) lists models and points
+A *suite* (``quick`` | ``full`` | ``gpu`` | ``compiled``, :mod:`slimact.bench.suites`; what it is
+made of, :mod:`slimact.bench.cases`) lists models and points
 (strategies, and plain-PyTorch *anchors*, :mod:`slimact.bench.anchors`). The runner
 (:mod:`slimact.bench.runner`) measures every point of a model case in one process, baseline
 first: saved bytes (meter), the loss head's share, peak memory over a step (:mod:`slimact.peak`),
@@ -15,9 +16,10 @@ rebuilds BENCHMARKS.md (:mod:`slimact.bench.document`).
     slimact bench --report-only
 """
 
+from slimact.bench.cases import BenchPoint, ModelCase, Suite
 from slimact.bench.report import pareto_front, render, write_report
 from slimact.bench.runner import run_suite
-from slimact.bench.suites import SUITES, BenchPoint, ModelCase, Suite, get_suite, suite_names
+from slimact.bench.suites import SUITES, get_suite, suite_names
 
 __all__ = [
     "SUITES",

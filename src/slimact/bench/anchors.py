@@ -37,7 +37,7 @@ import torch._functorch.config as functorch_config
 import torch.nn as nn
 
 from slimact import sites
-from slimact.bench.suites import ANCHORS
+from slimact.bench.cases import ANCHORS
 from slimact.checkpointing import checkpointed
 from slimact.compiled import own_code
 from slimact.patching import override_forward, run_all

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from slimact.bench.suites import HF_MODELS, MASK_TOKEN_ID, ModelCase
+from slimact.bench.cases import HF_MODELS, MASK_TOKEN_ID, ModelCase
 from slimact.data import BatchLoader, ByteTokenizer, fixed_batches
 from slimact.hf_inputs import lm_loss, mlm_batch
 from slimact.models import build_model

@@ -53,7 +53,7 @@ import torch
 from slimact import sites
 from slimact.bench import anchors
 from slimact.bench.case_data import Data, build, loss_fn, train_point
-from slimact.bench.suites import BenchPoint, ModelCase, Suite
+from slimact.bench.cases import BenchPoint, ModelCase, Suite
 from slimact.bench.timing_phase import Live, release, time_case
 from slimact.compare import grad_cosine, grads_of, measured_step, train_step_fn
 from slimact.data import load_data

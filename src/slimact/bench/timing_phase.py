@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from slimact.bench.suites import ModelCase
+from slimact.bench.cases import ModelCase
 from slimact.timing import interleaved
 
 Log = Callable[[str], None]
