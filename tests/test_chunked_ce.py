@@ -18,13 +18,8 @@ from slimact.bench.runner import head_bytes
 from slimact.compare import grad_cosine
 from slimact.models import build_model
 from slimact.ops import chunked_ce_triton as tri
-from slimact.ops.chunked_ce import (
-    MODES,
-    ce_grad_ref_,
-    ce_stats_ref,
-    chunked_linear_cross_entropy,
-    default_chunk_size,
-)
+from slimact.ops.chunked_ce import MODES, chunked_linear_cross_entropy, default_chunk_size
+from slimact.ops.chunked_ce_loop import ce_grad_ref_, ce_stats_ref
 from slimact.reformulate.head import ChunkedCEConfig
 from slimact.registry import resolve
 

@@ -23,10 +23,9 @@ from slimact.ops.inv_act import (
     inv_act_fwd_triton,
     inv_gelu,
     inv_silu,
-    pack_bits_ref,
     triton_available,
-    unpack_bits_ref,
 )
+from slimact.ops.inv_act_ref import pack_bits_ref, unpack_bits_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels' device (real or interpreted)
 KINDS = ap.KINDS

@@ -8,7 +8,8 @@ import torch.nn as nn
 import slimact
 from slimact.modules import InvGELU, InvSiLU
 from slimact.ops import inv_act_approx as ap
-from slimact.ops.inv_act import act_ref, inv_act, near_code_ref, near_decode_ref
+from slimact.ops.inv_act import act_ref, inv_act
+from slimact.ops.inv_act_ref import near_code_ref, near_decode_ref
 from slimact.reformulate import InvActConfig
 from slimact.registry import resolve
 

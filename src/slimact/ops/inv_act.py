@@ -32,7 +32,8 @@ Paths: CUDA tensors with triton installed run the Triton kernels (``ops.inv_act_
 CPU under ``TRITON_INTERPRET=1`` with ``backend="triton"``; none for ``near-branch``). CPU tensors of
 ≥ ``MIN_NUMEL`` elements run the refs compiled by inductor (``ops.inv_act_compiled``: one fused
 loop instead of ~150 small eager ops; the backward reads g from ``inv_act_approx.newton_table``);
-``backend="torch"`` runs the ``*_ref`` functions eagerly (the reference the tests hold all to).
+``backend="torch"`` runs the ``*_ref`` functions eagerly (``ops.inv_act_ref``: the reference the
+tests hold all to, and the side channel's encodings).
 
 ``torch.compile``: under dynamo, CPU tensors the eager path would run through the table
 (``MIN_NUMEL`` elements or more, bitmask, newton, not fp64) go through ``ops.inv_act_traced``: an
@@ -52,29 +53,18 @@ import torch.nn.functional as F
 
 from slimact import sites
 from slimact.ops import inv_act_compiled, inv_act_traced
-from slimact.ops.inv_act_approx import (
-    BRANCH,
-    KINDS,
-    MODES,
-    act_ref,
-    dinv_ref,
-    dinv_table,
-    f_q_df,
-    newton_table,
+from slimact.ops.inv_act_approx import KINDS, MODES, act_ref, newton_table
+from slimact.ops.inv_act_ref import (
+    HALF,
+    fwd_side_ref,
+    inv_act_bwd_dense,
+    inv_act_bwd_ref,
+    inv_act_fwd_ref,
 )
 
 VARIANTS = ("bitmask", "lsb", "near-branch")
 BACKENDS = ("auto", "torch", "inductor", "triton")
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_HALF = (torch.bfloat16, torch.float16)
-_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-# 16-bit pattern of T rounded to each half dtype, as a signed int (the near-branch code's origin)
-_T_BITS = {
-    (k, dt): int(torch.tensor(BRANCH[k].T, dtype=dt).view(torch.int16))
-    for k in KINDS
-    for dt in _HALF
-}
-NEAR_HALF_WIDTH = 126  # codes 2..255 <-> bit offsets -126..127 from T's pattern
 
 
 BF16_MODES = ("floor", "exact-near-branch")
@@ -85,7 +75,7 @@ def pick_variant(dtype: torch.dtype, variant: str, bf16: str) -> str:
     float16 inputs (autocast's included) to 'near-branch'; others keep ``variant``."""
     if bf16 not in BF16_MODES:
         raise ValueError(f"bf16 must be one of {BF16_MODES}, got {bf16!r}")
-    return "near-branch" if bf16 == "exact-near-branch" and dtype in _HALF else variant
+    return "near-branch" if bf16 == "exact-near-branch" and dtype in HALF else variant
 
 
 def _check(x: torch.Tensor, kind: str, mode: str, variant: str, backend: str) -> None:
@@ -106,104 +96,8 @@ def _check(x: torch.Tensor, kind: str, mode: str, variant: str, backend: str) ->
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if variant == "lsb" and x.dtype == torch.float64:
         raise TypeError("variant='lsb' supports float32, bfloat16 and float16, got float64")
-    if variant == "near-branch" and x.dtype not in _HALF:
+    if variant == "near-branch" and x.dtype not in HALF:
         raise TypeError(f"variant='near-branch' supports bfloat16 and float16, got {x.dtype}")
-
-
-# ----------------------------------------------------------------------------- references
-def pack_bits_ref(s: torch.Tensor) -> torch.Tensor:
-    """Bool tensor -> uint8 of ceil(n/8) bytes; element i is bit i % 8 of byte i // 8. Written
-    as 8 strided slices OR-ed together: pointwise over bytes, so inductor makes it one loop."""
-    flat = s.reshape(-1).to(torch.int32)
-    rows = F.pad(flat, (0, (-flat.numel()) % 8)).view(-1, 8)  # (ceil(n/8), 8)
-    out = rows[:, 0]
-    for k in range(1, 8):
-        out = out | (rows[:, k] << k)
-    return out.to(torch.uint8)
-
-
-def unpack_bits_ref(packed: torch.Tensor, n: int) -> torch.Tensor:
-    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
-    return ((packed.view(-1, 1) >> shifts) & 1).view(-1)[:n].bool()
-
-
-def set_lsb_ref(y: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    iv = y.view(_INT_VIEW[y.dtype])
-    return ((iv & ~1) | s.to(iv.dtype)).view(y.dtype)
-
-
-def get_lsb_ref(y: torch.Tensor) -> torch.Tensor:
-    return (y.view(_INT_VIEW[y.dtype]) & 1).bool()
-
-
-def near_code_ref(x: torch.Tensor, s: torch.Tensor, kind: str) -> torch.Tensor:
-    """x (*shape) bf16/fp16, s = [x < T] -> uint8 (*shape): 2 + 126 + (bits(x) − bits(T)) for
-    the 254 values nearest T (same sign, so the bit offset is monotone in |x|), else s."""
-    k = x.view(torch.int16).to(torch.int32) - _T_BITS[(kind, x.dtype)]
-    near = (k >= -NEAR_HALF_WIDTH) & (k <= NEAR_HALF_WIDTH + 1)
-    return torch.where(near, k + NEAR_HALF_WIDTH + 2, s.to(torch.int32)).to(torch.uint8)
-
-
-def near_decode_ref(code: torch.Tensor, kind: str, dtype: torch.dtype):
-    """uint8 code -> (s, near, x): x is exact where ``near`` (garbage elsewhere)."""
-    c = code.to(torch.int32)
-    bits = c - (NEAR_HALF_WIDTH + 2) + _T_BITS[(kind, dtype)]
-    x = bits.to(torch.int16).view(dtype)
-    near = c >= 2
-    return torch.where(near, x.float() < BRANCH[kind].T, c == 1), near, x
-
-
-def fwd_side_ref(x: torch.Tensor, y: torch.Tensor, kind: str, variant: str) -> torch.Tensor:
-    """What the forward keeps beside y = f(x): the packed bits, the near-branch code, or (lsb)
-    y with s in its last bit. x, y: (*shape); T compared in x's precision, not rounded to it."""
-    s = (x if x.dtype == torch.float64 else x.float()) < BRANCH[kind].T
-    if variant == "lsb":
-        return set_lsb_ref(y, s)
-    if variant == "near-branch":
-        return near_code_ref(x, s, kind).reshape(-1)  # (n,)
-    return pack_bits_ref(s)  # (ceil(n/8),)
-
-
-def inv_act_fwd_ref(x: torch.Tensor, kind: str, variant: str = "bitmask"):
-    """(y, side or None). y is torch's own f(x); for 'lsb' its last bit holds s."""
-    y = act_ref(x, kind)
-    side = fwd_side_ref(x, y, kind, variant)
-    return (side, None) if variant == "lsb" else (y, side)
-
-
-def _branch(y, side, kind: str, variant: str):
-    """(s, near, x): the branch bit of every element; for 'near-branch' also where x is stored
-    and its exact value (near and x are None otherwise)."""
-    if variant == "near-branch":
-        return near_decode_ref(side.view(y.shape), kind, y.dtype)
-    s = get_lsb_ref(y) if variant == "lsb" else unpack_bits_ref(side, y.numel()).view(y.shape)
-    return s, None, None
-
-
-def _dx(dy, g, near, x, kind: str) -> torch.Tensor:
-    if near is not None:
-        g = torch.where(near, f_q_df(x.float(), kind)[2], g)  # torch's own f'(x), in fp32
-    return (dy.to(g.dtype) * g).to(dy.dtype)
-
-
-def inv_act_bwd_ref(dy, y, side, kind: str, mode: str = "newton", variant: str = "bitmask"):
-    """dy, y: (*shape), side as the forward returned it -> dx (*shape)."""
-    s, near, x = _branch(y, side, kind, variant)
-    return _dx(dy, dinv_ref(y, s, kind, mode), near, x, kind)
-
-
-def inv_act_bwd_dense(dy8, y8, side, table, *, kind: str, mode: str, variant: str):
-    """:func:`inv_act_bwd_ref` in pointwise form, what inductor compiles (``inv_act_compiled``):
-    dy8, y8: (ceil(n/8), 8), zero-padded; side: packed (ceil(n/8),), code (ceil(n/8), 8) or
-    None. Row j holds byte j's 8 bits, so unpacking is a broadcast, not a gather; mode 'newton'
-    reads g from ``table`` (``inv_act_approx.newton_table``) instead of solving."""
-    if variant == "bitmask":
-        shifts = torch.arange(8, device=y8.device, dtype=torch.int32)
-        s, near, x = ((side.view(-1, 1).to(torch.int32) >> shifts) & 1).bool(), None, None
-    else:
-        s, near, x = _branch(y8, side, kind, variant)
-    g = dinv_ref(y8, s, kind, mode) if mode == "paper" else dinv_table(y8, s, kind, table)
-    return _dx(dy8, g, near, x, kind)
 
 
 # ----------------------------------------------------------------------------- dispatch

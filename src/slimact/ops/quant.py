@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from slimact.ops.quant_triton import kernels
+
 BACKENDS = ("auto", "ref", "triton")
 _TINY = 1e-30
 _CHANNEL_BLOCK = 1024
@@ -222,83 +224,8 @@ def quantize_channelwise_ref(
     return Quantized(_pack(u, n, bits), scale, None, counts, n, bits, 0, channels=c)
 
 
-# ----------------------------------------------------------------------------- Triton
-
-
-@functools.cache
-def _kernels():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def quant_kernel(X, KEEP, INV, Q, S, OFF, NF, N, C, div,
-                     BLOCK: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
-                     HAS_KEEP: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                     LO: tl.constexpr, HI: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
-        # one program = one group (or one block of BLOCK values in channel mode), seen as
-        # [BLOCK/2, 2] pairs so INT4 packing is a row reduction
-        pid = tl.program_id(0)
-        rows = tl.arange(0, BLOCK // 2)
-        cols = tl.arange(0, 2)
-        offs = pid * BLOCK + rows[:, None] * 2 + cols[None, :]  # [BLOCK/2, 2]
-        mask = offs < N
-        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        finite = (x == x) & (tl.abs(x) != float("inf"))
-        x = tl.where(finite, x, 0.0)
-        if HAS_KEEP:
-            keep = tl.load(KEEP + offs % C, mask=mask, other=0)
-            x = tl.where(keep != 0, x, 0.0)
-        if PER_CHANNEL:
-            v = x * tl.load(INV + offs % C, mask=mask, other=0.0)
-        else:
-            if SYM:
-                scale = tl.div_rn(tl.max(tl.max(tl.abs(x), axis=1), axis=0), div)
-                off = 0.0
-            else:
-                mx = tl.max(tl.max(tl.where(mask, x, -float("inf")), axis=1), axis=0)
-                mn = tl.min(tl.min(tl.where(mask, x, float("inf")), axis=1), axis=0)
-                off = (mx + mn) * 0.5
-                scale = tl.div_rn(mx - mn, div)
-                tl.store(OFF + pid, off)
-            tl.store(S + pid, scale)
-            nbad = tl.sum(tl.sum((mask & (finite == 0)).to(tl.int32), axis=1), axis=0)
-            tl.store(NF + pid, nbad)
-            inv = tl.where(scale > 0, tl.div_rn(1.0, tl.maximum(scale, 1e-30)), 0.0)
-            v = (x - off) * inv
-        r = tl.minimum(tl.maximum(tl.floor(v + 0.5), LO), HI)
-        u = r.to(tl.int32) + BIAS
-        if BITS == 4:
-            byte = tl.sum(u * tl.where(cols == 0, 1, 16)[None, :], axis=1)  # lo | hi << 4
-            bmask = (pid * BLOCK + rows * 2) < N
-            tl.store(Q + pid * (BLOCK // 2) + rows, byte.to(tl.uint8), mask=bmask)
-        else:
-            tl.store(Q + offs, u.to(tl.uint8), mask=mask)
-
-    @triton.jit
-    def dequant_kernel(Q, S, OFF, Y, N, C,
-                       BLOCK: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
-                       PER_CHANNEL: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
-        pid = tl.program_id(0)
-        rows = tl.arange(0, BLOCK // 2)
-        cols = tl.arange(0, 2)
-        offs = pid * BLOCK + rows[:, None] * 2 + cols[None, :]  # [BLOCK/2, 2]
-        mask = offs < N
-        if BITS == 4:
-            bmask = (pid * BLOCK + rows * 2) < N
-            b = tl.load(Q + pid * (BLOCK // 2) + rows, mask=bmask, other=0).to(tl.int32)
-            u = tl.where(cols[None, :] == 0, (b & 15)[:, None], (b >> 4)[:, None])
-        else:
-            u = tl.load(Q + offs, mask=mask, other=0).to(tl.int32)
-        code = (u - BIAS).to(tl.float32)
-        if PER_CHANNEL:
-            y = code * tl.load(S + offs % C, mask=mask, other=0.0)
-        else:
-            y = code * tl.load(S + pid)
-            if not SYM:
-                y = y + tl.load(OFF + pid)
-        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
-
-    return quant_kernel, dequant_kernel
+# ----------------------------------------------------------------------------- Triton launchers
+# (the kernels: slimact.ops.quant_triton)
 
 
 def quantize_triton(
@@ -310,7 +237,7 @@ def quantize_triton(
     keep_cols: torch.Tensor | None = None,
 ) -> Quantized:
     """Triton twin of :func:`quantize_ref` (same codes, scales and counts)."""
-    quant_kernel, _ = _kernels()
+    quant_kernel, _ = kernels()
     x = x.contiguous().view(-1)
     n, gs = x.numel(), group_size
     groups = -(-n // gs)
@@ -335,7 +262,7 @@ def quantize_channelwise_triton(
     x2d: torch.Tensor, bits: int = 4, paper_scale: bool = False
 ) -> Quantized:
     """Triton twin of :func:`quantize_channelwise_ref` (scales from the same torch reduction)."""
-    quant_kernel, _ = _kernels()
+    quant_kernel, _ = kernels()
     n, c = x2d.numel(), x2d.shape[1]
     lo, hi, bias = _limits(bits)
     scale, counts = channel_scale(x2d, bits, paper_scale)
@@ -353,7 +280,7 @@ def quantize_channelwise_triton(
 
 def dequantize_triton(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Triton twin of :func:`dequantize_ref`."""
-    _, dequant_kernel = _kernels()
+    _, dequant_kernel = kernels()
     n = q.numel
     y = torch.empty(n, dtype=dtype, device=q.codes.device)
     if n == 0:

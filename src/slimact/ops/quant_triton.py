@@ -1,0 +1,96 @@
+"""Triton kernels of ``slimact.ops.quant``: quantize+pack and unpack+dequantize, one program
+per group (or per ``BLOCK`` values in channel-wise mode).
+
+``quant_kernel`` reads a group as ``[BLOCK/2, 2]`` pairs, so INT4 packing (even element in the low
+nibble) is a row reduction; it zeroes non-finite values and ``keep`` columns, writes the group's
+fp32 scale (and offset, asymmetric) and its count of non-finite values, then the biased codes.
+``dequant_kernel`` is its inverse. ``quant.py`` launches them (``quantize_triton`` & co.) and
+holds the ``*_ref`` twins they match bit for bit.
+
+``triton`` is optional (``slimact[gpu]``): it is imported, and the kernels defined, on the first
+call of :func:`kernels`, so ``TRITON_INTERPRET=1`` set by a test is read then.
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.cache
+def kernels():
+    """(quant_kernel, dequant_kernel), defined on first use (see the module docstring)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def quant_kernel(X, KEEP, INV, Q, S, OFF, NF, N, C, div,
+                     BLOCK: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
+                     HAS_KEEP: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                     LO: tl.constexpr, HI: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
+        # one program = one group (or one block of BLOCK values in channel mode), seen as
+        # [BLOCK/2, 2] pairs so INT4 packing is a row reduction
+        pid = tl.program_id(0)
+        rows = tl.arange(0, BLOCK // 2)
+        cols = tl.arange(0, 2)
+        offs = pid * BLOCK + rows[:, None] * 2 + cols[None, :]  # [BLOCK/2, 2]
+        mask = offs < N
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        finite = (x == x) & (tl.abs(x) != float("inf"))
+        x = tl.where(finite, x, 0.0)
+        if HAS_KEEP:
+            keep = tl.load(KEEP + offs % C, mask=mask, other=0)
+            x = tl.where(keep != 0, x, 0.0)
+        if PER_CHANNEL:
+            v = x * tl.load(INV + offs % C, mask=mask, other=0.0)
+        else:
+            if SYM:
+                scale = tl.div_rn(tl.max(tl.max(tl.abs(x), axis=1), axis=0), div)
+                off = 0.0
+            else:
+                mx = tl.max(tl.max(tl.where(mask, x, -float("inf")), axis=1), axis=0)
+                mn = tl.min(tl.min(tl.where(mask, x, float("inf")), axis=1), axis=0)
+                off = (mx + mn) * 0.5
+                scale = tl.div_rn(mx - mn, div)
+                tl.store(OFF + pid, off)
+            tl.store(S + pid, scale)
+            nbad = tl.sum(tl.sum((mask & (finite == 0)).to(tl.int32), axis=1), axis=0)
+            tl.store(NF + pid, nbad)
+            inv = tl.where(scale > 0, tl.div_rn(1.0, tl.maximum(scale, 1e-30)), 0.0)
+            v = (x - off) * inv
+        r = tl.minimum(tl.maximum(tl.floor(v + 0.5), LO), HI)
+        u = r.to(tl.int32) + BIAS
+        if BITS == 4:
+            byte = tl.sum(u * tl.where(cols == 0, 1, 16)[None, :], axis=1)  # lo | hi << 4
+            bmask = (pid * BLOCK + rows * 2) < N
+            tl.store(Q + pid * (BLOCK // 2) + rows, byte.to(tl.uint8), mask=bmask)
+        else:
+            tl.store(Q + offs, u.to(tl.uint8), mask=mask)
+
+    @triton.jit
+    def dequant_kernel(Q, S, OFF, Y, N, C,
+                       BLOCK: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
+                       PER_CHANNEL: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
+        pid = tl.program_id(0)
+        rows = tl.arange(0, BLOCK // 2)
+        cols = tl.arange(0, 2)
+        offs = pid * BLOCK + rows[:, None] * 2 + cols[None, :]  # [BLOCK/2, 2]
+        mask = offs < N
+        if BITS == 4:
+            bmask = (pid * BLOCK + rows * 2) < N
+            b = tl.load(Q + pid * (BLOCK // 2) + rows, mask=bmask, other=0).to(tl.int32)
+            u = tl.where(cols[None, :] == 0, (b & 15)[:, None], (b >> 4)[:, None])
+        else:
+            u = tl.load(Q + offs, mask=mask, other=0).to(tl.int32)
+        code = (u - BIAS).to(tl.float32)
+        if PER_CHANNEL:
+            y = code * tl.load(S + offs % C, mask=mask, other=0.0)
+        else:
+            y = code * tl.load(S + pid)
+            if not SYM:
+                y = y + tl.load(OFF + pid)
+        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+    return quant_kernel, dequant_kernel
+
+
+__all__ = ["kernels"]
