@@ -337,6 +337,17 @@ def test_select_keeps_baseline():
     ]
 
 
+def test_compiled_suite_takes_every_strategy_in_its_compiled_form():
+    s = get_suite("quick").select(["llama-20m"], ["invact", "int4", "prac", "auto@25%"])
+    c = s.compiled()
+    assert c.name == "quick-compiled" and "left out (no compiled form): prac" in c.description
+    names = [p.name for p in c.cases[0].points]
+    assert names == ["none", "compiled-none", "invact+compiled-none", "compiled-int4",
+                     "compiled-auto@25%"]  # fmt: skip
+    anchors = get_suite("quick").select(["llama-20m"], ["anchor:torch-checkpoint"]).compiled()
+    assert [p.name for p in anchors.cases[0].points][-1] == "anchor:torch-checkpoint"
+
+
 def test_tiny_real_run_writes_schema_valid_json(tmp_path, isolated_cache, one_thread):
     from slimact.bench.runner import run_suite
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from slimact.models import get_spec, model_names
+from slimact.registry import compiled_spec
 from slimact.strategies import resolve
 
 ANCHORS = ("torch-checkpoint", "compile-budget", "save-on-cpu")
@@ -226,3 +227,28 @@ class Suite:
             if not cases:
                 raise ValueError(f"no model of suite {self.name!r} has the points {points}")
         return replace(self, cases=tuple(cases))
+
+    def compiled(self) -> Suite:
+        """``slimact bench SUITE --compile``: every strategy point in its compiled form
+        (``registry.compiled_spec``: ``auto@25%`` -> ``compiled-auto@25%``, ``int8`` ->
+        ``compiled-int8``, ``invact`` -> ``invact+compiled-none``), beside eager ``none`` (the
+        baseline every ratio is taken against), ``compiled-none`` and the anchors. A strategy
+        with no compiled form (e.g. ``prac``) is left out, and the description says so."""
+        cases, dropped = [], set()
+        for c in self.cases:
+            names = ["none", "compiled-none"]
+            for p in c.points[1:]:
+                try:
+                    name = p.name if p.is_anchor else compiled_spec(p.name)
+                except ValueError:
+                    dropped.add(p.name)
+                    continue
+                if name not in names:
+                    names.append(name)
+            cases.append(replace(c, points=tuple(names)))
+        note = "; compiled forms (--compile)"
+        if dropped:
+            note += f"; left out (no compiled form): {', '.join(sorted(dropped))}"
+        return replace(
+            self, name=f"{self.name}-compiled", description=self.description + note, cases=cases
+        )

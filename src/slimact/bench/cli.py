@@ -4,6 +4,7 @@
     slimact bench full --threads 2       # about an hour on a 2-core CPU
     slimact bench gpu                    # on a GPU (cuda, bf16 autocast)
     slimact bench quick --only-models llama-20m --only-strategies invact,int4
+    slimact bench quick --compile        # every strategy in its compiled form, beside the anchors
     slimact bench --report-only          # regenerate the report from existing JSON
 
 ``python -m slimact.bench ...`` takes the same arguments.
@@ -21,6 +22,7 @@ import torch
 from slimact.bench.report import write_report
 from slimact.bench.runner import default_results_dir, run_suite
 from slimact.bench.suites import get_suite, suite_names
+from slimact.registry import add_compile_argument
 
 
 def _csv(s: str) -> list[str]:
@@ -56,6 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data", default=None, help="a .txt/.jsonl file or folder instead of the corpus"
     )
+    add_compile_argument(p)
 
 
 def report_paths(out_dir: Path) -> tuple[Path, Path | None]:
@@ -79,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
         if args.only_models or args.only_strategies:
             suite = suite.select(args.only_models, args.only_strategies)
             selection = {"models": args.only_models, "points": args.only_strategies}
+        if args.compile:  # after the selection, which names the suite's own points
+            suite = suite.compiled()
         torch.set_num_threads(args.threads or os.cpu_count() or 1)
         command = "slimact bench " + " ".join(
             sys.argv[1:] if sys.argv[1:2] != ["bench"] else sys.argv[2:]
