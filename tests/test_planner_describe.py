@@ -1,4 +1,5 @@
-"""planner/describe: every registered strategy yields a Plan in the one action vocabulary."""
+"""planner/describe: every registered strategy yields a Plan in the one action vocabulary,
+compiled blocks included."""
 
 from __future__ import annotations
 
@@ -11,17 +12,30 @@ import slimact
 from slimact import actions
 from slimact.cli import main
 from slimact.planner.describe import describe
-from slimact.planner.plan import Plan
+from slimact.planner.plan import LayerPlan, Plan
 from slimact.registry import strategy_names
 
-# what each needs besides llama-tiny: cola/cola-m a CoLA model; plan a solved Plan; auto* and
-# compiled-* run (profile / compile) for tens of seconds: one of each, marked slow
+# what each needs besides llama-tiny: cola/cola-m a CoLA model; auto* and compiled-* run (profile
+# / compile) for tens of seconds: one of each, marked slow
 SPECIAL = {"cola": "cola-tiny", "cola-m": "cola-tiny"}
 SLOW = {"auto@10%", "auto@50%", "compiled-none", "compiled-int8", "compiled-int4"}
 SLOW |= {"compiled-recompute"}
-# need a Plan object / a budget: the auto@25% case covers the first two; compiled-auto is
-# tests/test_planner_compiled.py's
-SKIP = {"plan", "auto", "compiled-auto"}
+# registered names that carry no budget or plan of their own: described with one (compiled-auto:
+# two options per block, one timing round, ~10 s; its choices depend on measured times, so the
+# meter check below does not rerun it)
+BUDGETED = {
+    "auto": "auto@30%,repeats=1",
+    "compiled-auto": "compiled-auto@50%,rounds=1,budgets=1/0,codecs=none/int8",
+}
+PLANNED = ("plan", "auto")  # describe returns the plan the runtime runs: a prediction
+
+
+def _plan() -> Plan:
+    """What strategy ``plan`` applies: a solved plan (here by hand: MLPs recomputed, q_proj's
+    input through INT8, in llama-tiny's two blocks)."""
+    rows = {"recompute": ("mlp",), "codecs": (("int8", ("self_attn.q_proj:linear#0",)),)}
+    blocks = tuple(LayerPlan(block=f"layers.{i}", kind="LlamaBlock", **rows) for i in range(2))
+    return Plan("llama-tiny", 2, 32, "float32", budget="1GiB", budget_bytes=2**30, layers=blocks)
 
 
 def _model(name: str) -> torch.nn.Module:
@@ -31,8 +45,6 @@ def _model(name: str) -> torch.nn.Module:
 
 def _params():
     for s in strategy_names():
-        if s in SKIP:
-            continue
         marks = [pytest.mark.slow] if s in SLOW else []
         yield pytest.param(s, marks=marks, id=s)
 
@@ -42,11 +54,12 @@ def ids():
     return torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("spec", [*_params(), pytest.param("invact+int4", id="invact+int4")])
-def test_every_strategy_describes_itself_as_a_plan(spec, ids):
-    model_name = SPECIAL.get(spec, "llama-tiny")
+@pytest.mark.parametrize("name", [*_params(), pytest.param("invact+int4", id="invact+int4")])
+def test_every_strategy_describes_itself_as_a_plan(name, ids):
+    model_name = SPECIAL.get(name, "llama-tiny")
     if model_name not in slimact.models.model_names():
         pytest.fail(f"{model_name} is not a registered model")
+    spec = _plan() if name == "plan" else BUDGETED.get(name, name)
     model = _model(model_name)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     plan = describe(model, spec, ids, name=model_name)
@@ -54,17 +67,36 @@ def test_every_strategy_describes_itself_as_a_plan(spec, ids):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # untouched
     acts = plan.site_actions()
     assert acts and {actions.parse(a).kind for a in acts.values()} <= set(actions.KINDS)
-    if not spec.startswith(("auto", "compiled-")):  # measured: rows add up to the totals
+    planned = name in PLANNED or name.startswith("auto@")
+    if not planned:  # measured: rows add up to the totals
         assert dict(plan.meta)["describes"] == spec
         assert sum(lp.predicted_bytes for lp in plan.layers) == plan.predicted_bytes
         assert sum(lp.baseline_bytes for lp in plan.layers) == plan.baseline_bytes
-    m = slimact.apply(_model(model_name), spec)
-    with slimact.measure(m) as meter:
-        m(ids, targets=ids).loss.backward()
-    if not spec.startswith("auto"):
+    if name.startswith("compiled-"):
+        _check_compiled_rows(plan)
+    if not planned and name != "compiled-auto":  # (its choices follow measured times)
+        m = slimact.apply(_model(model_name), spec)
+        with slimact.measure(m) as meter:
+            m(ids, targets=ids).loss.backward()
         assert plan.predicted_bytes == meter.report.total_bytes  # the meter's count, not a guess
     assert Plan.from_dict(plan.to_dict()).site_actions() == acts  # JSON round trip
     assert plan.table()
+
+
+def _check_compiled_rows(plan: Plan) -> None:
+    """Each compiled block: reformulated as a whole, its eager sites 0 bytes, its graphs' saves
+    (``:compiled#k``) carrying the bytes, named by the block's codec where it encodes."""
+    blocks = [lp for lp in plan.layers if lp.block]
+    assert blocks and all(", compiled " in lp.kind for lp in blocks)
+    for lp in blocks:
+        assert lp.reform_action("") == "reformulate:compiled" and "" in lp.reform
+        graph = [(a, after) for n, a, _, after in lp.storages if n.startswith(":compiled#")]
+        eager = [(a, after) for n, a, _, after in lp.storages if not n.startswith(":compiled#")]
+        assert graph and sum(b for _, b in graph) == lp.predicted_bytes > 0
+        assert eager and all(e == ("reformulate:compiled", 0) for e in eager)
+        codec = next((p for p in lp.kind.split("+") if "codec:" in p), None)
+        coded = {a for a, _ in graph} - {"keep"}
+        assert coded == ({codec.split(" ")[-1]} if codec else set()), (lp.kind, coded)
 
 
 def test_recompute_rows_and_checkpoint_inputs(ids):

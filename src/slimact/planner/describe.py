@@ -17,6 +17,16 @@ with the bytes before (``none``) and after (the strategy) measured, not predicte
 ``meta["describes"]`` names the strategy and ``slimact.apply`` refuses it (apply the strategy
 itself), since its codec labels may carry per-site parameters that only the strategy's rules
 reproduce. ``slimact plan --strategy NAME`` prints it with ``Plan.table``.
+
+A block compiled with its actions inside (``compiled-none`` / ``-int8`` / ``-int4`` /
+``-recompute``, ``compiled-auto``; ``slimact.compiled``) saves what its compiled graphs keep, not
+what its eager ops would: its eager sites become ``reformulate:compiled`` with 0 bytes (the block
+as a whole is ``reformulate:compiled``), and what the graphs save are the meter's
+``<block>:compiled#k`` rows, ``keep`` or ``codec:compiled-<codec>`` (the block's traced codec;
+the meter tells a payload by its integer dtype, so a codec's fp32 scales show as ``keep``).
+The block's kind names its choice, e.g. ``LlamaBlock, compiled recompute/budget=0.5+codec:
+compiled-int8``. For ``compiled-auto`` the choices are the plan it solved on the step's batch;
+its eager root's codec, if any, shows in the root's rows.
 """
 
 from __future__ import annotations
@@ -33,8 +43,11 @@ from slimact.meter import MemoryReport, measure
 from slimact.planner.apply import runtime_of
 from slimact.planner.plan import LayerPlan, Plan, rel_site
 from slimact.registry import StrategyConfig, applied, apply, resolve
+from slimact.state import peek
 
 RECOMPUTING = ("recompute", "cola-m")  # AppliedChange actions that checkpoint their module
+COMPILING = "compile"  # the AppliedChange action of a block compiled by slimact.compiled
+COMPILED = actions.reformulate("compiled")  # an eager site of a compiled block
 
 
 Forward = Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (model, token ids) -> loss
@@ -69,6 +82,24 @@ def _under(module: str, paths: set[str]) -> str | None:
     return None
 
 
+def _compiled_blocks(model: nn.Module) -> dict[str, str]:
+    """block path -> its choice's label (``BlockChoice.label``) for the blocks compiled with
+    their actions inside: the ``compile`` changes, and the choices of a plan ``compiled-auto``
+    solved on the first training forward (its changes are made then, not at ``apply``)."""
+    out = {c.path: c.detail for c in applied(model) if c.action == COMPILING and not c.skipped}
+    plan = getattr(peek(model), "compiled_plan", None)
+    out.update({path: choice.label for path, choice in getattr(plan, "choices", {}).items()})
+    return out
+
+
+def _compiled_row(action: str, label: str) -> str:
+    """A compiled region's save: the meter's ``codec:compiled`` named by the block's codec."""
+    codec = next((p for p in label.split("+") if p.startswith(actions.CODEC + ":")), None)
+    if codec is not None and action == actions.codec("compiled"):
+        return codec
+    return action
+
+
 def describe(
     model: nn.Module,
     strategy: str | StrategyConfig,
@@ -84,9 +115,10 @@ def describe(
     base = _step(copy.deepcopy(model), ids, forward)
     work = apply(copy.deepcopy(model), strategy)
     report = _step(work, ids, forward)
+    compiled = _compiled_blocks(work)
     runtime = runtime_of(work)
-    if runtime is not None and runtime.plan is not None:
-        return runtime.plan  # auto / a Plan: the plan it runs
+    if runtime is not None and runtime.plan is not None and not compiled:
+        return runtime.plan  # auto / a Plan: the plan it runs (compiled-auto's: its root only)
     changes = [c for c in applied(work) if not c.skipped and c.path]
     recomputed = {c.path for c in changes if c.action in RECOMPUTING}
     reformed = {
@@ -100,6 +132,8 @@ def describe(
     for site, (block, _, b) in before.items():
         if site in after:
             action, a = after[site][1], after[site][2]
+        elif block in compiled:  # the block's compiled graphs save instead (their own rows)
+            action, a = COMPILED, 0
         elif (p := _under(modules[site], set(reformed))) is not None:
             action, a = actions.reformulate(actions.reform_op(reformed[p])), 0
         elif _under(modules[site], recomputed) is not None:
@@ -109,6 +143,8 @@ def describe(
         rows.setdefault(block, []).append((rel_site(site, block), action, b, a))
     for site, (block, action, a) in after.items():
         if site not in before:  # saved only under the strategy: checkpoint inputs, new ops
+            if block in compiled:  # what a compiled block's graphs save: <block>:compiled#k
+                action = _compiled_row(action, compiled[block])
             rows.setdefault(block, []).append((rel_site(site, block), action, 0, a))
     named = dict(work.named_modules())
     blocks = {b for b in rows if b}
@@ -124,16 +160,21 @@ def describe(
             return rel_site(path, block) if block else path
 
         mine = {p for p in (*recomputed, *reformed) if owner(p) == block}
+        reform = sorted((rel(p), reformed[p]) for p in mine & set(reformed))
+        kind = type(named[block]).__name__ if block else "(root)"
+        if block in compiled:  # the whole block runs as compiled graphs
+            reform = [("", "compiled"), *reform]
+            kind = f"{kind}, compiled {compiled[block]}"
         layers.append(
             LayerPlan(
                 block=block,
-                kind=type(named[block]).__name__ if block else "(root)",
+                kind=kind,
                 recompute=tuple(sorted(rel(p) for p in mine & recomputed)),
-                reform=tuple(sorted(rel(p) for p in mine & set(reformed))),
+                reform=tuple(p for p, _ in reform),
                 storages=r,
                 baseline_bytes=sum(x[2] for x in r),
                 predicted_bytes=sum(x[3] for x in r),
-                reform_kinds=tuple(sorted((rel(p), reformed[p]) for p in mine & set(reformed))),
+                reform_kinds=tuple(reform),
             )
         )
     dtype = next((p.dtype for p in model.parameters()), torch.float32)
