@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -79,15 +79,16 @@ class Branch:
     T: float
     fT: float
     C: float
+    # fT rounded to fp32 (nearest) and the remainder: computed once here, plain floats in the
+    # traced code (torch 2.13's dynamo recursed without end through its struct.pack polyfill
+    # when this rounding ran inside a compiled ref, and the CPU path silently fell back to eager)
+    fT_hi: float = field(init=False)
+    fT_lo: float = field(init=False)
 
-    @property
-    def fT_hi(self) -> float:
-        # fT rounded to fp32 (nearest), in plain Python: traceable (no tensor, no host sync)
-        return struct.unpack("f", struct.pack("f", self.fT))[0]
-
-    @property
-    def fT_lo(self) -> float:
-        return self.fT - self.fT_hi
+    def __post_init__(self) -> None:
+        hi = struct.unpack("f", struct.pack("f", self.fT))[0]
+        object.__setattr__(self, "fT_hi", hi)
+        object.__setattr__(self, "fT_lo", self.fT - hi)
 
     @property
     def K(self) -> float:
