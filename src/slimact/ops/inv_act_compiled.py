@@ -5,13 +5,16 @@ each a full pass over memory (plus boolean-mask gathers): on llama-20m it made t
 step ~1.5× slower than strategy ``none`` on one CPU thread. ``call(fn, *tensors, **static)``
 runs ``fn`` compiled by inductor instead: one fused, vectorized loop per call.
 
-* compiled once per (function, static arguments) — kind, mode, variant —, lazily at first use,
-  never at import; ``dynamic=True`` (callers pass flat tensors, so one symbolic size serves every
-  shape) and ``fullgraph=True`` (the refs are written without graph breaks: ``dense=True``
-  selects the pointwise Newton form).
+* compiled once per key, lazily at first use, never at import; the key is the function, its
+  static arguments (kind, mode, variant) and what dynamo would otherwise recompile for: the
+  tensors' dtypes and storage layout (contiguous, or a view), grad mode and autocast state.
+  ``dynamic=True`` (callers pass flat tensors, so one symbolic size serves every shape) and
+  ``fullgraph=True`` (the refs are written without graph breaks: ``dense=True`` selects the
+  pointwise Newton form).
 * each key gets its own copy of the function's code object, since dynamo keeps its cache (and
-  its recompile limit of 8) per code object: a process using every kind × mode × variant never
-  falls back to eager behind our back.
+  its recompile limit of 8) per code object: a process mixing dtypes, eval and training,
+  autocast on and off, never hits the limit and falls back to eager behind our back (a test
+  suite did, at the 9th variant of one function).
 * if compiling fails (no C++ compiler, an unsupported platform...), one warning, and from then
   on every call runs the eager reference.
 
@@ -49,9 +52,20 @@ def _bind(fn: Callable, static: dict) -> Callable:
     return types.FunctionType(code, bound.__globals__, code.co_name, None, bound.__closure__)
 
 
-def compiled(fn: Callable, **static) -> Callable:
-    """``fn`` with ``static`` bound, compiled by inductor (cached per (fn, static))."""
-    key = (fn, tuple(sorted(static.items())))
+def _state(tensors: tuple[torch.Tensor | None, ...]) -> tuple:
+    """What dynamo guards on besides sizes (module docstring): one code object per value."""
+    layout = tuple(
+        (t.dtype, t.is_contiguous(), t._base is not None) if isinstance(t, torch.Tensor) else t
+        for t in tensors
+    )
+    amp = tuple(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
+    return (layout, torch.is_grad_enabled(), amp)
+
+
+def compiled(fn: Callable, *tensors: torch.Tensor, **static) -> Callable:
+    """``fn`` with ``static`` bound, compiled by inductor (cached per (fn, static, the state
+    of ``tensors`` and of grad mode and autocast))."""
+    key = (fn, tuple(sorted(static.items())), _state(tensors))
     c = _COMPILED.get(key)
     if c is None:
         c = _COMPILED[key] = torch.compile(_bind(fn, static), dynamic=True, fullgraph=True)
@@ -62,7 +76,7 @@ def call(fn: Callable, *tensors: torch.Tensor, **static):
     """``fn(*tensors, **static)``, compiled; the eager ``fn`` if compiling is unavailable."""
     if _BROKEN:
         return fn(*tensors, **static)
-    c = compiled(fn, **static)
+    c = compiled(fn, *tensors, **static)
     try:
         return c(*tensors)
     except Exception as e:  # the compiler is optional: any failure of it means eager
