@@ -57,12 +57,7 @@ OPTIONAL: dict[str, str] = {
     "torch.distributed.checkpoint": "FSDP2 only; absent from torch builds without distributed",
 }
 # (module, imported module) of non-optional modules still imported inside a function
-LAZY_OTHER: dict[tuple[str, str], str] = {
-    ("slimact.compiled.codec", "torch._functorch.config"): (
-        "not moved yet: compiled/codec.py belongs to the compiled-planner change in progress; "
-        "move it to module level there and drop this entry"
-    ),
-}
+LAZY_OTHER: dict[tuple[str, str], str] = {}
 
 
 def _modules() -> dict[str, Path]:

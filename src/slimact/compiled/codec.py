@@ -53,6 +53,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch._functorch.config as functorch_config
 import torch.fx
 import torch.nn as nn
 
@@ -252,8 +253,6 @@ def resolve_codec(codec: CompiledCodec | str) -> CompiledCodec:
 @contextmanager
 def codec_hooks(codec: CompiledCodec | str):
     """Enter the traced pair (and its filtering mode): compiled calls inside inline the codec."""
-    import torch._functorch.config as functorch_config
-
     codec = resolve_codec(codec)
     pack, unpack = hook_pair(codec)
     with (
