@@ -16,6 +16,9 @@ Points, all in one process, fp32, one torch thread (unless --threads):
   compile, pack/unpack GraphModules inlined into the compiled graphs);
 * ``compiled-invact``: ``invact`` (inverted activations and norms as custom ops) then
   ``compile_blocks``: the reformulation inside compiled blocks;
+* ``compiled-invact-norms``: the same with norms only (``InvActConfig(ops=())``): under
+  inductor a SwiGLU block already keeps the SiLU input and recomputes its output, so inverting
+  SiLU saves nothing there;
 * ``compiled-auto@<x>%`` (``--auto``): the compiled planner (``slimact.planner.compiled``: one
   region budget and traced codec per block, by MILP over measured options) given as budget the
   bytes each compile anchor keeps (measured first, as a share of eager none's metered bytes),
@@ -52,6 +55,7 @@ from slimact.envinfo import machine_info
 from slimact.hf import compile_blocks, graph_breaks
 from slimact.models import build_model
 from slimact.planner.compiled import profile_compiled
+from slimact.reformulate import InvActConfig
 from slimact.state import state_of
 from slimact.strategies.compiled_auto import CompiledAutoConfig, plan_compiled
 from slimact.timing import interleaved, load_average
@@ -127,6 +131,9 @@ def run(args) -> dict:
     inv = slimact.apply(copy.deepcopy(base), "invact")
     compile_blocks(inv, backend="inductor")
     points["compiled-invact"] = Point(inv)
+    inv_norms = slimact.apply(copy.deepcopy(base), InvActConfig(ops=()))  # norms only
+    compile_blocks(inv_norms, backend="inductor")
+    points["compiled-invact-norms"] = Point(inv_norms)
     if args.auto:  # compiled-auto at each anchor's bytes (added after the anchors are measured)
         points["compiled-auto"] = None
     if args.only:  # eager-none stays: it is every ratio's baseline
@@ -191,7 +198,7 @@ def run(args) -> dict:
             rows[name]["step_ratio"] = timing.ratio(name, "eager-none").to_dict()
     anchors = ["compiled-none", *(f"compile-budget ({b})" for b in args.budgets)]
     pairs = [(a, b) for a in ("compiled-int8", "compiled-int4") for b in anchors]
-    pairs.append(("compiled-invact", "compiled-none"))
+    pairs += [("compiled-invact", "compiled-none"), ("compiled-invact-norms", "compiled-none")]
     for name, r in rows.items():  # each compiled-auto point against the anchor it was given
         if "anchor" in r:
             pairs += [(name, r["anchor"]), (name, "compiled-none")]
