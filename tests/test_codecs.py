@@ -1,5 +1,7 @@
 """Codec interface and registry, bit-packed masks, CPU offload, and saving through a codec."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -7,9 +9,10 @@ import torch.nn.functional as F
 
 import slimact
 from slimact import sites
-from slimact.codecs import CodecPolicy, get_codec, install_policy
-from slimact.codecs.base import Codec, codec_names
+from slimact.codecs import CodecPolicy, codec_config, codec_label, get_codec, install_policy
+from slimact.codecs.base import _CODECS, Codec, codec_names
 from slimact.codecs.bits import pack_bits, unpack_bits
+from slimact.codecs.build import build_codec
 from slimact.meter import measure
 from slimact.models import build_model
 
@@ -211,3 +214,63 @@ def test_router_nesting_policy_is_innermost_for_site_names():
     with sites.tracking(model):
         model(torch.randn(2, 16))
     assert names[0] == "q:linear#0"
+
+
+# ----------------------------------------------------------------------------- labels
+
+
+def test_every_registered_codec_label_round_trips():
+    names = list(_CODECS)  # ``import slimact`` registered every codec (PRAC's included)
+    assert "prac" in names
+    assert {"int4-token", "int8-token"} <= set(names)  # baselines: labels name them...
+    assert not {"int4-token", "int8-token"} & set(codec_names())  # ...the planner does not
+    for name in names:
+        cfg = codec_config(name)
+        assert codec_label(cfg) == name and codec_config(codec_label(cfg)) == cfg
+
+
+@pytest.mark.parametrize(
+    "label, fields",
+    [
+        ("int4-outlier/g32", {"group_size": 32}),
+        ("int4-asym/g16", {"group_size": 16, "symmetric": False}),
+        ("int4-outlier/g16,threshold=2.5,paper_scale=True", {"threshold": 2.5}),
+        ("int4-channel/paper_scale=True", {"paper_scale": True}),
+        ("int4/b8,g64", {"bits": 8, "group_size": 64}),
+        ("prac/r1=0.5", {"r1": 0.5}),
+        ("prac/r1=12,r2=0.1,k_scale=2.0", {"r1": 12, "r2": 0.1, "k_scale": 2.0}),
+        ("int4-token/paper_scale=False", {"paper_scale": False}),
+    ],
+)
+def test_parametrized_labels_round_trip(label, fields):
+    cfg = codec_config(label)
+    for k, v in fields.items():
+        got = getattr(cfg, k)
+        assert got == v and type(got) is type(v), (k, got)  # r1=12 stays an int (a rank)
+    back = codec_config(codec_label(cfg))
+    assert back == cfg
+    # the labeled form of any config with its unlabeled fields at their defaults reads back
+    wider = dataclasses.replace(cfg, **({"group_size": 8} if hasattr(cfg, "group_size") else {}))
+    assert codec_config(codec_label(wider)) == wider
+
+
+def test_bad_labels_say_why():
+    with pytest.raises(ValueError, match="unknown codec 'int3'"):
+        codec_config("int3/g16")
+    with pytest.raises(ValueError, match="'foo=1' is not a field of OutlierConfig"):
+        codec_config("int4-outlier/foo=1")
+    with pytest.raises(ValueError, match="twice"):
+        codec_config("int4/g16,group_size=32")
+    with pytest.raises(ValueError, match="threshold='x' is not a"):
+        codec_config("int4-outlier/threshold=x")
+    with pytest.raises(ValueError, match="group_size"):  # the config's own validation
+        codec_config("int4/g1")
+
+
+def test_build_codec_takes_labels_and_sizes_channels():
+    t = torch.randn(2, 8, 4, 16).transpose(1, 2)  # [B, H, S, Dh] view of [B, S, H, Dh]
+    codec = build_codec("int4-channel/paper_scale=True", t)
+    assert codec.config.channels == 64 and codec.config.paper_scale  # H * Dh
+    assert build_codec("int4-outlier/g32", t, channels=0).config.channels == 0
+    assert build_codec("int4-asym/g16", t).config.group_size == 16
+    assert get_codec("int4-outlier/g32").config.group_size == 32

@@ -4,6 +4,8 @@ from slimact.codecs.base import (
     Codec,
     CodecConfig,
     Packed,
+    codec_config,
+    codec_label,
     codec_name,
     codec_names,
     get_codec,
@@ -13,7 +15,7 @@ from slimact.codecs.base import (
 from slimact.codecs.saving import CodecPolicy, CodecStored, install_policy
 
 # Built-in codecs register themselves on import (get_codec("int4") works after importing this).
-from slimact.codecs import bits, offload, outlier, quant  # noqa: E402, F401  isort: skip
+from slimact.codecs import bits, offload, outlier, quant, token  # noqa: E402, F401  isort: skip
 
 __all__ = [
     "Codec",
@@ -21,6 +23,8 @@ __all__ = [
     "CodecPolicy",
     "CodecStored",
     "Packed",
+    "codec_config",
+    "codec_label",
     "codec_name",
     "codec_names",
     "get_codec",

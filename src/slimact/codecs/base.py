@@ -19,6 +19,10 @@ saving policy reports the site (``codecs.saving``). Never a wrong finite value i
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import types
+import typing
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -113,15 +117,26 @@ class Codec(ABC):
 
 _CODECS: dict[str, CodecConfig] = {}
 _CLASSES: dict[type, type] = {}
+_BASELINES: set[str] = set()  # registered for labels, not planner candidates
 
 
-def register_codec(name: str, default: CodecConfig, codec_cls: type[Codec]) -> None:
-    """Register a codec under ``name`` with its default config and implementation class."""
+def register_codec(
+    name: str, default: CodecConfig, codec_cls: type[Codec], candidate: bool = True
+) -> None:
+    """Register a codec under ``name`` with its default config and implementation class.
+
+    ``candidate=False``: a baseline codec (``int4-token``) that labels and plans may name
+    (``codec_config``, ``get_codec``) but that ``codec_names()``, the planner's candidates and
+    the profiler's default list, leaves out."""
     old = _CODECS.get(name)
     if old is not None and _qualname(_CLASSES.get(type(old), type)) != _qualname(codec_cls):
         raise ValueError(f"codec {name!r} is already registered for {type(old).__name__}")
     _CODECS[name] = default  # same class again: a re-import of its module; replace
     _CLASSES[type(default)] = codec_cls
+    if candidate:
+        _BASELINES.discard(name)
+    else:
+        _BASELINES.add(name)
 
 
 def _qualname(cls: type) -> str:
@@ -135,7 +150,8 @@ def _codec_class_for(cfg_type: type) -> type[Codec]:
 
 
 def codec_names() -> list[str]:
-    return list(_CODECS)
+    """The registered candidate codecs (baselines registered with ``candidate=False`` left out)."""
+    return [n for n in _CODECS if n not in _BASELINES]
 
 
 def codec_name(config: CodecConfig) -> str:
@@ -178,10 +194,65 @@ def codec_label(config: CodecConfig) -> str:
     return f"{name}/{','.join(diffs)}" if diffs else name
 
 
+def codec_config(label: str) -> CodecConfig:
+    """The config a label names: the inverse of :func:`codec_label`.
+
+    ``<name>[/<params>]``: the registered default of ``name`` with the comma-separated
+    parameters replaced, each ``field=value`` (parsed by the field's annotated type: ``None``,
+    ``True``/``False``, an int, a float, else the text) or a short form (``g32``: group_size,
+    ``b8``: bits). ``codec_config(codec_label(c)) == c`` for every config ``c`` whose unlabeled
+    fields (``channels``, ``backend``, ...) are at their defaults."""
+    if not isinstance(label, str):
+        raise ValueError(f"a codec label is a string like 'int4-outlier/g32', got {label!r}")
+    name, _, params = label.partition("/")
+    if name not in _CODECS:
+        raise ValueError(f"unknown codec {name!r} in {label!r}; valid codecs: {', '.join(_CODECS)}")
+    default = _CODECS[name]
+    if not params:
+        return default
+    hints = typing.get_type_hints(type(default))
+    names = {f.name for f in fields(default)}
+    short = {v: k for k, v in _SHORT.items()}
+    over: dict[str, Any] = {}
+    for part in params.split(","):
+        key, eq, text = part.partition("=")
+        if not eq and part[:1] in short and _INT.fullmatch(part[1:]):
+            key, text = short[part[:1]], part[1:]
+        if key not in names or key in over:
+            why = "twice" if key in over else f"not a field of {type(default).__name__}"
+            raise ValueError(f"codec label {label!r}: parameter {part!r} is {why}")
+        over[key] = _parse_param(text, hints[key], label, key)
+    return dataclasses.replace(default, **over)
+
+
+_INT = re.compile(r"[+-]?\d+")
+
+
+def _parse_param(text: str, annotation: Any, label: str, key: str) -> Any:
+    """``text`` as a value of the annotated type (a union: the first of its types that reads
+    it, in the order None, bool, int, float, str)."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    kinds = set(typing.get_args(annotation) if union else (annotation,))
+    if type(None) in kinds and text == "None":
+        return None
+    if bool in kinds and text in ("True", "False"):
+        return text == "True"
+    if int in kinds and _INT.fullmatch(text):
+        return int(text)
+    if float in kinds:
+        try:
+            return float(text)
+        except ValueError:
+            pass
+    if str in kinds:
+        return text
+    raise ValueError(f"codec label {label!r}: {key}={text!r} is not a {annotation}")
+
+
 def get_codec(spec: str | CodecConfig) -> Codec:
-    """Build a codec from a registered name or a config."""
+    """Build a codec from a registered name, a label (``int4-outlier/g32``) or a config."""
     if isinstance(spec, CodecConfig):
         return spec.build()
-    if spec not in _CODECS:
+    if spec.partition("/")[0] not in _CODECS:
         raise ValueError(f"unknown codec {spec!r}; valid codecs: {', '.join(_CODECS)}")
-    return _CODECS[spec].build()
+    return codec_config(spec).build()

@@ -1,8 +1,10 @@
-"""``build_codec(name, t)``: the registered codec ``name``, sized for the tensor it will store.
+"""``build_codec(label, t)``: the codec a label names, sized for the tensor it will store.
 
-Per-channel codecs (``int8-channel``, ``int4-channel``, ``int4-outlier``) need the tensor's
-hidden channel count (``slimact.classify.hidden_channels``: ``H*Dh`` for a [B, S, H, Dh]-laid
-tensor); every other codec is returned as registered.
+A label is a registered name with optional parameters (``int4-outlier/g32``, see
+``slimact.codecs.base.codec_config``). Per-channel codecs (``int8-channel``, ``int4-channel``,
+``int4-outlier``, ``int4-token``) need the tensor's hidden channel count
+(``slimact.classify.hidden_channels``: ``H*Dh`` for a [B, S, H, Dh]-laid tensor), or the count a
+caller gives; every other codec is built as the label says.
 """
 
 from __future__ import annotations
@@ -12,13 +14,16 @@ import dataclasses
 import torch
 
 from slimact.classify import hidden_channels
-from slimact.codecs.base import Codec, get_codec
+from slimact.codecs.base import Codec, codec_config
 
 
-def build_codec(name: str, t: torch.Tensor) -> Codec:
-    """Codec ``name`` for tensor ``t``: ``channels`` fields get ``t``'s hidden channel count."""
-    codec = get_codec(name)
-    cfg = codec.config
-    if "channels" in {f.name for f in dataclasses.fields(cfg)} and t.dim() > 0:
-        codec = dataclasses.replace(cfg, channels=hidden_channels(t)).build()
-    return codec
+def build_codec(label: str, t: torch.Tensor, channels: int | None = None) -> Codec:
+    """Codec ``label`` for tensor ``t``: a ``channels`` field gets ``channels``, else (None)
+    ``t``'s hidden channel count (a 0-d ``t``: the label's own)."""
+    cfg = codec_config(label)
+    if "channels" in {f.name for f in dataclasses.fields(cfg)}:
+        if channels is None and t.dim() > 0:
+            channels = hidden_channels(t)
+        if channels is not None:
+            cfg = dataclasses.replace(cfg, channels=channels)
+    return cfg.build()

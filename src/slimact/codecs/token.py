@@ -7,9 +7,11 @@ value becomes ``clip(round(x / S), -8, 7)`` (Eq. 2), outliers included. This is 
 evaluation calls *Quantization* and reports as diverging (§4.2-4.3); the ``int4-naive`` strategy
 stores every floating-point activation through it.
 
-It is a baseline, not a candidate: it is not in the codec registry (so the planner never profiles
-it) and it runs the plain-PyTorch path (``slimact.ops.quant.quantize_ref``: a row is a group of
-``C`` values, any ``C``) on every device. Bytes: ``ceil(n/2)`` for the codes plus 4 per token.
+It is a baseline, not a candidate: registered as ``int4-token`` / ``int8-token`` with
+``candidate=False`` (plans and labels name it, ``codec_names()`` and so the planner's profiles
+leave it out), and it runs the plain-PyTorch path (``slimact.ops.quant.quantize_ref``: a row is a
+group of ``C`` values, any ``C``) on every device. Bytes: ``ceil(n/2)`` for the codes plus 4 per
+token.
 
 The project's rules hold as in ``slimact.codecs.quant``: NaN/inf are kept exactly beside the
 codes, and a tensor whose range the fp32 arithmetic cannot represent faithfully (squares that
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slimact.codecs.base import Codec, CodecConfig, Packed, exact_value
+from slimact.codecs.base import Codec, CodecConfig, Packed, exact_value, register_codec
 from slimact.codecs.quant import (
     DEFAULT_MAX_RANGE,
     check_common,
@@ -50,11 +52,6 @@ class TokenQuantConfig(CodecConfig):
     nonfinite: str = "exact"
     max_range: float | None = DEFAULT_MAX_RANGE
 
-    @property
-    def label(self) -> str:
-        """The report label (``codec:int4-token``): not a registered codec, so no name of its own."""
-        return f"int{self.bits}-token" + ("" if self.paper_scale else "/paper_scale=False")
-
     def __post_init__(self) -> None:
         check_common(self, self.bits, self.nonfinite, "ref")
         check_max_range(self, self.max_range)
@@ -66,9 +63,6 @@ class TokenQuantConfig(CodecConfig):
             raise ValueError(
                 f"TokenQuantConfig.paper_scale must be a bool, got {self.paper_scale!r}"
             )
-
-    def build(self) -> Codec:  # not registered (see the module docstring)
-        return TokenQuantCodec(self)
 
 
 class TokenQuantCodec(Codec):
@@ -94,3 +88,8 @@ class TokenQuantCodec(Codec):
             return y
         y = dequantize_ref(quantized_from(packed), dtype=packed.dtype)
         return restore_nonfinite(y, packed.tensors).view(packed.shape)
+
+
+# baselines (see the module docstring): labels name them (``codec:int4-token``), the planner not
+register_codec("int4-token", TokenQuantConfig(), TokenQuantCodec, candidate=False)
+register_codec("int8-token", TokenQuantConfig(bits=8), TokenQuantCodec, candidate=False)
