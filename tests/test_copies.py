@@ -16,7 +16,7 @@ import torch
 
 import slimact
 from slimact.models import build_model
-from slimact.patching import ForwardOverride, NotCopyable, overrides
+from slimact.patching import NotCopyable, overrides
 from slimact.planner.apply import runtime_of
 from slimact.state import state_of
 from slimact.strategies.auto import AutoConfig
@@ -139,11 +139,14 @@ def test_copy_of_a_copy_and_applied_log_are_independent(one_thread):
     torch.manual_seed(0)
     model = slimact.apply(build_model("llama-tiny"), "invact+int4")
     c2 = copy.deepcopy(copy.deepcopy(model))
-    assert state_of(c2).int4_assign is not state_of(model).int4_assign
-    assert isinstance(c2.__dict__["forward"], ForwardOverride)
-    assert c2.__dict__["forward"].module is c2
+    rt, rt2 = runtime_of(model), runtime_of(c2)  # int4: a plan of rules on the plan runtime
+    assert rt2 is not rt and rt2.model is c2 and rt2.assign is not rt.assign
+    assert rt2.plan == rt.plan and rt2.plan.rules
+    for m in _patched(c2):  # invact's swaps: overrides of the copy's own modules
+        assert overrides(m) and all(o.module is m for o in overrides(m))
     slimact.revert(model)  # reverting the original leaves the copy's patches alone
     assert _patched(c2) and not _patched(model)
+    assert runtime_of(model) is None and runtime_of(c2) is rt2 and rt2.policy is not None
     x = _ids()
     with torch.no_grad():
         assert torch.allclose(_loss(c2, x), _loss(model, x), rtol=1e-5, atol=1e-5)
@@ -178,9 +181,10 @@ def test_slimact_keeps_one_typed_state_per_model(one_thread):
     assert keys == ["_slimact"], keys
     st = state_of(model)
     assert [c.action for c in st.applied] == [c.action for c in slimact.applied(model)]
-    assert st.strategies == ["invact", "int4"] and st.int4_assign is not None
+    assert st.strategies == ["invact", "int4"] and st.runtime is not None
     c = pickle.loads(pickle.dumps(model))
     assert state_of(c) is not st and state_of(c).strategies == st.strategies
+    assert state_of(c).runtime is not st.runtime and state_of(c).runtime.model is c
     slimact.revert(model)
-    assert state_of(model).applied == [] and state_of(model).int4_assign is None
-    assert state_of(c).int4_assign is not None  # the copy keeps its own
+    assert state_of(model).applied == [] and state_of(model).runtime is None
+    assert state_of(c).runtime is not None and state_of(c).runtime.plan.rules  # its own

@@ -10,22 +10,24 @@ import slimact
 from slimact.codecs.token import TokenQuantCodec, TokenQuantConfig
 from slimact.meter import measure
 from slimact.models import build_model
+from slimact.planner.apply import PlanAssign
 from slimact.registry import resolve
-from slimact.strategies.int4 import Int4Assign, Int4Config, NaiveAssign, NaiveInt4Config
+from slimact.strategies.int4 import Int4Config, NaiveInt4Config
 
 ACT = "layers.0.mlp.down_proj:linear#0"
 SDPA = "layers.0.self_attn:scaled_dot_product_attention#"
 SCORES = "h.0.attn:softmax#0"
 
 
-def paper_assign() -> Int4Assign:
+def paper_assign() -> PlanAssign:
+    """The codecs ``int4-paper``'s plan (one lazy rule) gives each site, as its runtime does."""
     (cfg,) = resolve("int4-paper")
-    return Int4Assign(cfg, None)
+    return PlanAssign(cfg.plan())
 
 
-def naive_assign() -> NaiveAssign:
+def naive_assign() -> PlanAssign:
     (cfg,) = resolve("int4-naive")
-    return NaiveAssign(cfg, None)
+    return PlanAssign(cfg.plan())
 
 
 def grad_tensor(x: torch.Tensor) -> torch.Tensor:
@@ -84,7 +86,7 @@ def test_sdpa_output_is_compressed_logsumexp_is_not():
     codec = assign(SDPA + "4", out)
     assert codec is not None and codec.config.channels == 64  # H * Dh, o_proj's input width
     assert assign(SDPA + "3", lse) is None
-    assert Int4Assign(Int4Config(), None)(SDPA + "4", out) is None  # int4 keeps it exact
+    assert PlanAssign(Int4Config().plan())(SDPA + "4", out) is None  # int4 keeps it exact
 
 
 def test_naive_per_token_scale_and_clip():

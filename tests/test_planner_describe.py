@@ -122,6 +122,19 @@ def test_a_described_plan_is_not_applied(ids):
         slimact.apply(_model("llama-tiny"), plan)
 
 
+def test_a_rule_plan_is_described_by_its_measured_rows_and_its_rule(ids):
+    """``int4`` is a plan of one lazy rule: described by the rows measured on a step (as every
+    fixed-rule strategy) and the rule it runs (role -> codec)."""
+    plan = describe(_model("llama-tiny"), "invact+int4", ids)
+    (rule,) = plan.rules
+    assert rule.codec("act") == "int4-outlier-g16" and rule.codec("scores") == "int4-asym/g16"
+    acts = plan.site_actions()
+    assert acts["layers.0.mlp.down_proj:linear#0"] == "codec:int4-outlier-g16"
+    assert acts["layers.0.mlp.act_fn:"] == "reformulate:inv_silu"
+    assert "== rule" in plan.table() and "codec:int8-channel" in plan.table()
+    assert Plan.from_dict(json.loads(plan.to_json())).rules == plan.rules
+
+
 def test_a_bad_spec_fails_before_any_work(ids):
     with pytest.raises(ValueError, match="int5"):
         describe(_model("llama-tiny"), "int5", ids)

@@ -1,16 +1,21 @@
 """The ``int4`` strategy (adacc.txt §3.2 layer-specific compression) and its ablations."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import slimact
 from slimact import sites
-from slimact.classify import parse_site, role_of
+from slimact.classify import ROLES, parse_site, role_of
 from slimact.meter import measure
 from slimact.models import build_model
 from slimact.models.gpt2 import GPT2Config, GPT2Model
-from slimact.strategies.int4 import Int4Config
+from slimact.planner.apply import install, runtime_of
+from slimact.planner.plan import Plan
+from slimact.registry import resolve
+from slimact.strategies.int4 import Int4Config, NaiveInt4Config
 
 
 def run(model, x, strategy=None):
@@ -166,3 +171,78 @@ def test_nonfinite_activations_come_back_nonfinite():
     loss.backward()
     assert torch.isnan(loss)
     assert torch.isnan(m.layers[0].mlp.down_proj.weight.grad).any()
+
+
+# ----------------------------------------------------------------------------- plans of rules
+
+
+RULES = {
+    "int4": ("int4-outlier-g16", "int8-channel", "int4-asym/g16", "bits"),
+    "int4-plain": ("int4/g16", "int8-channel", "int4-asym/g16", "bits"),
+    "int4-paper": (
+        "int4-outlier/paper_scale=True",
+        "int4-channel/paper_scale=True",
+        "int4-asym/paper_scale=True",
+        "bits",
+    ),
+    "int8": ("int8", "int8-channel", "int8-asym", "bits"),
+    "int4-naive": ("int4-token", "int4-token", "int4-token", "bits"),
+}
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_each_codec_strategy_is_a_plan_of_one_rule(name):
+    """The plan says exactly what is stored: every role's label carries the config's knobs, and
+    the runtime the strategy installs runs that very plan (JSON round trip included)."""
+    (cfg,) = resolve(name)
+    plan = cfg.plan()
+    (rule,) = plan.rules
+    assert not plan.layers and tuple(rule.codec(r) for r in ROLES) == RULES[name]
+    assert rule.sdpa_out == (name in ("int4-paper", "int4-naive"))
+    assert Plan.from_dict(json.loads(plan.to_json())) == plan
+    model = slimact.apply(fresh("llama-tiny"), name)
+    rt = runtime_of(model)
+    assert rt.plan == plan and slimact.applied(model)[0].action == name
+    slimact.revert(model)
+    assert runtime_of(model) is None and slimact.applied(model) == []
+
+
+def test_config_overrides_end_up_in_the_labels():
+    rule = Int4Config(group_size=32, threshold=2.5).rule()
+    assert rule.codec("act") == "int4-outlier/g32,threshold=2.5"
+    assert rule.codec("scores") == "int4-asym/g32" and rule.codec("qkv") == "int8-channel"
+    paper = Int4Config(paper_scale=True).rule()
+    assert paper.codec("qkv") == "int8-channel/paper_scale=True"
+    assert NaiveInt4Config(bits=8, paper_scale=False).rule().codec("act") == (
+        "int8-token/paper_scale=False"
+    )
+
+
+def test_a_saved_rule_plan_applies_like_the_strategy(tmp_path):
+    """``Int4Config().plan()`` saved and loaded, applied as a ``Plan``: the same bytes, actions
+    and gradients as ``int4`` itself; an old plan's JSON (no ``rules``) still loads."""
+    x = torch.randint(0, 200, (2, 64))
+    rep, loss, g = run(fresh("llama-tiny"), x, "int4")
+    path = tmp_path / "int4.json"
+    Int4Config().plan().save(path)
+    rep_p, loss_p, g_p = run(fresh("llama-tiny"), x, Plan.load(path))
+    assert loss_p == loss and rep_p.total_bytes == rep.total_bytes
+    assert [(r.site, r.action, r.bytes) for r in rep_p.sites] == [
+        (r.site, r.action, r.bytes) for r in rep.sites
+    ]
+    assert all(torch.equal(g[n], g_p[n]) for n in g)
+    old = json.loads(path.read_text())
+    del old["rules"]
+    assert Plan.from_dict(old).rules == ()
+
+
+def test_rule_plans_compose_and_refuse_a_second_runtime():
+    model = slimact.apply(fresh("llama-tiny"), "invact+int4+chunked-ce")
+    x = torch.randint(0, 200, (2, 32))
+    model(x, targets=x).loss.backward()
+    with pytest.raises(ValueError, match="already carries a slimact plan"):
+        install(model, Int4Config().plan())  # below the registry: still one runtime per model
+    with pytest.raises(ValueError, match="already has codec-policy strategy 'int4'"):
+        slimact.apply(model, "int8")
+    slimact.revert(model)
+    assert runtime_of(model) is None and not [m for m in model.modules() if "forward" in m.__dict__]

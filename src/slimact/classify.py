@@ -7,6 +7,8 @@ One place for the questions every strategy and the planner ask:
   lossy codec: ``act`` (inputs of linears, norms, activations), ``qkv`` (attention operands),
   ``scores`` (softmax outputs, [.., S, S] operands), ``mask`` (dropout masks, 0/1 tensors), or
   None (keep exact: statistics, losses, ids, constants, tensors below ``min_numel``);
+  ``site_role(site, t, min_numel, sdpa_out)`` is ``role_of`` with SDPA's output optionally an
+  ``act`` tensor (adacc.txt's rules: the role a plan's ``SiteRule`` maps to a codec);
   ``hidden_channels(t)`` is the channel count of its memory-order view (per-channel codecs);
 * a **module** is an activation the inverted ops can replace (``is_activation_leaf`` by name and
   shape of the module, ``classify_activation`` by behaviour on a probe grid: gelu, gelu_tanh or
@@ -89,6 +91,23 @@ def role_of(site: str, t: torch.Tensor, min_numel: int = 1024) -> str | None:
     if op in ACT_OPS or "silu" in op or "gelu" in op:
         return "act"
     return None
+
+
+def is_sdpa_output(site: str, t: torch.Tensor) -> bool:
+    """SDPA's saved output: a 4-D save after q, k, v (the logsumexp is 3-D or ends in 1)."""
+    _, op, k = parse_site(site)
+    return op == "scaled_dot_product_attention" and k >= 3 and t.dim() == 4 and t.shape[-1] > 1
+
+
+def site_role(
+    site: str, t: torch.Tensor, min_numel: int = 1024, sdpa_out: bool = False
+) -> str | None:
+    """``role_of``, with SDPA's output an ``act`` tensor when ``sdpa_out`` (adacc.txt)."""
+    role = role_of(site, t, min_numel)
+    if role is None and sdpa_out and t.is_floating_point() and t.requires_grad:
+        if t.numel() >= min_numel and is_sdpa_output(site, t):
+            return "act"
+    return role
 
 
 def hidden_channels(t: torch.Tensor) -> int:

@@ -10,8 +10,8 @@ states and change log refer to the copy, through deepcopy's memo), and ``pickle`
 Fields: the change log of ``slimact.apply`` (``applied``) and the names of the strategies
 applied (``strategies``); the plan runtime (``runtime``) and its first-step budget check
 (``budget_check``); strategy state that checkpoints must carry (``stateful``: name -> object
-with ``state_dict``/``load_state_dict``, e.g. PRAC's subspaces); the ``int4`` strategy's
-assignment (``int4_assign``); the plan ``compiled-auto`` solved (``compiled_plan``).
+with ``state_dict``/``load_state_dict``, e.g. PRAC's subspaces); the plan ``compiled-auto``
+solved (``compiled_plan``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ class ModelState:
     runtime: Any = None  # slimact.planner.apply.PlanRuntime
     budget_check: Any = None  # slimact.planner.adaptive.BudgetCheck
     stateful: dict[str, Any] = field(default_factory=dict)
-    int4_assign: Any = None  # slimact.strategies.int4.Int4Assign
     compiled_plan: Any = None  # slimact.planner.compiled.CompiledPlan (compiled-auto)
 
 

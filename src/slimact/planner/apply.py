@@ -13,7 +13,10 @@ between steps (adaptive evolution) and ``slimact.revert`` undoes it all:
   they save).
 - **codecs**: one ``CodecPolicy`` whose ``assign`` looks every site up in the plan's table
   (absolute site name -> codec); one codec instance per (block, storage), built for the tensor's
-  channel count, so stateful codecs (PRAC) keep one state per storage and block.
+  channel count, so stateful codecs (PRAC) keep one state per storage and block. A site the
+  table does not encode goes to the plan's lazy rules (``SiteRule``): its role
+  (``slimact.classify.site_role``) -> the rule's codec label, one instance per (rule, role,
+  channel count); ``filter_fn`` at install restricts the rules to the modules it accepts.
 
 The router and the policy are entered around every root forward by the runtime's own hooks.
 *Lazy planning* (strategy ``auto`` without a batch shape): on the first grad-enabled forward the
@@ -36,12 +39,12 @@ import torch.nn as nn
 
 from slimact import sites
 from slimact.checkpointing import checkpointed, guard_cache
-from slimact.classify import call_batch, hidden_channels
+from slimact.classify import call_batch, hidden_channels, site_role
 from slimact.codecs.base import Codec
 from slimact.codecs.build import build_codec
 from slimact.codecs.saving import CodecPolicy
 from slimact.patching import override_forward
-from slimact.planner.plan import Plan, abs_path, abs_site
+from slimact.planner.plan import Plan, abs_path, abs_site, site_module
 from slimact.reformulate import (
     ChunkedCEConfig,
     InvActConfig,
@@ -59,9 +62,15 @@ _tls = threading.local()
 
 
 class PlanAssign:
-    """``assign(site, tensor) -> Codec | None`` from a plan's site table."""
+    """``assign(site, tensor) -> Codec | None`` from a plan's site table, then its lazy rules
+    (for the sites of ``modules`` only, where given: ``install``'s ``filter_fn``)."""
 
-    def __init__(self, plan: Plan, runtime: PlanRuntime | None = None) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        runtime: PlanRuntime | None = None,
+        modules: frozenset[str] | None = None,
+    ) -> None:
         self.runtime = runtime
         self.table: dict[str, tuple[str, str]] = {}  # abs site -> (codec, storage key)
         for lp in plan.layers:
@@ -70,6 +79,9 @@ class PlanAssign:
                 for n in names:
                     self.table[abs_site(n, lp.block)] = (codec, key)
         self.codecs: dict[str, Codec] = {}
+        self.rules = plan.rules
+        self.modules = modules
+        self.rule_codecs: dict[tuple[int, str, int], Codec] = {}  # (rule, role, channels)
 
     def __call__(self, site: str, t: torch.Tensor) -> Codec | None:
         observer = self.runtime.observer if self.runtime is not None else None
@@ -77,7 +89,7 @@ class PlanAssign:
             observer(site, t)
         hit = self.table.get(site)
         if hit is None:
-            return None
+            return self._by_rule(site, t) if self.rules else None
         name, key = hit
         # the key names a block's first site of this codec, which may span several storages:
         # a channel codec is sized per channel count (int8-channel on 768- and 2048-wide ones)
@@ -86,6 +98,22 @@ class PlanAssign:
         if codec is None:
             codec = self.codecs[ck] = build_codec(name, t)
         return codec
+
+    def _by_rule(self, site: str, t: torch.Tensor) -> Codec | None:
+        if self.modules is not None and site_module(site) not in self.modules:
+            return None
+        for i, rule in enumerate(self.rules):
+            role = site_role(site, t, rule.min_numel, rule.sdpa_out)
+            label = rule.codec(role) if role is not None else None
+            if role is None or label is None:
+                continue
+            channels = hidden_channels(t) if role in rule.sized else 0
+            key = (i, role, channels)
+            codec = self.rule_codecs.get(key)
+            if codec is None:
+                codec = self.rule_codecs[key] = build_codec(label, t, channels)
+            return codec
+        return None
 
 
 class PlanRuntime:
@@ -106,6 +134,7 @@ class PlanRuntime:
         self._head_planned = False
         self.history: list[dict] = []
         self.last_input: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.rule_modules: frozenset[str] | None = None  # filter_fn's modules, for the rules
         self._hooks = [
             model.register_forward_pre_hook(self._pre, with_kwargs=True),
             model.register_forward_hook(self._post, always_call=True),
@@ -125,6 +154,8 @@ class PlanRuntime:
             )
         self._clear_patches()
         changes: list[AppliedChange] = []
+        if filter_fn is not None and plan.rules:  # kept for later plans (a checkpoint's)
+            self.rule_modules = frozenset(p for p, m in modules.items() if filter_fn(m, p))
         allowed = {
             lp.block for lp in plan.layers
             if filter_fn is None or filter_fn(modules[lp.block] if lp.block else self.model, lp.block)
@@ -147,15 +178,19 @@ class PlanRuntime:
             changes.extend(self._reformulate(targets))
         old = self.assign
         self.plan = plan
-        self.assign = PlanAssign(plan, self)
+        self.assign = PlanAssign(plan, self, self.rule_modules)
         if old is not None:  # keep codec instances (and their state) where the codec is unchanged
             for key, codec in old.codecs.items():
                 names = {c for c, k in self.assign.table.values() if k == key}
                 if names == {c for c, k in old.table.values() if k == key}:
                     self.assign.codecs[key] = codec
+            if old.rules == plan.rules:
+                self.assign.rule_codecs = old.rule_codecs
         self.policy = CodecPolicy(self.assign)
-        n_sites = len(self.assign.table)
-        changes.append(AppliedChange("", "codec-policy", f"{n_sites} site(s) through codecs"))
+        detail = f"{len(self.assign.table)} site(s) through codecs"
+        for rule in plan.rules:
+            detail += f"; rule {rule.describe()}"
+        changes.append(AppliedChange("", "codec-policy", detail))
         return changes
 
     def _reformulate(self, targets: set[str]) -> list[AppliedChange]:
@@ -215,10 +250,10 @@ class PlanRuntime:
             self._parked.append(False)
             return None
         ids, tgt = call_batch(self.model, args, kwargs)
-        if isinstance(ids, torch.Tensor):
+        if isinstance(ids, torch.Tensor) and self.planner is not None:  # lazy planning's
             self.last_input = (ids, tgt)
         if self.plan is None and torch.is_grad_enabled() and isinstance(ids, torch.Tensor):
-            changes = self.set_plan(self.plan_now(*self.last_input))
+            changes = self.set_plan(self.plan_now(ids, tgt))
             state_of(self.model).applied.extend(
                 AppliedChange(c.path, c.action, c.detail) for c in changes
             )
@@ -274,7 +309,9 @@ def install(
         raise
     detail = "lazy: plans on the first training forward" if plan is None else plan.budget
     head = AppliedChange("", "plan", detail, undo=rt.remove)
-    guard = guard_cache(model, "planned recomputation")  # HF: use_cache=False in training
+    # HF: use_cache=False in training; not for a plan of rules alone, which recomputes nothing
+    rules_only = plan is not None and planner is None and not plan.layers
+    guard = None if rules_only else guard_cache(model, "planned recomputation")
     return [
         head,
         *([guard] if guard else []),

@@ -1,9 +1,10 @@
 """Every strategy as a ``Plan``: what it does to each saved tensor, read from one measured step.
 
 ``auto`` and a loaded ``Plan`` are plans already: after one step the runtime holds the plan it
-runs. The fixed-rule strategies (``int4``, ``prac``, ``invact``, ``recompute``, ``cola-m``,
-``chunked-ce``, their ``+`` compositions) decide per site while the step runs, so their plan is
-*read* here: one forward+backward of a copy of the model under ``none`` and one under the
+runs. The fixed-rule strategies decide per site while the step runs: ``int4`` and its variants
+are plans of lazy rules (role -> codec, ``SiteRule``), ``prac``, ``invact``, ``recompute``,
+``cola-m`` and ``chunked-ce`` rules of their own; so their plan (with the rules, where the
+strategy's plan has any, and their ``+`` compositions) is *read* here: one forward+backward of a copy of the model under ``none`` and one under the
 strategy, both through the meter, give for every storage of every block
 
     keep                 saved by the strategy as by ``none``
@@ -117,8 +118,10 @@ def describe(
     report = _step(work, ids, forward)
     compiled = _compiled_blocks(work)
     runtime = runtime_of(work)
-    if runtime is not None and runtime.plan is not None and not compiled:
+    solved = runtime is not None and runtime.plan is not None and not runtime.plan.rules
+    if solved and not compiled:
         return runtime.plan  # auto / a Plan: the plan it runs (compiled-auto's: its root only)
+    rules = runtime.plan.rules if runtime is not None and runtime.plan is not None else ()
     changes = [c for c in applied(work) if not c.skipped and c.path]
     recomputed = {c.path for c in changes if c.action in RECOMPUTING}
     reformed = {
@@ -187,6 +190,7 @@ def describe(
         predicted_bytes=report.total_bytes,
         layers=tuple(layers),
         meta=(("describes", spec), ("measured", True)),
+        rules=rules,
     )
 
 

@@ -15,6 +15,13 @@ listed with every site that saves it (checkpoint inputs ``<module>:checkpoint_in
 included), plus predicted bytes and added time. ``Plan`` is a ``StrategyConfig``, so
 ``slimact.apply(model, plan)`` applies it; ``Plan.site_actions()`` is the flat site -> action map.
 
+A plan may also carry **lazy rules** (``SiteRule``): a decision that needs the first save. A rule
+maps a saved tensor's role (``slimact.classify.site_role``: act / qkv / scores / mask, read from
+the site name and the tensor) to a codec label (``int4-outlier-g16``, ``int4-asym/g16``); the
+runtime builds the codec on the first save of each role and channel count. The fixed-rule codec
+strategies (``int4``, ``int4-plain``, ``int4-paper``, ``int4-naive``, ``int8``) are plans with one
+rule and no layers. Sites a layer encodes are decided by its table; the rules decide the rest.
+
 ``slimact.planner.solve.solve_plan(profile, budget)`` runs the MILP (``slimact.planner.milp``)
 and turns its decisions into a ``Plan``.
 
@@ -241,6 +248,38 @@ class LayerPlan:
 
 
 @dataclass(frozen=True)
+class SiteRule:
+    """A lazy rule (module docstring): role -> codec label, decided on the first save.
+
+    ``codecs``: (role, codec label) pairs, a role absent is kept; ``min_numel`` and ``sdpa_out``
+    are ``slimact.classify.site_role``'s options; ``sized``: the roles whose codec gets the
+    tensor's hidden channel count (``slimact.classify.hidden_channels``), the others 0 (a
+    per-channel codec then takes the last dimension of the memory-order tensor)."""
+
+    codecs: tuple[tuple[str, str], ...] = ()
+    min_numel: int = 1024
+    sdpa_out: bool = False
+    sized: tuple[str, ...] = ("act", "qkv")
+
+    def __post_init__(self) -> None:  # tuples also when read from JSON lists
+        object.__setattr__(self, "codecs", tuple((r, c) for r, c in self.codecs))
+        object.__setattr__(self, "sized", tuple(self.sized))
+        roles = [r for r, _ in self.codecs]
+        if len(set(roles)) != len(roles):
+            raise ValueError(f"SiteRule names a role twice: {roles}")
+        if not isinstance(self.min_numel, int) or self.min_numel < 0:
+            raise ValueError(f"SiteRule.min_numel must be an int >= 0, got {self.min_numel!r}")
+
+    def codec(self, role: str) -> str | None:
+        """The codec label of ``role``, or None (kept)."""
+        return dict(self.codecs).get(role)
+
+    def describe(self) -> str:
+        """``act=int4-outlier-g16, qkv=int8-channel, ...``."""
+        return ", ".join(f"{r}={c}" for r, c in self.codecs)
+
+
+@dataclass(frozen=True)
 class Plan(StrategyConfig):
     """A solved plan; ``slimact.apply(model, plan)`` applies it (see the module docstring)."""
 
@@ -258,6 +297,7 @@ class Plan(StrategyConfig):
     solve_s: float = 0.0
     layers: tuple[LayerPlan, ...] = ()
     meta: tuple[tuple[str, Any], ...] = ()
+    rules: tuple[SiteRule, ...] = ()  # lazy rules, in order: the first with a codec decides
 
     def layer(self, block: str) -> LayerPlan | None:
         for lp in self.layers:
@@ -310,7 +350,9 @@ class Plan(StrategyConfig):
             )
             for lp in d.get("layers", ())
         )
-        return cls(**{**d, "layers": layers, "meta": tuple(dict(d.get("meta", {})).items())})
+        rules = tuple(SiteRule(**r) for r in d.get("rules", ()))
+        meta = tuple(dict(d.get("meta", {})).items())
+        return cls(**{**d, "layers": layers, "meta": meta, "rules": rules})
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
@@ -339,6 +381,13 @@ class Plan(StrategyConfig):
                 f"   per block: {fmt_bytes(lp.baseline_bytes)} -> {fmt_bytes(lp.predicted_bytes)}"
                 f", +{lp.predicted_time_s * 1e3:.2f} ms"
             )
+        for rule in self.rules:
+            lines.append(
+                f"== rule (on the first save of each role; {rule.min_numel}+ values"
+                f"{', SDPA output as act' if rule.sdpa_out else ''})"
+            )
+            for role, codec in rule.codecs:
+                lines.append(f"   {role:<44} {actions.codec(codec)}")
         ratio = self.predicted_bytes / self.baseline_bytes if self.baseline_bytes else 0.0
         described = dict(self.meta).get("describes")
         if described:  # slimact.planner.describe: read from one measured step, not solved

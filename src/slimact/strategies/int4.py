@@ -1,7 +1,12 @@
 """``int4``: Adacc's layer-specific compression of saved activations (adacc.txt §3.2).
 
-A codec policy (``codecs/saving.py``) gives every saved tensor a *role*, read from its site name
-``"<module>:<op>#k"`` and the tensor itself (so it works on any model, Hugging Face's included):
+Each config is a plan (``Int4Config.plan()``): no layers, one lazy rule
+(``slimact.planner.plan.SiteRule``) that the plan runtime (``slimact.planner.apply``) applies.
+The rule gives every saved tensor a *role* (``slimact.classify.site_role``), read from its site
+name ``"<module>:<op>#k"`` and the tensor itself (so it works on any model, Hugging Face's
+included), and each role a codec label that says exactly what is stored (the config's
+``group_size``/``threshold``/``paper_scale`` included, e.g. ``int4-asym/g16``); the codec is
+built on the role's first save, one instance per channel count:
 
 * ``act``: inputs of ``linear``, norms (``layer_norm``, RMSNorm's ``pow``/``mul``), ``gelu`` /
   ``silu`` (and InvAct's float saves), SwiGLU's ``mul`` operands -> ``int4-outlier-g16`` (channels
@@ -55,19 +60,24 @@ the memory view, ``S = max|row| / 8``, no outlier separation, no layer-specific 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
-import torch
 import torch.nn as nn
 
-from slimact.classify import ROLES, hidden_channels, parse_site, role_of
-from slimact.codecs.base import Codec, CodecConfig, codec_names, get_codec
-from slimact.codecs.saving import CodecPolicy, install_policy
+from slimact.classify import ROLES
+from slimact.codecs.base import CodecConfig, codec_config, codec_label, codec_names
 from slimact.codecs.token import TokenQuantConfig
-from slimact.patching import run_all
+from slimact.planner.apply import PlanAssign, install
+from slimact.planner.plan import Plan, SiteRule
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
-from slimact.state import reset_field, state_of
+
+
+def exact_label(cfg: CodecConfig) -> str:
+    """``codec_label(cfg)``, checked to name ``cfg`` exactly (``codec_config`` reads it back)."""
+    label = codec_label(cfg)
+    if codec_config(label) != cfg:
+        raise ValueError(f"{cfg} has no codec label that names it exactly (got {label!r})")
+    return label
 
 
 @dataclass(frozen=True)
@@ -101,56 +111,29 @@ class Int4Config(StrategyConfig):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"Int4Config.{flag} must be a bool, got {getattr(self, flag)!r}")
 
+    def role_codec(self, role: str) -> CodecConfig:
+        """The codec config of ``role``: its registered codec with this config's
+        ``group_size``/``threshold``/``paper_scale`` where the codec has such a field (its
+        ``channels``, if any, is set per tensor by the runtime)."""
+        cfg = codec_config(getattr(self, role))
+        names = {f.name for f in dataclasses.fields(cfg)}
+        over = {
+            "group_size": self.group_size,
+            "threshold": self.threshold,
+            "paper_scale": self.paper_scale,
+        }
+        return dataclasses.replace(cfg, **{k: v for k, v in over.items() if k in names})
 
-def is_sdpa_output(site: str, t: torch.Tensor) -> bool:
-    """SDPA's saved output: a 4-D save after q, k, v (the logsumexp is 3-D or ends in 1)."""
-    _, op, k = parse_site(site)
-    return op == "scaled_dot_product_attention" and k >= 3 and t.dim() == 4 and t.shape[-1] > 1
+    def rule(self) -> SiteRule:
+        codecs = tuple((role, exact_label(self.role_codec(role))) for role in ROLES)
+        return SiteRule(codecs, self.min_numel, self.sdpa_out)
 
+    def plan(self) -> Plan:
+        """This config as a plan: one lazy rule, no layers (the module docstring)."""
+        return Plan(rules=(self.rule(),), meta=(("strategy", self.name),))
 
-def site_role(site: str, t: torch.Tensor, min_numel: int, sdpa_out: bool) -> str | None:
-    """``role_of``, with SDPA's output an ``act`` tensor when ``sdpa_out`` (adacc.txt)."""
-    role = role_of(site, t, min_numel)
-    if role is None and sdpa_out and t.is_floating_point() and t.requires_grad:
-        if t.numel() >= min_numel and is_sdpa_output(site, t):
-            return "act"
-    return role
-
-
-class Int4Assign:
-    """``assign(site, tensor)`` for ``CodecPolicy``: role -> codec, built once per channel count."""
-
-    def __init__(self, config: Int4Config, allowed: set[str] | None) -> None:
-        self.config = config
-        self.allowed = allowed
-        self._codecs: dict[tuple[str, int], Codec] = {}
-        self.counts: dict[str, int] = {}
-
-    def _codec(self, role: str, channels: int) -> Codec:
-        key = (role, channels)
-        if key not in self._codecs:
-            cfg: CodecConfig = get_codec(getattr(self.config, role)).config
-            fields = {f.name for f in dataclasses.fields(cfg)}
-            over = {
-                "group_size": self.config.group_size,
-                "threshold": self.config.threshold,
-                "paper_scale": self.config.paper_scale,
-            }
-            if "channels" in fields:
-                over["channels"] = channels
-            cfg = dataclasses.replace(cfg, **{k: v for k, v in over.items() if k in fields})
-            self._codecs[key] = cfg.build()
-        return self._codecs[key]
-
-    def __call__(self, site: str, t: torch.Tensor) -> Codec | None:
-        if self.allowed is not None and site.rpartition(":")[0] not in self.allowed:
-            return None
-        role = site_role(site, t, self.config.min_numel, self.config.sdpa_out)
-        if role is None:
-            return None
-        self.counts[role] = self.counts.get(role, 0) + 1
-        channels = hidden_channels(t) if role in ("act", "qkv") else 0
-        return self._codec(role, channels)
+    def describe(self) -> str:
+        return ", ".join(f"{r}={getattr(self, r)}" for r in ROLES)
 
 
 @dataclass(frozen=True)
@@ -173,53 +156,38 @@ class NaiveInt4Config(StrategyConfig):
                 f"NaiveInt4Config.min_numel must be an int >= 0, got {self.min_numel!r}"
             )
 
+    def rule(self) -> SiteRule:
+        """Every float role per token (one scale per row of the tensor's hidden channels, SDPA's
+        output included), masks as bits."""
+        token = exact_label(TokenQuantConfig(self.bits, 0, self.paper_scale))
+        codecs = (("act", token), ("qkv", token), ("scores", token), ("mask", "bits"))
+        return SiteRule(codecs, self.min_numel, sdpa_out=True, sized=("act", "qkv", "scores"))
 
-class NaiveAssign:
-    """``assign(site, tensor)``: per-token codec (one per row width) for every float role."""
+    def plan(self) -> Plan:
+        return Plan(rules=(self.rule(),), meta=(("strategy", self.name),))
 
-    def __init__(self, config: NaiveInt4Config, allowed: set[str] | None) -> None:
-        self.config = config
-        self.allowed = allowed
-        self._codecs: dict[int, Codec] = {}
-        self._bits = get_codec("bits")
-        self.counts: dict[str, int] = {}
+    def describe(self) -> str:
+        return f"per-token int{self.bits} for every float activation, masks=bits"
 
-    def __call__(self, site: str, t: torch.Tensor) -> Codec | None:
-        if self.allowed is not None and site.rpartition(":")[0] not in self.allowed:
-            return None
-        role = site_role(site, t, self.config.min_numel, True)
-        if role is None:
-            return None
-        self.counts[role] = self.counts.get(role, 0) + 1
-        if role == "mask":
-            return self._bits
-        width = hidden_channels(t)
-        if width not in self._codecs:
-            cfg = TokenQuantConfig(self.config.bits, width, self.config.paper_scale)
-            self._codecs[width] = cfg.build()
-        return self._codecs[width]
+
+class Int4Assign(PlanAssign):
+    """A config's rule as an ``assign(site, tensor)`` for a ``CodecPolicy`` of one's own
+    (``benchmarks/bench_quant.py``'s outlier recorder); the strategies install the plan."""
+
+    def __init__(
+        self, config: Int4Config | NaiveInt4Config, allowed: set[str] | None = None
+    ) -> None:
+        super().__init__(config.plan(), modules=None if allowed is None else frozenset(allowed))
 
 
 def apply_int4(
     model: nn.Module, config: Int4Config | NaiveInt4Config, filter_fn: FilterFn | None = None
 ) -> list[AppliedChange]:
-    allowed = None
-    if filter_fn is not None:
-        allowed = {p for p, m in model.named_modules() if filter_fn(m, p)}
-    if isinstance(config, NaiveInt4Config):
-        assign: Int4Assign | NaiveAssign = NaiveAssign(config, allowed)
-        detail = f"per-token int{config.bits} for every float activation, masks=bits"
-    else:
-        assign = Int4Assign(config, allowed)
-        detail = ", ".join(f"{r}={getattr(config, r)}" for r in ROLES)
-    change = install_policy(model, CodecPolicy(assign))
-    change.action = config.name
-    change.detail = detail
-    state_of(model).int4_assign = assign
-    change.undo = functools.partial(
-        run_all, change.undo, functools.partial(reset_field, model, "int4_assign")
-    )  # picklable, and deep copies undo the copy (see slimact.patching)
-    return [change]
+    """Install ``config.plan()`` (``slimact.planner.apply.install``): one plan runtime, undone by
+    ``slimact.revert``; its head change reads the strategy's name and roles."""
+    changes = install(model, config.plan(), filter_fn=filter_fn)
+    changes[0].action, changes[0].detail = config.name, config.describe()
+    return changes
 
 
 register_strategy(
