@@ -200,6 +200,7 @@ def test_each_codec_strategy_is_a_plan_of_one_rule(name):
     assert not plan.layers and tuple(rule.codec(r) for r in ROLES) == RULES[name]
     assert rule.sdpa_out == (name in ("int4-paper", "int4-naive"))
     assert Plan.from_dict(json.loads(plan.to_json())) == plan
+    assert plan.table().endswith(f"lazy rules of {name}") and RULES[name][0] in plan.table()
     model = slimact.apply(fresh("llama-tiny"), name)
     rt = runtime_of(model)
     assert rt.plan == plan and slimact.applied(model)[0].action == name

@@ -398,6 +398,9 @@ class Plan(StrategyConfig):
                 f" (none) -> {fmt_bytes(self.predicted_bytes)} ({ratio:.1%})",
             ]
             return "\n".join(lines)
+        if not self.layers:  # rules alone (int4 ...): nothing solved, nothing predicted
+            strategy = dict(self.meta).get("strategy", "")
+            return "\n".join([*lines, "", f"lazy rules{f' of {strategy}' if strategy else ''}"])
         lines += [
             "",
             f"model {self.model}  batch {self.batch} x seq {self.seq}  {self.dtype}",
