@@ -2,10 +2,11 @@
 
 ``auto`` and a loaded ``Plan`` are plans already: after one step the runtime holds the plan it
 runs. The fixed-rule strategies decide per site while the step runs: ``int4`` and its variants
-are plans of lazy rules (role -> codec, ``SiteRule``), ``prac``, ``invact``, ``recompute``,
-``cola-m`` and ``chunked-ce`` rules of their own; so their plan (with the rules, where the
-strategy's plan has any, and their ``+`` compositions) is *read* here: one forward+backward of a copy of the model under ``none`` and one under the
-strategy, both through the meter, give for every storage of every block
+through a plan of lazy rules (role -> codec, ``SiteRule``) on the same runtime, ``prac``,
+``invact``, ``recompute``, ``cola-m`` and ``chunked-ce`` through rules of their own. So their
+plan (and their ``+`` compositions') is *read* here, with the lazy rules where there are any:
+one forward+backward of a copy of the model under ``none`` and one under the strategy, both
+through the meter, give for every storage of every block
 
     keep                 saved by the strategy as by ``none``
     codec:<label>        saved through a codec (the meter's label, parameters included)
