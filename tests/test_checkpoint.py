@@ -71,8 +71,9 @@ AUTO = "auto@25%,codecs=int4/int8/int4-outlier,repeats=1,reform=0"
         {"grad_accum": 2, "strategy": "recompute", "warmup": 2},
         {"strategy": "prac"},
         {"strategy": AUTO, "baseline": "off"},
+        {"strategy": "int4", "baseline": "off"},
     ],
-    ids=["plain", "accum-recompute", "prac-state", "auto-plan"],
+    ids=["plain", "accum-recompute", "prac-state", "auto-plan", "int4-rules"],
 )
 def test_resume_is_bitwise_exact(tmp_path, data, extra, monkeypatch):
     monkeypatch.setenv("SLIMACT_CACHE_DIR", str(tmp_path / "profiles"))
@@ -100,6 +101,9 @@ def test_resume_is_bitwise_exact(tmp_path, data, extra, monkeypatch):
         for p in plans:  # the solver's wall time is no part of the plan's decisions
             p.pop("solve_s", None)
         assert plans[0] == plans[1]
+    if extra.get("strategy") == "int4":  # a plan of lazy rules, checkpointed like any plan
+        saved = json.loads((tmp_path / "split" / "ckpt-3" / PLAN_FILE).read_text())
+        assert saved["rules"] and not saved["layers"]
     if extra.get("strategy") == AUTO:  # resumed with the checkpoint's plan: nothing re-profiled
         assert len(list((tmp_path / "profiles").rglob("*.json"))) == 1
         saved = json.loads((tmp_path / "split" / "ckpt-3" / PLAN_FILE).read_text())
