@@ -19,7 +19,7 @@ from slimact.planner.adaptive import PlanEvolver, backoff_steps
 from slimact.planner.apply import PlanRuntime, install, runtime_of
 from slimact.planner.auto import AutoConfig, plan_for
 from slimact.planner.milp import Problem, brute_force
-from slimact.planner.plan import LayerPlan, Plan, Profile, parse_budget
+from slimact.planner.plan import LayerPlan, Plan, Profile, SiteRule, parse_budget
 from slimact.planner.profile import cached_profile, profile_model, static_memory
 from slimact.planner.solve import solve_plan
 
@@ -31,6 +31,7 @@ __all__ = [
     "PlanRuntime",
     "Problem",
     "Profile",
+    "SiteRule",
     "backoff_steps",
     "brute_force",
     "cached_profile",
