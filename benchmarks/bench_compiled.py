@@ -248,7 +248,8 @@ def auto_points(base, x, y, args, meter_bytes: int, rows: dict) -> dict[str, Poi
         out[name] = Point(model)
         rows[name] = {
             "anchor": anchor,
-            "plan": [r["action"] for r in plan.rows()],
+            "plan": [r["action"] for r in plan.rows() if r["block"] != "(root)"],
+            "root": plan.root.label if plan.root is not None else "keep",
             "plan_predicted_bytes": plan.predicted_bytes,
             "plan_measured_bytes": plan.measured_bytes,
             "plan_allowed_bytes": plan.allowed_bytes,
@@ -308,9 +309,11 @@ def report(d: dict) -> str:
             if k != "eager-none"
         )
         + ".",
-        "- compiled-auto plans (per block; predicted / measured bytes, allowed): "
+        "- compiled-auto plans (per block, then the eager root; predicted / measured bytes, "
+        "allowed): "
         + "; ".join(
-            f"{k} (given {r['anchor'] or 'a 10% budget'}): {_counts(r['plan'])}; "
+            f"{k} (given {r['anchor'] or 'a 10% budget'}): {_counts(r['plan'])}, root "
+            f"{r.get('root', 'keep')}; "
             f"{fmt_bytes(r['plan_predicted_bytes'])} / {fmt_bytes(r['plan_measured_bytes'])}, "
             f"{fmt_bytes(r['plan_allowed_bytes'])}"
             for k, r in d["rows"].items()
@@ -383,10 +386,16 @@ def main() -> None:
     )
     p.add_argument("--auto-rounds", type=int, default=5, help="compiled-auto's timing rounds")
     p.add_argument("--results-dir", type=Path, default=RESULTS)
+    p.add_argument(
+        "--report-only", action="store_true", help="re-render compiled.md from compiled.json"
+    )
     args = p.parse_args()
-    data = run(args)
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    (args.results_dir / "compiled.json").write_text(json.dumps(data, indent=2))
+    if args.report_only:
+        data = json.loads((args.results_dir / "compiled.json").read_text())
+    else:
+        data = run(args)
+        (args.results_dir / "compiled.json").write_text(json.dumps(data, indent=2))
     md = args.results_dir / "compiled.md"
     reading = md.read_text().split(MARK, 1)[1] if md.exists() and MARK in md.read_text() else ""
     md.write_text(report(data) + "\n" + MARK + reading)
