@@ -342,7 +342,7 @@ def test_compiled_suite_takes_every_strategy_in_its_compiled_form():
     c = s.compiled()
     assert c.name == "quick-compiled" and "left out (no compiled form): prac" in c.description
     names = [p.name for p in c.cases[0].points]
-    assert names == ["none", "compiled-none", "invact+compiled-none", "compiled-int4",
+    assert names == ["none", "compiled-none", "invact@ops=none+compiled-none", "compiled-int4",
                      "compiled-auto@25%"]  # fmt: skip
     anchors = get_suite("quick").select(["llama-20m"], ["anchor:torch-checkpoint"]).compiled()
     assert [p.name for p in anchors.cases[0].points][-1] == "anchor:torch-checkpoint"

@@ -18,7 +18,13 @@ import slimact
 from slimact import compiled as C
 from slimact.compiled.strategies import CompiledCodecConfig
 from slimact.models import build_model
-from slimact.registry import add_compile_argument, cli_spec, compiled_spec, resolve
+from slimact.registry import (
+    add_compile_argument,
+    applied_strategies,
+    cli_spec,
+    compiled_spec,
+    resolve,
+)
 
 X = torch.randint(0, 257, (2, 65), generator=torch.Generator().manual_seed(3))
 
@@ -52,8 +58,11 @@ def test_compiled_strategy_specs():
     [
         ("auto@25%", "compiled-auto@25%"),
         ("none", "compiled-none"),
-        ("invact", "invact+compiled-none"),
-        ("invact+int4", "invact+compiled-int4"),
+        ("invact", "invact@ops=none+compiled-none"),  # norms only under compile
+        ("invact+int4", "invact@ops=none+compiled-int4"),
+        ("invact@bf16=exact-near-branch", "invact@bf16=exact-near-branch,ops=none+compiled-none"),
+        ("invact@ops=silu+int8", "invact@ops=silu+compiled-int8"),  # asked for: kept
+        ("invact-act", "invact-act+compiled-none"),
         ("int8+recompute", "compiled-int8@0"),
         ("recompute", "compiled-recompute"),
         ("compiled-int4@0.5", "compiled-int4@0.5"),
@@ -113,6 +122,21 @@ def test_meter_sees_inside_compiled_blocks(base, eager):
     assert F.cosine_similarity(grads, eager[1], dim=0) > 0.999
 
 
+def test_invact_under_compile_inverts_the_norms_and_saves_less(base, eager):
+    """compile=True of 'invact': the inverted norms inside compiled blocks (activations left to
+    inductor, which already keeps their inputs only): exact gradients, fewer bytes than
+    compiled none, as many as with SiLU inverted too."""
+    model = slimact.apply(copy.deepcopy(base), "invact", compile=True)
+    assert applied_strategies(model) == ["invact@ops=none", "compiled-none"]
+    both = slimact.apply(copy.deepcopy(base), "invact@ops=silu+compiled-none")
+    plain = slimact.apply(copy.deepcopy(base), "compiled-none")
+    for m in (model, both, plain):
+        _step(m)  # compile
+    (b0, g0), (b1, _), (b2, _) = _step(model), _step(both), _step(plain)
+    assert b0 < b2 and b0 <= b1
+    assert F.cosine_similarity(g0, eager[1], dim=0) > 0.999999
+
+
 @pytest.mark.slow
 def test_region_budget_zero_is_exact_and_saves_less(base, eager):
     """compile=True of 'recompute': compile's partitioner at region budget 0. Gradients equal
@@ -143,7 +167,7 @@ def test_budget_and_codec_compose(base, eager):
 def test_cli_spec_and_flag():
     assert cli_spec("auto", "25%", compile=True) == "compiled-auto@25%"
     assert cli_spec("auto", "25%") == "auto@25%"
-    assert cli_spec("invact+int8", None, True) == "invact+compiled-int8"
+    assert cli_spec("invact+int8", None, True) == "invact@ops=none+compiled-int8"
     p = argparse.ArgumentParser()
     add_compile_argument(p)
     assert p.parse_args(["--compile"]).compile and not p.parse_args([]).compile

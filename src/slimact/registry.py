@@ -229,9 +229,10 @@ COMPILE_SAFE = frozenset({"invact", "invact-act", "chunked-ce", "cola"})
 
 def compiled_spec(strategy: str) -> str:
     """The spec ``apply(..., compile=True)`` applies for ``strategy`` (see ``COMPILED_FORMS``):
-    ``"auto@25%"`` -> ``"compiled-auto@25%"``, ``"invact+int4"`` -> ``"invact+compiled-int4"``,
-    ``"int8+recompute"`` -> ``"compiled-int8@0"`` (the codec under region budget 0), ``"invact"``
-    -> ``"invact+compiled-none"``. A part with no compiled form is a ``ValueError``."""
+    ``"auto@25%"`` -> ``"compiled-auto@25%"``, ``"invact+int4"`` ->
+    ``"invact@ops=none+compiled-int4"`` (under compile, norms only), ``"int8+recompute"`` ->
+    ``"compiled-int8@0"`` (the codec under region budget 0), ``"invact"`` ->
+    ``"invact@ops=none+compiled-none"``. A part with no compiled form is a ``ValueError``."""
     if not isinstance(strategy, str) or not strategy.strip():
         raise ValueError(f"compile=True needs a strategy name or spec, got {strategy!r}")
     eager, blocks = [], []
@@ -241,6 +242,12 @@ def compiled_spec(strategy: str) -> str:
             blocks.append(part)
         elif base in COMPILED_FORMS:
             blocks.append(COMPILED_FORMS[base] + at + arg)
+        elif base == "invact" and "ops=" not in arg:
+            # norms only: under inductor a block already keeps an activation's input and
+            # recomputes its output, so an inverted GELU/SiLU adds its bit mask and an opaque op
+            # and saves nothing (llama-20m: 0.671 of the bytes at 1.003x compiled none, against
+            # 0.675 at 1.028x with SiLU inverted; benchmarks/results/compiled_budgets.md)
+            eager.append(f"{part},ops=none" if at and arg else "invact@ops=none")
         elif base in COMPILE_SAFE:
             eager.append(part)
         else:

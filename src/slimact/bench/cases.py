@@ -231,7 +231,7 @@ class Suite:
     def compiled(self) -> Suite:
         """``slimact bench SUITE --compile``: every strategy point in its compiled form
         (``registry.compiled_spec``: ``auto@25%`` -> ``compiled-auto@25%``, ``int8`` ->
-        ``compiled-int8``, ``invact`` -> ``invact+compiled-none``), beside eager ``none`` (the
+        ``compiled-int8``, ``invact`` -> ``invact@ops=none+compiled-none``), beside eager ``none`` (the
         baseline every ratio is taken against), ``compiled-none`` and the anchors. A strategy
         with no compiled form (e.g. ``prac``) is left out, and the description says so."""
         cases, dropped = [], set()

@@ -196,7 +196,7 @@ def _gpu() -> Suite:
 COMPILED_POINTS = (  # compiled-auto at about the bytes each compile anchor keeps on llama-20m
     "none",
     "compiled-none",
-    "invact+compiled-none",
+    "invact@ops=none+compiled-none",  # what invact is under --compile: norms only
     "compiled-int8",
     *(f"anchor:compile-budget@{b}" for b in (0.5, 0.25, 0.1)),
     *(f"compiled-auto@{p}%" for p in (38, 19, 10, 7.5)),

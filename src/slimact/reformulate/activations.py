@@ -89,7 +89,8 @@ class InvActConfig(StrategyConfig):
     @classmethod
     def from_spec(cls, spec: str) -> InvActConfig:
         """``"invact@bf16=exact-near-branch"`` -> the registered default with that field set
-        (string fields: bf16, mode, variant, backend)."""
+        (string fields: bf16, mode, variant, backend; ``ops``: activation kinds joined by ``/``,
+        ``ops=none`` for norms only)."""
         name, _, body = spec.partition("@")
         kwargs = {}
         for item in filter(None, (part.strip() for part in body.split(","))):
@@ -99,12 +100,16 @@ class InvActConfig(StrategyConfig):
                     f"strategy spec {spec!r}: {item!r} must be key=value with key one of "
                     f"{', '.join(_SPEC_FIELDS)}"
                 )
-            kwargs[key] = value
+            if key == "ops":
+                kinds = [] if value.lower() == "none" else value.split("/")
+                kwargs[key] = tuple(k.strip() for k in kinds if k.strip())
+            else:
+                kwargs[key] = value
         base = cls(norms=False) if name.strip() == "invact-act" else cls()
         return dataclasses.replace(base, **kwargs)
 
 
-_SPEC_FIELDS = ("bf16", "mode", "variant", "backend")
+_SPEC_FIELDS = ("bf16", "mode", "variant", "backend", "ops")
 
 
 def _device(model: nn.Module) -> torch.device:
