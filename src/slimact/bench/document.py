@@ -28,7 +28,7 @@ BENCH_SECTION = "Side by side (slimact bench)"
 
 # (section title, summary files in order)
 SECTIONS: list[tuple[str, list[str]]] = [
-    (BENCH_SECTION, ["bench.md", "bench_reading.md"]),
+    (BENCH_SECTION, ["bench.md", "bench_reading.md", "bench_rerun.md"]),
     (
         "1. Foundation: the meter, the baseline and per-block recomputation",
         ["foundation_meter.md", "foundation.md"],
