@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import argparse
 import copy
+import warnings
 
 import pytest
 import torch
+import torch._dynamo.config as dynamo_config
 import torch.nn.functional as F
 
 import slimact
 from slimact import compiled as C
+from slimact.compiled import blocks as compiled_blocks
 from slimact.compiled.strategies import CompiledCodecConfig
 from slimact.models import build_model
 from slimact.registry import (
@@ -135,6 +138,38 @@ def test_invact_under_compile_inverts_the_norms_and_saves_less(base, eager):
     (b0, g0), (b1, _), (b2, _) = _step(model), _step(both), _step(plain)
     assert b0 < b2 and b0 <= b1
     assert F.cosine_similarity(g0, eager[1], dim=0) > 0.999999
+
+
+def _fallbacks_and_bytes(model):
+    """(eager-fallback warnings, meter bytes, profiler bytes) over two steps and a measure."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _step(model), _step(model)
+        metered, _ = _step(model)
+        live, _ = C.forward_live_bytes(lambda: model(X[:, :-1], targets=X[:, 1:]).loss)
+    n = sum(issubclass(w.category, compiled_blocks.CompileFallbackWarning) for w in caught)
+    return n, metered, live
+
+
+def test_more_patched_blocks_than_dynamos_recompile_limit_stay_compiled():
+    """invact's norms carry one patched forward per module, which dynamo guards by id: each of
+    10 blocks needs its own graph, past dynamo's default limit of 8 per code object (it ran them
+    eagerly). The meter still matches the profiler."""
+    torch.manual_seed(0)
+    model = slimact.apply(build_model("llama-tiny", n_layers=10), "invact", compile=True)
+    n, metered, live = _fallbacks_and_bytes(model)
+    assert n == 0 and abs(live - metered) <= 2048
+
+
+def test_meter_counts_a_block_that_fell_back_to_eager(base, monkeypatch):
+    """A compiled block that dynamo gave up on runs eagerly: it warns, stores raw (its traced
+    codec does not apply), and its saves still reach the meter (the router's hooks are entered
+    again inside the codec's), so measured and unmeasured runs store the same."""
+    monkeypatch.setattr(dynamo_config, "disable", True)  # every compiled call runs eagerly
+    model = slimact.apply(copy.deepcopy(base), "invact@ops=none+compiled-int8")
+    n, metered, live = _fallbacks_and_bytes(model)
+    eager, _ = _step(slimact.apply(copy.deepcopy(base), "invact@ops=none"))
+    assert n > 0 and abs(live - metered) <= 2048 and metered == eager
 
 
 @pytest.mark.slow

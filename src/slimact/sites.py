@@ -321,6 +321,15 @@ def tracking(model: nn.Module | None = None) -> Iterator[None]:
 _COMPILED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
+def rerouted() -> AbstractContextManager:
+    """The router's hook pair entered again, innermost, if the router is active (else nothing):
+    a compiled block that runs eagerly (dynamo gave up on it) is inside its own traced codec
+    hooks, which would otherwise hide its saves from the router, and so from the meter."""
+    if _state.depth == 0:
+        return nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+
+
 def seal(module: nn.Module, compiled: bool = True) -> None:
     """Mark ``module`` as running compiled (``compiled=False``: no longer)."""
     if compiled:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch._dynamo.config as dynamo_config
 import torch._functorch.config as functorch_config
 import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
@@ -97,7 +98,16 @@ def _block_call(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             CompileFallbackWarning,
             stacklevel=2,
         )
+        # the traced codec does not apply eagerly either (its hooks would run per tensor and
+        # hide the saves from the router): raw saves, seen by the router and a meter if active,
+        # so that measuring the block does not change what it stores
+        with torch.autograd.graph.saved_tensors_hooks(_identity, _identity), sites.rerouted():
+            return forward(*args, **kwargs)
     return forward(*args, **kwargs)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def own_code(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
@@ -108,6 +118,15 @@ def own_code(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
     tag = re.sub(r"\W", "_", tag)
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+# Blocks of one class under one choice share a code object, and so dynamo's cache entries and
+# its recompile limit (8 by default). Identical blocks share one graph, but a block whose
+# submodules carry instance patches (``invact``'s norms: one ``ForwardOverride`` object per
+# module, which dynamo guards by id) needs a graph of its own, as does each grad / torch-function
+# mode state it runs under (a meter adds one): past 8 such entries dynamo ran the block eagerly
+# (a 12-block ``invact`` model did). The limit is raised for these calls only.
+RECOMPILE_LIMIT = 256
 
 
 @functools.cache
@@ -127,6 +146,7 @@ def _compiled_forward(
     with (
         codec_hooks(choice.codec),
         functorch_config.patch(activation_memory_budget=choice.budget),
+        dynamo_config.patch(recompile_limit=max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)),
     ):
         return compiled(forward, *args, **kwargs)
 
