@@ -173,3 +173,18 @@ def test_lazy_plan_meets_its_budget_under_the_meter():
     assert F.cosine_similarity(grads.double(), eager_grads.double(), dim=0) > 0.999
     slimact.revert(model)
     assert state_of(model).compiled_plan is None and "forward" not in model.layers[0].__dict__
+
+
+@pytest.mark.slow
+def test_lazy_plan_with_a_root_codec_meets_its_budget_on_its_first_step():
+    """At a tight budget the eager root takes INT8 (a root plan on the plan runtime, installed
+    by the lazy planner's pre-hook during the first training call): that very call already
+    stores the root through it, so the first measured step is within the budget too."""
+    torch.manual_seed(0)
+    base = build_model("llama-tiny")
+    model = slimact.apply(copy.deepcopy(base), f"auto@12%,{SMALL}", compile=True)
+    got, grads = _step(model)
+    plan = state_of(model).compiled_plan
+    assert plan.root is not None and plan.root.codec == "int8"
+    assert got == plan.measured_bytes <= plan.allowed_bytes
+    assert _step(model)[0] == got  # the second step stores the same

@@ -244,6 +244,12 @@ class PlanRuntime:
         return in_worker_thread(work, input_ids.device.type)
 
     # -- hooks --------------------------------------------------------------------------------
+    def join_call(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Enter the plan for a root call that is already running its forward pre-hooks (the
+        runtime was installed by one of them, e.g. a lazy planner, so its own pre-hook does not
+        run this call; its forward hook does, and closes what this enters)."""
+        return self._pre(module, args, kwargs)
+
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if getattr(_tls, "busy", False):
             self._stacks.append(None)

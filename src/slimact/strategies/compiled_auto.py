@@ -27,6 +27,7 @@ from slimact.compiled.blocks import compile_blocks_with
 from slimact.compiled.codec import CODECS as TRACED_CODECS
 from slimact.hf_inputs import random_token_batch, refuse_unless_token_ids
 from slimact.patching import NotCopyable
+from slimact.planner.apply import runtime_of
 from slimact.planner.compiled import (
     BUDGETS,
     CODECS,
@@ -167,15 +168,19 @@ class _LazyPlanner:
             NotCopyable(self, "a pending compiled-auto plan"), with_kwargs=True
         )
 
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if not (module.training and torch.is_grad_enabled()):
-            return
+            return None
         ids, targets = call_batch(module, args, kwargs)
         if not isinstance(ids, torch.Tensor) or targets is None:
-            return
+            return None
         self.handle.remove()
         plan = lambda: plan_compiled(module, self.config, ids, targets)  # noqa: E731
         self.installed = in_worker_thread(plan, ids.device.type)  # unseen by a meter
+        runtime = runtime_of(module)  # the root's codec plan, installed during this pre-hook:
+        if runtime is not None:  # it applies to this very call too, not from the next one
+            return runtime.join_call(module, args, kwargs)
+        return None
 
     def undo(self) -> None:
         self.handle.remove()
