@@ -188,3 +188,11 @@ def test_lazy_plan_with_a_root_codec_meets_its_budget_on_its_first_step():
     assert plan.root is not None and plan.root.codec == "int8"
     assert got == plan.measured_bytes <= plan.allowed_bytes
     assert _step(model)[0] == got  # the second step stores the same
+
+
+def test_does_not_compose_with_another_codec_policy():
+    """compiled-auto may give the eager root a codec (a plan on the plan runtime), so it is a
+    codec policy: int4 (a rule plan) beside it is refused at apply, in either order."""
+    for spec in (f"int4+compiled-auto@12%,{SMALL}", f"compiled-auto@12%,{SMALL}+int8"):
+        with pytest.raises(ValueError, match="two codec-policy strategies"):
+            slimact.apply(build_model("llama-tiny"), spec)

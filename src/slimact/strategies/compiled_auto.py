@@ -111,6 +111,11 @@ def plan_compiled(
 ) -> list[AppliedChange]:
     """Profile (unless given one of this model, e.g. to solve several budgets on one profile),
     solve, install and verify (module docstring); the plan goes to the state."""
+    if runtime_of(model) is not None:  # its profile would mix encoded and raw bytes
+        raise ValueError(
+            "compiled-auto plans a model that carries no other slimact plan (one plan runtime "
+            "per model: it plans the root's codec too); slimact.revert(model) first"
+        )
     if profile is None:
         profile = profile_compiled(
             model, ids, targets, config.budgets, config.codecs, config.rounds
@@ -219,4 +224,5 @@ register_strategy(
     CompiledAutoConfig(),
     apply_compiled_auto,
     "MILP over torch.compile's region budgets x traced codecs per block (needs a budget)",
+    codec_policy=True,  # its plan may give the eager root a codec: no second codec policy
 )
