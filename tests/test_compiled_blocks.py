@@ -161,13 +161,13 @@ def test_more_patched_blocks_than_dynamos_recompile_limit_stay_compiled():
     assert n == 0 and abs(live - metered) <= 2048
 
 
-def test_meter_counts_a_block_that_fell_back_to_eager(base, monkeypatch):
+def test_meter_counts_a_block_that_fell_back_to_eager(base):
     """A compiled block that dynamo gave up on runs eagerly: it warns, stores raw (its traced
     codec does not apply), and its saves still reach the meter (the router's hooks are entered
     again inside the codec's), so measured and unmeasured runs store the same."""
-    monkeypatch.setattr(dynamo_config, "disable", True)  # every compiled call runs eagerly
     model = slimact.apply(copy.deepcopy(base), "invact@ops=none+compiled-int8")
-    n, metered, live = _fallbacks_and_bytes(model)
+    with dynamo_config.patch(disable=True):  # every compiled call runs eagerly
+        n, metered, live = _fallbacks_and_bytes(model)
     eager, _ = _step(slimact.apply(copy.deepcopy(base), "invact@ops=none"))
     assert n > 0 and abs(live - metered) <= 2048 and metered == eager
 
