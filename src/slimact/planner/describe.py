@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 
 from slimact import actions
-from slimact.hf_inputs import is_hf_model
+from slimact.hf_inputs import lm_loss
 from slimact.meter import MemoryReport, measure
 from slimact.planner.apply import runtime_of
 from slimact.planner.plan import LayerPlan, Plan, rel_site
@@ -55,11 +55,10 @@ COMPILED = actions.reformulate("compiled")  # an eager site of a compiled block
 Forward = Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (model, token ids) -> loss
 
 
-def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """Next-token loss on ``ids``: slimact's models take ``targets``, Hugging Face's ``labels``."""
-    if is_hf_model(model):
-        return model(input_ids=ids, labels=ids).loss
-    return model(ids, targets=ids).loss
+def ids_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The loss of ``ids`` scored against themselves (``hf_inputs.lm_loss(model, ids, ids)``):
+    what a step saves does not depend on which tokens are the labels."""
+    return lm_loss(model, ids, ids)
 
 
 def _step(model: nn.Module, ids: torch.Tensor, forward: Forward) -> MemoryReport:
@@ -106,7 +105,7 @@ def describe(
     model: nn.Module,
     strategy: str | StrategyConfig,
     ids: torch.Tensor,
-    forward: Forward = lm_loss,
+    forward: Forward = ids_loss,
     name: str = "",
 ) -> Plan:
     """The plan ``strategy`` amounts to on ``model`` for token ids ``ids`` (B, S); ``model`` is
@@ -195,4 +194,4 @@ def describe(
     )
 
 
-__all__ = ["describe", "lm_loss"]
+__all__ = ["describe", "ids_loss"]
