@@ -70,23 +70,30 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+def _targets(node: ast.Import | ast.ImportFrom, package: str, mods: dict[str, Path]) -> list[str]:
+    """The modules an import statement imports (relative imports resolved against
+    ``package``; ``from pkg import mod`` names the submodule when it is one)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    base = node.module or ""
+    if node.level:
+        up = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join(up + ([base] if base else []))
+    subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in mods]
+    return subs or [base]
+
+
+def _package(name: str, path: Path) -> str:
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
 def _edges(mods: dict[str, Path]) -> dict[str, set[str]]:
     edges: dict[str, set[str]] = {m: set() for m in mods}
     for name, path in mods.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(up + ([base] if base else []))
-                subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in mods]
-                targets = subs or [base]
-            else:
-                continue
-            edges[name].update(t for t in targets if t in mods and t != name)
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                targets = _targets(node, _package(name, path), mods)
+                edges[name].update(t for t in targets if t in mods and t != name)
     return edges
 
 
@@ -94,7 +101,6 @@ def _function_level_imports(mods: dict[str, Path]) -> list[tuple[str, int, str]]
     """(module, line, imported module) of every import inside a function or method body."""
     out = []
     for name, path in mods.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         seen: set[int] = set()
         for fn in ast.walk(ast.parse(path.read_text())):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
@@ -103,15 +109,7 @@ def _function_level_imports(mods: dict[str, Path]) -> list[tuple[str, int, str]]
                 if id(node) in seen or not isinstance(node, (ast.Import, ast.ImportFrom)):
                     continue
                 seen.add(id(node))
-                if isinstance(node, ast.Import):
-                    targets = [a.name for a in node.names]
-                else:
-                    base = node.module or ""
-                    if node.level:
-                        up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                        base = ".".join(up + ([base] if base else []))
-                    subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in mods]
-                    targets = subs or [base]
+                targets = _targets(node, _package(name, path), mods)
                 out += [(name, node.lineno, t) for t in targets]
     return out
 
