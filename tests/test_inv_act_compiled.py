@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from slimact.ops import inv_act_approx as ap
 from slimact.ops import inv_act_compiled as ic
+from slimact.ops import inv_act_poly as ip
 from slimact.ops.inv_act import (
     _bwd,
     _fwd,
@@ -46,6 +47,48 @@ def test_table_matches_newton_ref_and_truth(kind, dtype):
     assert float((tab - true).abs().max()) <= TOL[dtype]
     assert float((tab - ref).abs().max()) <= max(2e-5, 0.3 * TOL[dtype])
     assert float((tab - true).pow(2).mean().sqrt()) < 2e-6 if dtype == torch.float32 else True
+
+
+@pytest.mark.parametrize("kind", ap.KINDS)
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_poly_matches_newton_ref_and_truth(kind, dtype):
+    """The piecewise polynomials (eager here; what the compiled backward evaluates) are as
+    accurate as the Newton solve they fit, and no worse than the table they replaced."""
+    x = torch.cat(
+        [torch.linspace(-12, 25, 100001, dtype=torch.float64), -torch.logspace(1, 2, 500)]
+    )
+    x = x.to(dtype)
+    y, s = act_ref(x, kind), x.double() < ap.BRANCH[kind].T
+    true = ap.exact_df(x.double(), kind)
+    pol = ip.dinv_poly(y, s, kind, ip.poly_floats(kind)).double()
+    ref = ap.dinv_ref(y, s, kind).double()
+    tab = ap.dinv_table(y, s, kind, ap.newton_table(kind)).double()
+    assert float((pol - true).abs().max()) <= TOL[dtype]
+    assert float((pol - ref).abs().max()) <= max(2e-5, 0.3 * TOL[dtype])
+    assert float((pol - true).pow(2).mean().sqrt()) < 2e-6 if dtype == torch.float32 else True
+    rms = (pol - true).pow(2).mean().sqrt(), (tab - true).pow(2).mean().sqrt()
+    assert float(rms[0]) <= 1.01 * float(rms[1])
+
+
+@pytest.mark.parametrize("kind", ap.KINDS)
+def test_poly_fit_error_in_float64(kind):
+    """The fit itself (y exact, no fp32 conditioning): ≤ 1e-6 from the 12-step Newton solve on
+    both branches, the tail included, and the special values of the table. y is taken at fp32
+    values: dinv_poly computes in fp32, and rounding y near f(T) is the conditioning floor."""
+    b = ap.BRANCH[kind]
+    y = torch.cat([b.fT + torch.linspace(0, 4.7, 20001, dtype=torch.float64) ** 2])
+    for left in (False, True):
+        yy = y[y < 0] if left else y
+        yy = torch.cat([yy, -torch.logspace(-30, -1, 2000, dtype=torch.float64)]) if left else yy
+        yy = yy.float().double()
+        s = torch.full_like(yy, left, dtype=torch.bool)
+        pol = ip.dinv_poly(yy, s, kind, ip.poly_floats(kind)).double()
+        want = ap.dinv_newton_ref(yy, s, kind, 12)
+        assert float((pol - want).abs().max()) <= 1e-6
+    special = torch.tensor([float("nan"), float("inf"), 0.0, 1e-30])
+    s = torch.tensor([False, False, True, True])
+    g = ip.dinv_poly(special, s, kind, ip.poly_floats(kind))
+    assert bool(g[0].isnan()) and g[1:].tolist() == [1.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 63, 1001])

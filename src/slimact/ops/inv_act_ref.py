@@ -8,7 +8,8 @@ one byte per element, the exact x for the 254 values nearest T (:func:`near_code
 :func:`near_decode_ref`). :func:`inv_act_fwd_ref` / :func:`inv_act_bwd_ref` are the reference
 every other path (Triton, inductor, the traced backward) is tested against;
 :func:`inv_act_bwd_dense` is the backward in the pointwise form inductor compiles
-(``ops.inv_act_compiled``). g = f'(f⁻¹(y; s)) itself comes from ``ops.inv_act_approx``.
+(``ops.inv_act_compiled``). g = f'(f⁻¹(y; s)) itself comes from ``ops.inv_act_approx`` (the
+Newton reference) and ``ops.inv_act_poly`` (its piecewise-polynomial fit, the compiled path's).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from slimact.ops.inv_act_approx import BRANCH, KINDS, act_ref, dinv_ref, dinv_table, f_q_df
+from slimact.ops.inv_act_approx import BRANCH, KINDS, act_ref, dinv_ref, f_q_df
+from slimact.ops.inv_act_poly import dinv_poly
 
 HALF = (torch.bfloat16, torch.float16)
 _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
@@ -110,18 +112,20 @@ def inv_act_bwd_ref(dy, y, side, kind: str, mode: str = "newton", variant: str =
     return _dx(dy, dinv_ref(y, s, kind, mode), near, x, kind)
 
 
-def inv_act_bwd_dense(dy8, y8, side, table, *, kind: str, mode: str, variant: str):
+def inv_act_bwd_dense(dyr, yr, side, *, kind: str, mode: str, variant: str, coeffs=None):
     """:func:`inv_act_bwd_ref` in pointwise form, what inductor compiles (``inv_act_compiled``):
-    dy8, y8: (ceil(n/8), 8), zero-padded; side: packed (ceil(n/8),), code (ceil(n/8), 8) or
-    None. Row j holds byte j's 8 bits, so unpacking is a broadcast, not a gather; mode 'newton'
-    reads g from ``table`` (``inv_act_approx.newton_table``) instead of solving."""
+    dyr, yr: (rows, w), zero-padded; side: bitmask words (rows,) of w bits (w = 8: the uint8
+    bytes; w = 32: the same bytes viewed as int32, little-endian, so row j holds elements
+    32j .. 32j + 31 and a row fills two AVX-512 vectors), the near-branch code (rows, 8) or None.
+    Row j's bits unpack by a broadcast, not a gather; mode 'newton' evaluates g from the
+    piecewise polynomials ``coeffs`` (``inv_act_poly.poly_floats(kind)``) instead of solving."""
     if variant == "bitmask":
-        shifts = torch.arange(8, device=y8.device, dtype=torch.int32)
+        shifts = torch.arange(yr.shape[-1], device=yr.device, dtype=torch.int32)
         s, near, x = ((side.view(-1, 1).to(torch.int32) >> shifts) & 1).bool(), None, None
     else:
-        s, near, x = _branch(y8, side, kind, variant)
-    g = dinv_ref(y8, s, kind, mode) if mode == "paper" else dinv_table(y8, s, kind, table)
-    return _dx(dy8, g, near, x, kind)
+        s, near, x = _branch(yr, side, kind, variant)
+    g = dinv_ref(yr, s, kind, mode) if mode == "paper" else dinv_poly(yr, s, kind, coeffs)
+    return _dx(dyr, g, near, x, kind)
 
 
 __all__ = [
