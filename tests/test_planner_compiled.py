@@ -58,7 +58,7 @@ def _profile(n_blocks=8, root=500, grid=GRID):
 @pytest.mark.parametrize("share", [0.9, 0.5, 0.3, 0.2, 0.1, 0.09])
 def test_never_worse_than_the_best_uniform_option(share):
     prof = _profile()
-    plan = solve_compiled(prof, f"{share * 100:g}%")
+    plan = solve_compiled(prof, f"{share * 100:g}%", time_tolerance=0.0)
     allowed = int(prof.baseline_bytes * share)
     assert plan.predicted_bytes <= allowed == plan.allowed_bytes
     fits = [s for s in prof.options["k"] if prof.root_bytes + 8 * s.bytes <= allowed]
@@ -75,9 +75,37 @@ def test_never_worse_than_the_best_uniform_option(share):
     assert list(plan.choices) == prof.blocks["k"]
 
 
+@pytest.mark.parametrize("share", [0.5, 0.3, 0.2])
+@pytest.mark.parametrize("tol", [0.01, 0.05])
+def test_fewest_bytes_among_plans_within_the_time_tolerance(share, tol):
+    prof = _profile()
+    plan = solve_compiled(prof, f"{share * 100:g}%", time_tolerance=tol)
+    allowed = int(prof.baseline_bytes * share)
+    plans = [  # (seconds, bytes) of every feasible count vector, brute force
+        (
+            sum(n * s.seconds for n, s in zip(ns, prof.options["k"])),
+            prof.root_bytes + sum(n * s.bytes for n, s in zip(ns, prof.options["k"])),
+        )
+        for ns in itertools.product(range(9), repeat=len(GRID))
+        if sum(ns) == 8
+        and prof.root_bytes + sum(n * s.bytes for n, s in zip(ns, prof.options["k"])) <= allowed
+    ]
+    fastest = min(t for t, _ in plans)
+    lean = min(b for t, b in plans if t <= fastest * (1 + tol) + 1e-9)
+    assert plan.predicted_bytes == lean
+    assert plan.predicted_seconds <= fastest * (1 + tol) + 1e-9
+    exact = solve_compiled(prof, f"{share * 100:g}%", time_tolerance=0.0)
+    assert plan.predicted_bytes <= exact.predicted_bytes
+    if tol == 0.05 and share == 0.5:  # int8 at 1.0 (1.05 s) beats none at 1.0 (1.00) by 700 B
+        assert plan.predicted_bytes < exact.predicted_bytes
+    with pytest.raises(ValueError, match="time_tolerance must be >= 0, got -0.1"):
+        solve_compiled(prof, "50%", time_tolerance=-0.1)
+
+
 def test_mixes_options_across_blocks():
     prof = _profile()
-    plan = solve_compiled(prof, "20%")  # between uniform int8@1.0 (0.27) and int8@0.5 (0.16)
+    # between uniform int8@1.0 (0.27) and int8@0.5 (0.16); the fastest plan, not the leanest
+    plan = solve_compiled(prof, "20%", time_tolerance=0.0)
     assert len(set(plan.choices.values())) > 1
     rows = plan.rows()
     assert rows[0]["block"] == "layers.0" and "action" in rows[0]
