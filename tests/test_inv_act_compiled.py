@@ -32,18 +32,24 @@ def _x(n, dtype, seed=0):
     return x.to(dtype)
 
 
-@pytest.mark.parametrize("kind", ap.KINDS)
-@pytest.mark.parametrize("dtype", list(TOL))
-def test_table_matches_newton_ref_and_truth(kind, dtype):
-    """The interpolated table (eager here) is as accurate as the Newton solve it tabulates."""
+def _dinv_grid(kind, dtype):
+    """y, branch bits, the float64 truth of f'(f⁻¹(y)), the Newton ref's and the table's, on a
+    dense grid plus the far left tail."""
     x = torch.cat(
         [torch.linspace(-12, 25, 100001, dtype=torch.float64), -torch.logspace(1, 2, 500)]
     )
     x = x.to(dtype)
     y, s = act_ref(x, kind), x.double() < ap.BRANCH[kind].T
     true = ap.exact_df(x.double(), kind)
-    tab = ap.dinv_table(y, s, kind, ap.newton_table(kind)).double()
     ref = ap.dinv_ref(y, s, kind).double()
+    return y, s, true, ref, ap.dinv_table(y, s, kind, ap.newton_table(kind)).double()
+
+
+@pytest.mark.parametrize("kind", ap.KINDS)
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_table_matches_newton_ref_and_truth(kind, dtype):
+    """The interpolated table (eager here) is as accurate as the Newton solve it tabulates."""
+    _, _, true, ref, tab = _dinv_grid(kind, dtype)
     assert float((tab - true).abs().max()) <= TOL[dtype]
     assert float((tab - ref).abs().max()) <= max(2e-5, 0.3 * TOL[dtype])
     assert float((tab - true).pow(2).mean().sqrt()) < 2e-6 if dtype == torch.float32 else True
@@ -54,15 +60,8 @@ def test_table_matches_newton_ref_and_truth(kind, dtype):
 def test_poly_matches_newton_ref_and_truth(kind, dtype):
     """The piecewise polynomials (eager here; what the compiled backward evaluates) are as
     accurate as the Newton solve they fit, and no worse than the table they replaced."""
-    x = torch.cat(
-        [torch.linspace(-12, 25, 100001, dtype=torch.float64), -torch.logspace(1, 2, 500)]
-    )
-    x = x.to(dtype)
-    y, s = act_ref(x, kind), x.double() < ap.BRANCH[kind].T
-    true = ap.exact_df(x.double(), kind)
+    y, s, true, ref, tab = _dinv_grid(kind, dtype)
     pol = ip.dinv_poly(y, s, kind, ip.poly_floats(kind)).double()
-    ref = ap.dinv_ref(y, s, kind).double()
-    tab = ap.dinv_table(y, s, kind, ap.newton_table(kind)).double()
     assert float((pol - true).abs().max()) <= TOL[dtype]
     assert float((pol - ref).abs().max()) <= max(2e-5, 0.3 * TOL[dtype])
     assert float((pol - true).pow(2).mean().sqrt()) < 2e-6 if dtype == torch.float32 else True
