@@ -102,6 +102,26 @@ def test_fewest_bytes_among_plans_within_the_time_tolerance(share, tol):
         solve_compiled(prof, "50%", time_tolerance=-0.1)
 
 
+def test_the_leaner_plan_is_no_lossier_than_the_fastest():
+    grid = [  # (budget, codec, bytes, seconds, grad error): int8 is as fast and leaner
+        (1.0, "none", 1000, 1.00, 3e-13),
+        (0.7, "none", 700, 1.005, 6e-13),
+        (1.0, "int8", 300, 1.00, 1e-4),
+        (0.7, "int8", 200, 1.00, 1e-4),
+    ]
+    prof = _profile()
+    prof.options["k"] = [OptionStat(BlockChoice(b, c), n, t, e) for b, c, n, t, e in grid]
+    # the fastest plan (every block at 1.0/none, or int8: a tie) decides how lossy the lean one is
+    prof.options["k"][2] = OptionStat(BlockChoice(1.0, "int8"), 300, 1.001, 1e-4)
+    prof.options["k"][3] = OptionStat(BlockChoice(0.7, "int8"), 200, 1.001, 1e-4)
+    exact = solve_compiled(prof, "95%")
+    assert {c.codec for c in exact.choices.values()} == {"none"}
+    assert all(c.budget == 0.7 for c in exact.choices.values())  # exact and leaner within 1%
+    # where the fastest plan must already encode, the lean plan may encode everywhere
+    lossy = solve_compiled(prof, "40%")
+    assert all(c == BlockChoice(0.7, "int8") for c in lossy.choices.values())
+
+
 def test_mixes_options_across_blocks():
     prof = _profile()
     # between uniform int8@1.0 (0.27) and int8@0.5 (0.16); the fastest plan, not the leanest

@@ -26,7 +26,8 @@ measures each option on one block of each kind, on the real batch, and picks one
                sum_r x_r * bytes(r) + sum_k sum_o n_ko * bytes_k(o) <= allowed
 
 then, with T* that minimum, the same MILP minimizing the bytes subject also to
-T <= (1 + tol) T* (``TIME_TOLERANCE``, 1%: measured times are this noisy, and options that
+T <= (1 + tol) T*, over the options no lossier than the worst the fastest plan took (an exact
+plan stays exact; ``TIME_TOLERANCE``, 1%: measured times are this noisy, and options that
 fast differ in bytes, e.g. compile's budget 0.7 and 1.0 with INT8: 11.8 vs 16.5 MiB per
 llama-20m block at the same step time),
 
@@ -77,6 +78,7 @@ MAX_GRAD_ERR = 2e-3  # as auto's: 1 - cos of any parameter's (or the input's) bl
 # second stage: the fewest bytes among plans within this share of the fastest plan's seconds (the
 # options' measured times are medians of interleaved rounds, ~1-3% apart run to run)
 TIME_TOLERANCE = 0.01
+EXACT_ERR = 1e-9  # 1 - cos at or below this is rounding (exact options measure ~5e-13)
 
 
 class BudgetWarning(UserWarning):
@@ -325,8 +327,10 @@ def solve_compiled(
     """The fastest choice per block, and for the eager root, whose predicted bytes fit
     ``budget`` (module docstring), among the options whose measured gradient error is at most
     ``max_grad_err`` (None: all); then, among the plans within ``time_tolerance`` of its
-    seconds, the one with the fewest bytes (options equally fast within measurement noise
-    differ by up to 1.4x in bytes: compile budget 0.7 against 1.0, both with INT8)."""
+    seconds, the one with the fewest bytes that takes no option with a larger gradient error
+    than the fastest plan's worst (options equally fast within measurement noise differ by up
+    to 1.4x in bytes: compile budget 0.7 against 1.0, both with INT8; an exact plan stays
+    exact)."""
     if not time_tolerance >= 0:
         raise ValueError(f"time_tolerance must be >= 0, got {time_tolerance!r}")
     budget = Budget.parse(budget)
@@ -347,12 +351,16 @@ def solve_compiled(
     bounds, integral = Bounds(0, n.max()), np.ones(nv + nr)
     res = milp(cost, constraints=cons, integrality=integral, bounds=bounds)
     if res.x is not None and time_tolerance > 0:
+        # the leanest plan as fast within tolerance, and no lossier: only options whose error is
+        # at most the worst the fastest plan took (an exact plan stays exact)
+        err = np.array([s.grad_err for _, s in var] + [r.grad_err for r in roots])
+        worst = max(float(err[np.round(res.x) > 0].max()), EXACT_ERR)
         cap = float(cost @ np.round(res.x)) * (1.0 + time_tolerance)
         lean = milp(
             size,
             constraints=[*cons, LinearConstraint(cost[None, :], -np.inf, cap)],
             integrality=integral,
-            bounds=bounds,
+            bounds=Bounds(0, np.where(err <= worst, n.max(), 0.0)),
         )
         res = lean if lean.x is not None else res
     if res.x is None:
