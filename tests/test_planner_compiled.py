@@ -164,7 +164,11 @@ def test_config_validation():
         CompiledAutoConfig(budget="25%", batch=2)
     cfg = CompiledAutoConfig.from_spec("compiled-auto@30%,codecs=none/int8,budgets=1/0,rounds=2")
     assert cfg.codecs == ("none", "int8") and cfg.budgets == (1.0, 0.0) and cfg.rounds == 2
-    with pytest.raises(ValueError, match="unknown option"):
+    assert CompiledAutoConfig(budget="25%").time_tolerance == 0.01
+    assert CompiledAutoConfig.from_spec("compiled-auto@30%,time_tolerance=0").time_tolerance == 0
+    with pytest.raises(ValueError, match="time_tolerance must be a number >= 0, got -1.0"):
+        CompiledAutoConfig.from_spec("compiled-auto@30%,time_tolerance=-1")
+    with pytest.raises(ValueError, match="unknown option 'speed'.*time_tolerance"):
         CompiledAutoConfig.from_spec("compiled-auto@30%,speed=1")
     with pytest.raises(ValueError, match="needs a memory budget"):
         slimact.apply(build_model("llama-tiny"), "compiled-auto")

@@ -11,7 +11,8 @@ random tokens of that shape. The solved plan is ``slimact.state_of(model).compil
 
 ``slimact.apply(model, "auto@25%", compile=True)`` is this strategy (see ``registry``).
 Specs: ``compiled-auto@25%``, ``compiled-auto@25%,codecs=none/int8,budgets=1/0.5/0,rounds=3``,
-``compiled-auto@10%,max_grad_err=none`` (admit every option, traced INT4 included).
+``compiled-auto@10%,max_grad_err=none`` (admit every option, traced INT4 included),
+``compiled-auto@25%,time_tolerance=0`` (the fastest plan, not the leanest as fast within 1%).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from slimact.planner.compiled import (
     BUDGETS,
     CODECS,
     MAX_GRAD_ERR,
+    TIME_TOLERANCE,
     CompiledPlan,
     CompiledProfile,
     profile_compiled,
@@ -48,6 +50,8 @@ from slimact.utils import in_worker_thread
 class CompiledAutoConfig(StrategyConfig):
     """``budget``: '25%' | '6GiB' | bytes (required); ``budgets``: compile region budgets to
     try; ``codecs``: traced codecs to try; ``rounds``: interleaved timing rounds per option;
+    ``time_tolerance``: the plan keeps the fewest bytes among plans within this share of the
+    fastest one's time, no lossier than it (0: the fastest plan);
     ``max_grad_err``: options whose measured block-gradient error (1 - cos, worst parameter)
     exceeds it are not candidates (None: every option);
     ``batch``/``seq``: plan at apply time on random tokens of that shape (else on the first
@@ -58,6 +62,7 @@ class CompiledAutoConfig(StrategyConfig):
     codecs: tuple[str, ...] = CODECS
     rounds: int = 5
     max_grad_err: float | None = MAX_GRAD_ERR
+    time_tolerance: float = TIME_TOLERANCE
     batch: int | None = None
     seq: int | None = None
     seed: int = 0
@@ -73,6 +78,9 @@ class CompiledAutoConfig(StrategyConfig):
             raise ValueError(f"codecs must be among {', '.join(TRACED_CODECS)}, got {bad or '()'}")
         if self.max_grad_err is not None and not self.max_grad_err >= 0:
             raise ValueError(f"max_grad_err must be >= 0 or None, got {self.max_grad_err!r}")
+        tol = self.time_tolerance
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
+            raise ValueError(f"time_tolerance must be a number >= 0, got {self.time_tolerance!r}")
         if not isinstance(self.rounds, int) or self.rounds < 1:
             raise ValueError(f"rounds must be an int >= 1, got {self.rounds!r}")
         if (self.batch is None) != (self.seq is None):
@@ -80,7 +88,8 @@ class CompiledAutoConfig(StrategyConfig):
 
     @classmethod
     def from_spec(cls, spec: str) -> CompiledAutoConfig:
-        """``compiled-auto@25%[,codecs=none/int8][,budgets=1/0.5/0][,rounds=3][,max_grad_err=x]``."""
+        """``compiled-auto@25%[,codecs=none/int8][,budgets=1/0.5/0][,rounds=3][,max_grad_err=x]
+        [,time_tolerance=0.01]``."""
         _, _, arg = spec.partition("@")
         budget, *opts = [p.strip() for p in arg.split(",")] if arg else [None]
         kw: dict = {}
@@ -94,10 +103,12 @@ class CompiledAutoConfig(StrategyConfig):
                 kw["rounds"] = int(value)
             elif key == "max_grad_err":
                 kw["max_grad_err"] = None if value.lower() == "none" else float(value)
+            elif key == "time_tolerance":
+                kw["time_tolerance"] = float(value)
             else:
                 raise ValueError(
                     f"{spec!r}: unknown option {key!r}; valid: codecs, budgets, rounds, "
-                    "max_grad_err"
+                    "max_grad_err, time_tolerance"
                 )
         return cls(budget=budget or None, **kw)
 
@@ -120,7 +131,7 @@ def plan_compiled(
         profile = profile_compiled(
             model, ids, targets, config.budgets, config.codecs, config.rounds
         )
-    plan = solve_compiled(profile, config.budget, config.max_grad_err)
+    plan = solve_compiled(profile, config.budget, config.max_grad_err, config.time_tolerance)
     changes = _install(model, plan, config)
     measured = verify(plan, model, ids, targets)
     tighter = plan.allowed_bytes - (measured - plan.allowed_bytes)
