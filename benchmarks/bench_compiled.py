@@ -1,4 +1,4 @@
-"""Codecs inside torch.compile (issue 16): compiled-int8 / compiled-int4 vs eager and compile anchors.
+"""Codecs inside torch.compile (issue 16): compiled-int8/6/4 and the planner vs eager and compile.
 
     PYTHONPATH=src python benchmarks/bench_compiled.py                    # llama-20m, 8 x 256
     PYTHONPATH=src python benchmarks/bench_compiled.py --model llama-tiny --batch 1 --seq 16 \
@@ -12,7 +12,7 @@ Points, all in one process, fp32, one torch thread (unless --threads):
   ``activation_memory_budget`` = b, for each b of --budgets. Each budget gets its own code object (dynamo caches
   compiled frames per code object and does not guard on the budget), and every point runs with
   its own budget patched in, so a recompile can never take another point's budget;
-* ``compiled-int8`` / ``compiled-int4``: ``slimact.compiled.compile_blocks_with`` (per-block
+* ``compiled-int8`` / ``-int6`` / ``-int4``: ``slimact.compiled.compile_blocks_with`` (per-block
   compile, pack/unpack GraphModules inlined into the compiled graphs);
 * ``compiled-invact``: ``invact`` (inverted activations and norms as custom ops) then
   ``compile_blocks``: the reformulation inside compiled blocks;
@@ -63,6 +63,7 @@ from slimact.utils import fmt_bytes, seed_everything
 
 RESULTS = Path(__file__).parent / "results"
 MARK = "<!-- reading -->"
+CODEC_POINTS = ("compiled-int8", "compiled-int6", "compiled-int4")
 
 
 def env() -> dict:
@@ -126,7 +127,7 @@ def run(args) -> dict:
         tag = f"budget_{str(b).replace('.', '_')}"
         fwd = torch.compile(own_code(loss_fn, tag), backend="inductor")
         points[f"compile-budget ({b})"] = Point(copy.deepcopy(base), fwd, b)
-    for name in ("compiled-int8", "compiled-int4"):
+    for name in CODEC_POINTS:
         points[name] = Point(slimact.apply(copy.deepcopy(base), name))
     inv = slimact.apply(copy.deepcopy(base), "invact")
     compile_blocks(inv, backend="inductor")
@@ -197,7 +198,7 @@ def run(args) -> dict:
         if name != "eager-none":
             rows[name]["step_ratio"] = timing.ratio(name, "eager-none").to_dict()
     anchors = ["compiled-none", *(f"compile-budget ({b})" for b in args.budgets)]
-    pairs = [(a, b) for a in ("compiled-int8", "compiled-int4") for b in anchors]
+    pairs = [(a, b) for a in CODEC_POINTS for b in anchors]
     pairs += [("compiled-invact", "compiled-none"), ("compiled-invact-norms", "compiled-none")]
     for name, r in rows.items():  # each compiled-auto point against the anchor it was given
         if "anchor" in r:

@@ -17,7 +17,18 @@ import torch.nn.functional as F
 import slimact
 from slimact import compiled as C
 from slimact.models import build_model
-from slimact.ops.quant import dequantize_ref, quantize_ref
+from slimact.ops.quant import Quantized, dequantize_ref, quantize_ref
+from slimact.ops.quant import _unpack as unpack_ref
+
+
+def _ref_codes(ref: Quantized) -> torch.Tensor:
+    """The reference's biased codes, one per value, in logical order."""
+    return unpack_ref(ref.codes, ref.numel, ref.bits)
+
+
+def _codes(payload: tuple) -> torch.Tensor:
+    """The traced payload's biased codes, one per value, in logical order."""
+    return C.unpack_codes(payload[0], payload[3]).reshape(-1)
 
 
 def _x(*shape, dtype=torch.float32, seed=0):
@@ -26,7 +37,7 @@ def _x(*shape, dtype=torch.float32, seed=0):
 
 
 # ----------------------------------------------------------------------------- math vs reference
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int6", "int4"])
 @pytest.mark.parametrize(
     "shape", [(4, 64, 128), (3, 7, 96), (50, 100), (2, 3, 13, 40), (8, 2048), (2, 33, 101)]
 )
@@ -40,7 +51,8 @@ def test_encode_equals_quant_reference(name, shape, dtype):
     codes, scale, out_dtype, bits = payload
     assert codes.dtype == torch.uint8 and scale.dtype == torch.float32 and out_dtype == dtype
     assert bits == ref.bits
-    assert torch.equal(codes.reshape(-1), ref.codes)
+    assert codes.shape[-1] == x.shape[-1] * max(bits, 4) // 8  # packed: 4 / 6 / 8 bits a value
+    assert torch.equal(_codes(payload), _ref_codes(ref))
     assert torch.equal(scale.reshape(-1), ref.scale)
     y = C.decode(payload)
     assert y.shape == x.shape and y.dtype == dtype
@@ -50,13 +62,36 @@ def test_encode_equals_quant_reference(name, shape, dtype):
 
 def test_noncontiguous_input_uses_logical_order():
     x = _x(2, 64, 4, 32).permute(0, 2, 1, 3)  # what a q/k/v transpose saves
-    for name in ("int8", "int4"):
+    for name in ("int8", "int6", "int4"):
         codec = C.CODECS[name]
         payload = C.encode(codec, x)
         bits, group = codec.group_for(32)
         ref = quantize_ref(x, bits=bits, group_size=group)
-        assert torch.equal(payload[0].reshape(-1), ref.codes)
+        assert torch.equal(_codes(payload), _ref_codes(ref))
         assert torch.equal(C.decode(payload), dequantize_ref(ref).view(x.shape))
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8])
+def test_pack_codes_round_trip_every_code(bits):
+    g = torch.Generator().manual_seed(0)
+    u = torch.randint(0, 1 << bits, (3, 5, 64), generator=g).to(torch.uint8)
+    u[0, 0], u[0, 1] = (1 << bits) - 1, 0  # every bit set / none
+    packed = C.pack_codes(u, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 5, 64 * bits // 8)
+    assert torch.equal(C.unpack_codes(packed, bits), u)
+
+
+def test_pack_codes_layout():
+    """INT4: byte j holds code j (low nibble) and code j + D/2; INT6: bytes j, j + D/4, j + D/2
+    hold codes j, j + D/4, j + D/2 in their low 6 bits and code j + 3D/4's bits 0-1, 2-3, 4-5."""
+    u = torch.arange(64, dtype=torch.uint8).view(1, 64)
+    p4 = C.pack_codes(u % 16, 4)
+    assert p4[0, 3].item() == 3 | (35 % 16) << 4
+    p6 = C.pack_codes(u, 6)
+    d = 48 + 5
+    assert [p6[0, 5 + 16 * i].item() for i in range(3)] == [
+        (5 + 16 * i) | ((d >> 2 * i) & 3) << 6 for i in range(3)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -67,6 +102,9 @@ def test_noncontiguous_input_uses_logical_order():
         ("int4", 20, (8, 20)),  # gcd 4 < 8: INT8 per row
         ("int4", 48, (4, 16)),  # gcd(48, 32) = 16
         ("int4", 101, (8, 101)),  # odd: INT8 per row
+        ("int6", 1376, (6, 1376)),  # per row
+        ("int6", 20, (6, 20)),
+        ("int6", 102, (8, 102)),  # 102 % 4 = 2: no four slices, INT8 per row
     ],
 )
 def test_group_choice(name, last, expect):
@@ -84,7 +122,7 @@ def test_group_choice(name, last, expect):
     ],
     ids=["stats", "small", "1d", "int", "bool"],
 )
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int6", "int4"])
 def test_kept_exact_by_shape(x, name):
     payload = C.encode(C.CODECS[name], x)
     assert len(payload) == 1 and payload[0] is x
@@ -131,7 +169,7 @@ def test_none_codec_keeps_everything():
 
 def test_error_bound():
     x = _x(16, 256)
-    for name, levels in (("int8", 127), ("int4", 7)):
+    for name, levels in (("int8", 127), ("int6", 31), ("int4", 7)):
         codec = C.CODECS[name]
         y = C.decode(C.encode(codec, x))
         _, g = codec.group_for(256)
@@ -250,7 +288,7 @@ def test_compiled_none_matches_autograd(compiled_model, exact):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["compiled-int8", "compiled-int4"])
+@pytest.mark.parametrize("strategy", ["compiled-int8", "compiled-int6", "compiled-int4"])
 def test_lossy_codecs_gradient_cosine(compiled_model, exact, strategy):
     g = _grads(compiled_model(strategy))
     assert _cos(g, exact) >= 0.99

@@ -257,7 +257,12 @@ def compiled_spec(strategy: str) -> str:
             )
     if "compiled-recompute" in blocks and len(blocks) == 2:
         other = next(b for b in blocks if b != "compiled-recompute")
-        if "@" not in other and other in ("compiled-int8", "compiled-int4", "compiled-none"):
+        if "@" not in other and other in (
+            "compiled-int8",
+            "compiled-int6",
+            "compiled-int4",
+            "compiled-none",
+        ):
             blocks = [f"{other}@0"]
     if len(blocks) > 1:
         raise ValueError(

@@ -21,8 +21,10 @@ from slimact.compiled.codec import (
     encode_ref,
     hook_pair,
     keeps_exact,
+    pack_codes,
     resolve_codec,
     saved_node,
+    unpack_codes,
 )
 from slimact.compiled.strategies import CompiledCodecConfig, apply_compiled_codec
 
@@ -46,6 +48,8 @@ __all__ = [
     "hook_pair",
     "own_code",
     "keeps_exact",
+    "pack_codes",
     "resolve_codec",
     "saved_node",
+    "unpack_codes",
 ]

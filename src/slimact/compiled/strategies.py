@@ -1,4 +1,4 @@
-"""Strategies of compiled blocks: ``compiled-none``, ``compiled-int8``, ``compiled-int4``,
+"""Strategies of compiled blocks: ``compiled-none``, ``compiled-int8``, ``compiled-int6``, ``compiled-int4``,
 ``compiled-recompute``, each ``@<budget>`` for compile's region budget (``compiled-int8@0.25``).
 
 One :class:`~slimact.compiled.blocks.BlockChoice` for every block; ``compiled-auto@<budget>``
@@ -67,6 +67,12 @@ register_strategy(
     CompiledCodecConfig("int8"),
     apply_compiled_codec,
     "torch.compile per block, per-row INT8 pack/unpack inlined into the compiled graphs",
+)
+register_strategy(
+    "compiled-int6",
+    CompiledCodecConfig("int6"),
+    apply_compiled_codec,
+    "torch.compile per block, per-row INT6 (four codes in three bytes) inlined, SDPA tensors too",
 )
 register_strategy(
     "compiled-int4",

@@ -91,8 +91,9 @@ def _limits(bits: int) -> tuple[int, int, int]:
 
 
 def _pack(u: torch.Tensor, n: int, bits: int) -> torch.Tensor:
-    """u: uint8 biased codes (length >= n) -> packed bytes (exactly ceil(n/2) for 4 bits)."""
-    if bits == 8:
+    """u: uint8 biased codes (length >= n) -> packed bytes (exactly ceil(n/2) for 4 bits; one
+    byte per code for 5-8 bits: the traced codec's INT6 reference, ``slimact.compiled.codec``)."""
+    if bits > 4:
         return u[:n].contiguous()
     if u.numel() % 2:  # an odd group size times an odd group count (per-token rows)
         u = F.pad(u, (0, 1))
@@ -101,7 +102,7 @@ def _pack(u: torch.Tensor, n: int, bits: int) -> torch.Tensor:
 
 
 def _unpack(codes: torch.Tensor, n: int, bits: int) -> torch.Tensor:
-    if bits == 8:
+    if bits > 4:
         return codes[:n]
     return torch.stack((codes & 15, codes >> 4), dim=1).view(-1)[:n]
 
