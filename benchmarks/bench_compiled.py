@@ -54,6 +54,7 @@ from slimact.compiled import TRACE_CALLS, compiled_saved_tensors, forward_live_b
 from slimact.envinfo import machine_info
 from slimact.hf import compile_blocks, graph_breaks
 from slimact.models import build_model
+from slimact.planner.compiled import CODECS as AUTO_CODECS
 from slimact.planner.compiled import profile_compiled
 from slimact.reformulate import InvActConfig
 from slimact.state import state_of
@@ -230,6 +231,11 @@ def auto_points(base, x, y, args, meter_bytes: int, rows: dict) -> dict[str, Poi
     t0 = time.perf_counter()
     prof = profile_compiled(base, x, y, codecs=codecs, rounds=args.auto_rounds)
     print(f"compiled-auto profile: {time.perf_counter() - t0:.1f} s", flush=True)
+    options = [  # one block of the (single) kind: what the MILP chose from
+        {"option": s.choice.label, "bytes": s.bytes, "seconds": s.seconds, "grad_err": s.grad_err}
+        for stats in prof.options.values()
+        for s in stats
+    ]
     budgets = [
         (math.floor(r["saved_bytes"] / meter_bytes * 1e6) / 1e4, name)
         for name, r in rows.items()
@@ -255,6 +261,7 @@ def auto_points(base, x, y, args, meter_bytes: int, rows: dict) -> dict[str, Poi
             "plan_measured_bytes": plan.measured_bytes,
             "plan_allowed_bytes": plan.allowed_bytes,
             "profile_time_s": prof.profile_time_s,
+            "profile_options": options,
         }
         print(name, plan.table(), flush=True)
     return out
@@ -321,6 +328,19 @@ def report(d: dict) -> str:
             if "plan" in r
         )
         + ".",
+        "- compiled-auto's options (one block: bytes, fwd+bwd time vs its first option, "
+        "gradient error; over 2e-3 not a candidate): "
+        + "; ".join(
+            f"{o['option']} {fmt_bytes(o['bytes'])}, {o['seconds'] / opts[0]['seconds']:.3f}, "
+            f"{o['grad_err']:.1e}"
+            for opts in [
+                next(
+                    (r["profile_options"] for r in d["rows"].values() if "profile_options" in r), []
+                )
+            ]
+            for o in opts
+        )
+        + ".",
         "- Pareto front (saved bytes, median step ratio vs eager none; the anchors are "
         "`compile-budget`): " + _front(d["rows"]) + ".",
         "- Python calls of the traced pack/unpack helpers during a step after compilation "
@@ -382,8 +402,8 @@ def main() -> None:
     p.add_argument(
         "--auto-codecs",
         type=lambda t: [v.strip() for v in t.split(",")],
-        default=["none", "int8"],
-        help="traced codecs compiled-auto may use",
+        default=list(AUTO_CODECS),
+        help="traced codecs compiled-auto may use (default: the planner's grid)",
     )
     p.add_argument("--auto-rounds", type=int, default=5, help="compiled-auto's timing rounds")
     p.add_argument("--results-dir", type=Path, default=RESULTS)

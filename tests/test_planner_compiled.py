@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import slimact
+import slimact.planner.compiled as PC
 from slimact.compiled import BlockChoice
 from slimact.models import build_model
 from slimact.planner.compiled import (
@@ -203,6 +204,24 @@ def test_profile_measures_every_option():
     assert 1e-6 < err[(1.0, "int8")] < 2e-3  # INT8 is lossy, within auto's default cap
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert "forward" not in model.layers[0].__dict__  # profiling runs on copies
+
+
+@pytest.mark.slow
+def test_profile_error_is_the_worst_of_the_first_and_last_block(monkeypatch):
+    """Deeper blocks can be more sensitive (llama-20m: INT6 with SDPA at 6 bits, 1.5e-3 on the
+    first block, 8.4e-3 on the last): each option's error is the max over both."""
+    calls = []
+
+    def fake(got, ref):
+        calls.append(len(calls))
+        return 5e-3 if len(calls) > 2 else 1e-3  # 2 options: the first block's, then the last's
+
+    monkeypatch.setattr(PC, "grad_error", fake)
+    model = build_model("llama-tiny")
+    assert len(model.layers) > 1
+    prof = profile_compiled(model, X[:, :-1], X[:, 1:], (1.0,), ("none", "int8"), rounds=1)
+    (stats,) = prof.options.values()
+    assert len(calls) == 4 and [s.grad_err for s in stats] == [5e-3, 5e-3]
 
 
 @pytest.mark.slow

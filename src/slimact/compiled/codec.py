@@ -52,8 +52,10 @@ time. The root (embedding, final norm, head, loss) stays eager and raw. Measured
 (benchmarks/results/compiled.md): INT8 keeps 0.22 of eager's bytes, INT4 0.17, against 0.19 for
 torch.compile's ``activation_memory_budget=0.25``. Per llama-20m block at compile's budget 0.7
 (one random upstream gradient; ``slimact.planner.compiled``): INT8 11.8 MiB, gradient error
-9e-5; INT6 8.9 MiB, 1.5e-3, at INT8's speed; INT4 9.0 MiB (its SDPA tensors INT8, its scales
-one per 32 values), 1.0e-2.
+9e-5; INT6 (SDPA tensors INT8) 9.9 MiB, 1.1e-3 (first and last block), 1-3% slower;
+INT6 with SDPA's tensors at 6 bits 8.9 MiB but 8.4e-3 on the last block, whose q/k weight
+gradients then reach cosine 0.991 in the model; INT4 9.0 MiB (SDPA tensors INT8, one scale
+per 32 values), 1.0e-2.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ class CompiledCodec:
 CODECS: dict[str, CompiledCodec] = {
     "none": CompiledCodec(bits=0),
     "int8": CompiledCodec(bits=8),
-    "int6": CompiledCodec(bits=6, attention_bits=6),
+    "int6": CompiledCodec(bits=6),  # SDPA tensors INT8 (at 6 bits: 5x the last block's error)
     "int4": CompiledCodec(bits=4, group_size=32, attention_bits=8),
 }
 
