@@ -8,6 +8,7 @@ shared CPU); compiled models are cached per module so each codec compiles once.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import operator
 
 import pytest
@@ -79,6 +80,45 @@ def test_pack_codes_round_trip_every_code(bits):
     packed = C.pack_codes(u, bits)
     assert packed.dtype == torch.uint8 and packed.shape == (3, 5, 64 * bits // 8)
     assert torch.equal(C.unpack_codes(packed, bits), u)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(4, 64, 128), (3, 7, 96), (2, 33, 101)])
+def test_outlier_channels_equal_reference_and_are_exact(shape, dtype):
+    codec = dataclasses.replace(C.CODECS["outlier-int4"], outliers=0.02)  # k = 2 or 3
+    x = _x(*shape, dtype=dtype)
+    idx = torch.tensor([1, shape[-1] - 2])
+    x[..., idx] *= 40  # two outlier channels
+    ref = C.encode_ref(codec, x)
+    payload = C.encode(codec, x)
+    y = C.decode(payload)
+    assert y.shape == x.shape and y.dtype == dtype
+    if payload[3] == 8:  # odd widths fall back to INT8 per row, with no outliers
+        assert len(payload) == 4 and shape[-1] % 2
+        return
+    k = codec.outliers_for(shape[-1], 4)
+    cols, got = payload[4:]
+    assert cols.shape == (x.numel() // shape[-1], k) and cols.dtype == dtype
+    assert set(idx.tolist()) <= set(got.tolist())
+    assert torch.equal(_codes(payload), _ref_codes(ref))
+    assert torch.equal(payload[1].reshape(-1), ref.scale)
+    expect = C.decode_ref(ref, x)
+    expect[..., got] = x[..., got]
+    assert torch.equal(y, expect)
+    assert torch.equal(y[..., idx], x[..., idx])
+
+
+def test_outlier_separation_keeps_the_small_channels_accurate():
+    x = _x(64, 512)
+    x[:, [7, 300]] *= 60
+    small = torch.ones(512, dtype=torch.bool)
+    small[[7, 300]] = False
+
+    def err(name):
+        y = C.decode(C.encode(C.CODECS[name], x))
+        return float((y - x)[:, small].norm() / x[:, small].norm())
+
+    assert err("outlier-int4") < 0.5 * err("int4")
 
 
 def test_pack_codes_layout():
@@ -184,6 +224,8 @@ def test_config_validation():
         C.CompiledCodec(bits=4, group_size=3)
     with pytest.raises(ValueError, match="filtering"):
         C.CompiledCodec(filtering="some")
+    with pytest.raises(ValueError, match="outliers"):
+        C.CompiledCodec(bits=4, outliers=1.0)
     with pytest.raises(ValueError, match="unknown compiled codec"):
         C.CompiledCodecConfig("int3")
 
@@ -213,7 +255,13 @@ def test_hook_pair_works_eagerly():
 
 def test_strategies_registered():
     names = slimact.strategy_names()
-    for n in ("compiled-none", "compiled-int8", "compiled-int4"):
+    for n in (
+        "compiled-none",
+        "compiled-int8",
+        "compiled-int6",
+        "compiled-int4",
+        "compiled-outlier-int4",
+    ):
         assert n in names
 
 
@@ -288,7 +336,9 @@ def test_compiled_none_matches_autograd(compiled_model, exact):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["compiled-int8", "compiled-int6", "compiled-int4"])
+@pytest.mark.parametrize(
+    "strategy", ["compiled-int8", "compiled-int6", "compiled-int4", "compiled-outlier-int4"]
+)
 def test_lossy_codecs_gradient_cosine(compiled_model, exact, strategy):
     g = _grads(compiled_model(strategy))
     assert _cos(g, exact) >= 0.99

@@ -261,6 +261,7 @@ def compiled_spec(strategy: str) -> str:
             "compiled-int8",
             "compiled-int6",
             "compiled-int4",
+            "compiled-outlier-int4",
             "compiled-none",
         ):
             blocks = [f"{other}@0"]

@@ -81,6 +81,13 @@ register_strategy(
     "torch.compile per block, INT4 (groups of 32) inlined; SDPA q/k/v/output INT8 per row",
 )
 register_strategy(
+    "compiled-outlier-int4",
+    CompiledCodecConfig("outlier-int4"),
+    apply_compiled_codec,
+    "compiled-int4 with the 1/128 of channels of largest absolute sum stored exactly "
+    "(adacc's outlier separation, a static count)",
+)
+register_strategy(
     "compiled-recompute",
     CompiledCodecConfig("none", 0.0),
     apply_compiled_codec,
