@@ -108,6 +108,16 @@ def test_outlier_channels_equal_reference_and_are_exact(shape, dtype):
     assert torch.equal(y[..., idx], x[..., idx])
 
 
+def test_outlier_path_keeps_a_nan_where_it_was():
+    """A NaN makes its channel's score NaN, which ``topk`` ranks first: the channel is stored
+    exactly, so the NaN comes back alone instead of spreading over its INT4 group."""
+    x = _x(64, 256)
+    x[5, 10] = float("nan")
+    y = C.decode(C.encode(C.CODECS["outlier-int4"], x))
+    assert torch.isnan(y[5, 10]) and int(torch.isnan(y).sum()) == 1
+    assert torch.equal(y[:, 10][~torch.isnan(x[:, 10])], x[:, 10][~torch.isnan(x[:, 10])])
+
+
 def test_outlier_separation_keeps_the_small_channels_accurate():
     x = _x(64, 512)
     x[:, [7, 300]] *= 60

@@ -1,5 +1,6 @@
-"""Strategies of compiled blocks: ``compiled-none``, ``compiled-int8``, ``compiled-int6``, ``compiled-int4``,
-``compiled-recompute``, each ``@<budget>`` for compile's region budget (``compiled-int8@0.25``).
+"""Strategies of compiled blocks: ``compiled-none``, ``compiled-int8``, ``compiled-int6``,
+``compiled-int4``, ``compiled-outlier-int4``, ``compiled-recompute``, each ``@<budget>`` for
+compile's region budget (``compiled-int8@0.25``).
 
 One :class:`~slimact.compiled.blocks.BlockChoice` for every block; ``compiled-auto@<budget>``
 (``slimact.planner.compiled``) picks one per block instead.
@@ -72,7 +73,8 @@ register_strategy(
     "compiled-int6",
     CompiledCodecConfig("int6"),
     apply_compiled_codec,
-    "torch.compile per block, per-row INT6 (four codes in three bytes) inlined, SDPA tensors too",
+    "torch.compile per block, per-row INT6 (four codes in three bytes) inlined; SDPA q/k/v/output "
+    "INT8 per row",
 )
 register_strategy(
     "compiled-int4",
