@@ -53,7 +53,8 @@ only; graph inputs (the block's input, which the block's first norm saves) stay 
 when nothing else holds it (true for a block input in a decoder stack); an input something else
 holds (a RoPE table of >= ``min_numel`` values) is packed as an extra copy, a cost of ~0.04% of
 the bytes on llama-20m. Non-finite values are not kept exactly (unlike the eager codecs): a
-NaN/inf makes its group NaN/inf. Unpacks run at the start of the region's backward, so each
+NaN/inf makes its group NaN/inf (``outliers``: its channel scores NaN/inf, ranks first and is
+stored exactly, up to k such channels). Unpacks run at the start of the region's backward, so each
 block is its own region (per-block compile) and only one block's decoded tensors are live at a
 time. The root (embedding, final norm, head, loss) stays eager and raw. Measured on llama-20m
 (benchmarks/results/compiled.md): INT8 keeps 0.22 of eager's bytes, INT4 0.17, against 0.19 for
