@@ -66,3 +66,23 @@ def test_compiled_codec_blocks_on_hf(arch):
     assert hf.graph_breaks() == {}
     assert c_bytes < 0.5 * e_bytes
     assert F.cosine_similarity(c_grads, e_grads, dim=0) > 0.999
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize(
+    ("strategy", "cos"), [("compiled-int6", 0.999), ("compiled-outlier-int4", 0.99)]
+)
+def test_sub_int8_codecs_on_hf(arch, strategy, cos):
+    """INT6 (four codes in three bytes) and outlier INT4 (top-k channels exact, ``topk`` and
+    ``index_copy`` in the traced hooks) inside HF blocks: no graph break, fewer bytes."""
+    torch.set_num_threads(1)
+    eager = build(arch)
+    e_bytes, e_grads = _step(eager)
+    model = slimact.apply(copy.deepcopy(eager), strategy)
+    dynamo.reset()
+    _step(model)  # compiles
+    c_bytes, c_grads = _step(model)
+    assert hf.graph_breaks() == {}
+    assert c_bytes < 0.5 * e_bytes
+    assert F.cosine_similarity(c_grads, e_grads, dim=0) > cos
