@@ -203,6 +203,12 @@ def test_attention_roles_from_the_saved_node():
     assert C.choose(int4, x, None) == (4, 32)
     exact_attn = C.CompiledCodec(bits=4, group_size=32, attention_bits=0)
     assert C.choose(exact_attn, x, out) is None
+    assert C.choose(exact_attn, x, nodes["q"]) is None  # qk_bits None: attention_bits
+    # int6: q and k at 6 bits, v and the output at 8
+    int6 = C.CODECS["int6"]
+    assert C.choose(int6, x, nodes["q"]) == C.choose(int6, x, nodes["k"]) == (6, 32)
+    assert C.choose(int6, x, nodes["v"]) == C.choose(int6, x, out) == (8, 32)
+    assert C.choose(int6, x, lse) is None
     # the pack reads the node from AOTAutograd's per-tensor context
     from torch._functorch._aot_autograd.graph_compile import _saved_tensor_hook_context
 
@@ -234,6 +240,8 @@ def test_config_validation():
         C.CompiledCodec(bits=4, group_size=3)
     with pytest.raises(ValueError, match="filtering"):
         C.CompiledCodec(filtering="some")
+    with pytest.raises(ValueError, match="qk_bits"):
+        C.CompiledCodec(qk_bits=5)
     with pytest.raises(ValueError, match="outliers"):
         C.CompiledCodec(bits=4, outliers=1.0)
     with pytest.raises(ValueError, match="unknown compiled codec"):

@@ -17,8 +17,13 @@ What this module adds:
   per saved tensor with its fake value: the helper makes *shape-dependent* choices in Python at
   trace time (:func:`choose`). Kept exact (the pack returns ``(x,)``): non-float tensors,
   fewer than ``min_numel`` values, last dimension 1 (norm statistics), SDPA's logsumexp. SDPA's
-  q, k, v and output get ``attention_bits`` (INT8 per row by default: quantizing them to INT4
-  costs most of the gradient error, see adacc's Q/K/V finding in ``strategies/int4.py``). The
+  v and output get ``attention_bits`` (INT8 per row by default: quantizing them to INT4 costs
+  most of the gradient error, see adacc's Q/K/V finding in ``strategies/int4.py``), its q and k
+  ``qk_bits`` (default: ``attention_bits``). The roles differ in how much error they carry: on
+  llama-20m's last block at compile's budget 0.7 with everything else INT6, q and k at 6 bits
+  give a block gradient error of 1.3e-3 (all four at INT8: 1.1e-3), v at 6 bits 1.9e-3, the
+  output at 6 bits 9.1e-3 (backward's rowsum(dO * O) takes its error straight into every score
+  gradient), so ``int6`` stores q and k at 6 bits, v and the output at 8. The
   SDPA roles come from the per-tensor context ``_get_saved_tensor_hook_context()`` (torch
   >= 2.10: the forward-graph node being saved); without it only the shape rules apply. The rest
   is symmetric INT8 with one fp32 scale per row, INT6 with one per row, or INT4 with one per
@@ -60,9 +65,9 @@ time. The root (embedding, final norm, head, loss) stays eager and raw. Measured
 (benchmarks/results/compiled.md): INT8 keeps 0.22 of eager's bytes, INT4 0.17, against 0.19 for
 torch.compile's ``activation_memory_budget=0.25``. Per llama-20m block at compile's budget 0.7
 (one random upstream gradient; ``slimact.planner.compiled``): INT8 11.8 MiB, gradient error
-9e-5; INT6 (SDPA tensors INT8) 9.9 MiB, 1.1e-3 (first and last block), 1-3% slower;
-INT6 with SDPA's tensors at 6 bits 8.9 MiB but 8.4e-3 on the last block, whose q/k weight
-gradients then reach cosine 0.991 in the model; INT4 9.0 MiB (SDPA tensors INT8, one scale
+9e-5; INT6 (q and k at 6 bits, v and SDPA's output INT8) 9.4 MiB, 1.3e-3 (the worse of the
+first and last block), 1-3% slower; INT6 with all four SDPA tensors at 6 bits 8.9 MiB but
+8.4e-3 on the last block, whose q/k weight gradients then reach cosine 0.991 in the model; INT4 9.0 MiB (SDPA tensors INT8, one scale
 per 32 values), 1.0e-2.
 """
 
@@ -100,6 +105,7 @@ class CompiledCodec:
     group_size: int = 0
     min_numel: int = 1024
     attention_bits: int = 8
+    qk_bits: int | None = None  # SDPA's q and k (None: attention_bits)
     filtering: str = "no_static"
     outliers: float = 0.0  # share of channels (last dim) stored exactly below 8 bits (0: none)
 
@@ -113,6 +119,10 @@ class CompiledCodec:
         if self.attention_bits not in BITS:
             raise ValueError(
                 f"CompiledCodec.attention_bits must be one of {BITS}, got {self.attention_bits!r}"
+            )
+        if self.qk_bits is not None and self.qk_bits not in BITS:
+            raise ValueError(
+                f"CompiledCodec.qk_bits must be None or one of {BITS}, got {self.qk_bits!r}"
             )
         if self.bits == 4 and self.group_size % 2:
             raise ValueError(
@@ -148,7 +158,7 @@ class CompiledCodec:
 CODECS: dict[str, CompiledCodec] = {
     "none": CompiledCodec(bits=0),
     "int8": CompiledCodec(bits=8),
-    "int6": CompiledCodec(bits=6),  # SDPA tensors INT8 (at 6 bits: 5x the last block's error)
+    "int6": CompiledCodec(bits=6, qk_bits=6),  # SDPA's v and output INT8 (module docstring)
     "int4": CompiledCodec(bits=4, group_size=32, attention_bits=8),
     "outlier-int4": CompiledCodec(bits=4, group_size=32, attention_bits=8, outliers=1 / 128),
 }
@@ -161,15 +171,27 @@ TRACE_CALLS = {"pack": 0, "unpack": 0}
 # ----------------------------------------------------------------------------- the codec math
 def _attention_role(node: torch.fx.Node | None) -> str | None:
     """``"lse"`` (SDPA's logsumexp and other statistics it returns), ``"attention"`` (SDPA's
-    output, or a tensor SDPA reads: q, k, v) or None, from the saved node of the forward graph."""
+    output, or a tensor SDPA reads as v), ``"qk"`` (a tensor SDPA reads only as q or k) or None,
+    from the saved node of the forward graph."""
     if node is None:
         return None
     if node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
         if _SDPA in str(node.args[0].target):
             return "attention" if (node.args[1] if len(node.args) > 1 else 0) == 0 else "lse"
-    if any(_SDPA in str(u.target) for u in node.users):
-        return "attention"
-    return None
+    reads = [u for u in node.users if _SDPA in str(u.target)]
+    if not reads:
+        return None
+    as_qk = all(node in u.args[:2] and node not in u.args[2:] for u in reads)
+    return "qk" if as_qk else "attention"
+
+
+def _role_bits(codec: CompiledCodec, role: str | None) -> int | None:
+    """Bits for an SDPA role (None: the codec's own)."""
+    if role == "lse":
+        return 0
+    if role == "qk":
+        return codec.attention_bits if codec.qk_bits is None else codec.qk_bits
+    return codec.attention_bits if role == "attention" else None
 
 
 def saved_node() -> torch.fx.Node | None:
@@ -193,10 +215,8 @@ def choose(codec: CompiledCodec, x: torch.Tensor, node: torch.fx.Node | None = N
     """(bits, group) for ``x``, or None to keep it exact: the shape rules, then SDPA's roles."""
     if keeps_exact(codec, x):
         return None
-    role = _attention_role(node)
-    if role == "lse" or (role == "attention" and codec.attention_bits == 0):
-        return None
-    return codec.group_for(x.shape[-1], codec.attention_bits if role == "attention" else None)
+    bits = _role_bits(codec, _attention_role(node))
+    return None if bits == 0 else codec.group_for(x.shape[-1], bits)
 
 
 def pack_codes(u: torch.Tensor, bits: int) -> torch.Tensor:

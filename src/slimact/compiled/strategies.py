@@ -73,8 +73,8 @@ register_strategy(
     "compiled-int6",
     CompiledCodecConfig("int6"),
     apply_compiled_codec,
-    "torch.compile per block, per-row INT6 (four codes in three bytes) inlined; SDPA q/k/v/output "
-    "INT8 per row",
+    "torch.compile per block, per-row INT6 (four codes in three bytes) inlined, SDPA's q/k too; "
+    "SDPA's v and output INT8 per row",
 )
 register_strategy(
     "compiled-int4",

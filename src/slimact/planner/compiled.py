@@ -76,8 +76,8 @@ from slimact.utils import fmt_bytes
 # SwiGLU product in backward, pointwise work it fuses: 0.71 of budget 1's bytes at its speed
 # (0.7 + INT8: 11.8 MiB against 16.5 MiB at 1.0 + INT8 on llama-20m 8 x 256, same step time)
 BUDGETS = (1.0, 0.7, 0.5, 0.25, 0.1, 0.0)
-# INT6 (per row, SDPA tensors INT8): 1.1e-3 block gradient error on llama-20m at 0.84x INT8's
-# bytes and 1-3% more block time; traced INT4 (~1e-2 gradient error, over the cap) is opt-in
+# INT6 (per row; SDPA's q and k at 6 bits, v and output INT8): 1.3e-3 block gradient error on
+# llama-20m at 0.8x INT8's bytes and 1-3% more block time; traced INT4 (~1e-2 gradient error, over the cap) is opt-in
 CODECS = ("none", "int8", "int6")
 MAX_GRAD_ERR = 2e-3  # as auto's: 1 - cos of any parameter's (or the input's) block gradient
 # second stage: the fewest bytes among plans within this share of the fastest plan's seconds (the
