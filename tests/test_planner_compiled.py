@@ -247,18 +247,36 @@ def test_lazy_plan_meets_its_budget_under_the_meter():
 
 
 @pytest.mark.slow
-def test_lazy_plan_with_a_root_codec_meets_its_budget_on_its_first_step():
-    """At a tight budget the eager root takes INT8 (a root plan on the plan runtime, installed
-    by the lazy planner's pre-hook during the first training call): that very call already
-    stores the root through it, so the first measured step is within the budget too."""
+def test_lazy_plan_with_a_root_plan_meets_its_budget_on_its_first_step():
+    """At a tight budget the eager root is reformulated (chunked loss head, inverted final
+    norm: a root plan on the plan runtime, installed by the lazy planner's pre-hook during the
+    first training call): that very call already stores the root through it, so the first
+    measured step is within the budget too, and its loss is the model's."""
     torch.manual_seed(0)
     base = build_model("llama-tiny")
     model = slimact.apply(copy.deepcopy(base), f"auto@12%,{SMALL}", compile=True)
     got, grads = _step(model)
     plan = state_of(model).compiled_plan
-    assert plan.root is not None and plan.root.codec == "int8"
+    assert plan.root is not None and dict(plan.root.reform) == {
+        "lm_head": "chunked-ce",
+        "norm": "invnorm:rms",
+    }
     assert got == plan.measured_bytes <= plan.allowed_bytes
     assert _step(model)[0] == got  # the second step stores the same
+    _, ref = _step(base)
+    assert float(torch.nn.functional.cosine_similarity(grads, ref, dim=0)) > 0.999
+
+
+def test_root_int8_alone_when_reformulation_is_off():
+    """Without the root's reformulations (``root_reform=False``) the tight budget is
+    met with INT8 on the root's norm and head inputs."""
+    torch.manual_seed(0)
+    model = build_model("llama-tiny")
+    ids, t = X[:, :-1], X[:, 1:]
+    prof = profile_compiled(model, ids, t, (1.0, 0.0), ("none", "int8"), 1, root_reform=False)
+    assert [r.label for r in prof.roots()] == ["keep", "codec:int8"]
+    plan = solve_compiled(prof, "12%")
+    assert plan.root is not None and plan.root.codec == "int8" and not plan.root.reform
 
 
 def test_does_not_compose_with_another_codec_policy():

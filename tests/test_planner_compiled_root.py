@@ -14,8 +14,10 @@ import torch
 import slimact
 from slimact.compiled import BlockChoice
 from slimact.models import build_model
+from slimact.models.common import CausalLMOutput, causal_lm_loss
+from slimact.models.llama import LlamaModel
 from slimact.planner.compiled import CompiledProfile, OptionStat, solve_compiled
-from slimact.planner.compiled_root import RootOption, install_root, profile_root
+from slimact.planner.compiled_root import RootOption, install_root, profile_root, root_reforms
 
 X = torch.randint(0, 257, (2, 65), generator=torch.Generator().manual_seed(3))
 
@@ -31,7 +33,9 @@ def test_root_int8_measured_and_installed_through_the_plan_runtime():
     model = build_model("llama-tiny")
     raw = _root_bytes(model)
     before = copy.deepcopy(model.state_dict())
-    keep, int8 = profile_root(model, X[:, :-1], X[:, 1:], raw, ("none", "int8"), repeats=1)
+    keep, int8 = profile_root(
+        model, X[:, :-1], X[:, 1:], raw, ("none", "int8"), repeats=1, reform=False
+    )
     assert keep.codec == "none" and keep.bytes == raw and keep.label == "keep"
     assert int8.label == "codec:int8" and int8.sites
     assert int8.bytes < raw and int8.seconds > 0
@@ -43,6 +47,79 @@ def test_root_int8_measured_and_installed_through_the_plan_runtime():
     assert _root_bytes(model) == int8.bytes  # the prediction is the meter's count
     changes[0].undo()  # the runtime's undo (compiled-auto's revert calls it)
     assert _root_bytes(model) == raw
+
+
+def test_root_reformulated_head_and_norm_measured_and_installed():
+    """llama-tiny's root with the loss head chunked and the final norm inverted: the logits,
+    log-probabilities and the norm's input are no longer kept (exact), and INT8 on the head's
+    input h on top; every option's bytes are the meter's count once installed, and undo
+    restores the model's own bytes."""
+    torch.manual_seed(0)
+    model = build_model("llama-tiny")
+    ids, t = X[:, :-1], X[:, 1:]
+    raw = _root_bytes(model)
+    assert root_reforms(model, ids.device) == (("lm_head", "chunked-ce"), ("norm", "invnorm:rms"))
+    options = profile_root(model, ids, t, raw, ("none", "int8"), repeats=1)
+    by_label = {o.label: o for o in options}
+    assert list(by_label) == [
+        "keep",
+        "codec:int8",
+        "reformulate:chunked_ce+reformulate:inv_rms_norm",
+        "reformulate:chunked_ce+reformulate:inv_rms_norm+codec:int8",
+    ]
+    reformed = by_label["reformulate:chunked_ce+reformulate:inv_rms_norm"]
+    both = by_label["reformulate:chunked_ce+reformulate:inv_rms_norm+codec:int8"]
+    assert reformed.bytes < by_label["codec:int8"].bytes < raw
+    assert both.bytes < reformed.bytes and set(both.sites) == {
+        "norm:inv_rms_norm#0",
+        "lm_head:chunked_ce#0",
+    }
+    assert reformed.grad_err < 1e-9 and not reformed.keeps  # exact
+    assert 0 < both.grad_err < 2e-3
+    reference = _loss_and_grads(model)
+    for option in options[1:]:
+        twin = copy.deepcopy(model)
+        changes = install_root(twin, option)
+        assert _root_bytes(twin) == option.bytes
+        if option is reformed:
+            loss, grads = _loss_and_grads(twin)
+            assert torch.allclose(loss, reference[0], rtol=1e-5, atol=1e-6)
+            for g, r in zip(grads, reference[1]):
+                torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+        changes[0].undo()
+        assert _root_bytes(twin) == raw
+
+
+def _loss_and_grads(model):
+    model.zero_grad(set_to_none=True)
+    loss = model(X[:, :-1], targets=X[:, 1:]).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+class _SoftCapped(LlamaModel):
+    """Gemma-2-style logit soft-capping: the head does more than linear + cross-entropy."""
+
+    def forward(self, input_ids, targets=None):
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(input_ids.shape[1], x.dtype)
+        for block in self.layers:
+            x = block(x, cos, sin)
+        logits = 2.0 * torch.tanh(self.lm_head(self.norm(x)) / 2.0)
+        return CausalLMOutput(logits=logits, loss=causal_lm_loss(logits, targets))
+
+
+def test_root_reforms_leave_out_a_head_the_chunked_loss_cannot_replace():
+    """chunked-ce's probe refuses the soft-capped head, so no option reformulates it (a
+    reformulated option would train on another loss); the norm is still inverted."""
+    torch.manual_seed(0)
+    model = build_model("llama-tiny")
+    model.__class__ = _SoftCapped
+    ids, t = X[:, :-1], X[:, 1:]
+    assert root_reforms(model, ids.device) == (("norm", "invnorm:rms"),)
+    options = profile_root(model, ids, t, _root_bytes(model), ("none",), repeats=1)
+    assert [o.label for o in options] == ["keep", "reformulate:inv_rms_norm"]
+    assert options[1].grad_err < 1e-9 and options[1].bytes < options[0].bytes
 
 
 GRID = [(1.0, "none", 1000, 1.0), (1.0, "int8", 300, 1.05), (0.0, "int8", 40, 1.35)]

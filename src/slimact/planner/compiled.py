@@ -66,7 +66,13 @@ from slimact import sites
 from slimact.budget import Budget
 from slimact.compiled.blocks import BlockChoice, compile_block, compiled_saved_tensors
 from slimact.meter import MemoryReport, measure
-from slimact.planner.compiled_root import ROOT_CODECS, RootOption, model_loss, profile_root
+from slimact.planner.compiled_root import (
+    ROOT_CODECS,
+    RootOption,
+    capture_inputs,
+    model_loss,
+    profile_root,
+)
 from slimact.planner.profile import static_memory
 from slimact.planner.profiler import kind_signature
 from slimact.timing import interleaved, load_average
@@ -170,28 +176,6 @@ def _first_tensor(out: Any) -> torch.Tensor:
     raise TypeError(f"a block returned {type(out).__name__}; expected a tensor (or a tuple)")
 
 
-def capture_inputs(
-    model: nn.Module, ids: torch.Tensor, targets: torch.Tensor, paths: Sequence[str]
-) -> dict[str, tuple[tuple, dict]]:
-    """The (args, kwargs) each block in ``paths`` is called with on this batch (detached)."""
-    mods, got, handles = dict(model.named_modules()), {}, []
-
-    def pre(mod, args, kwargs, path):
-        det = lambda v: v.detach() if isinstance(v, torch.Tensor) else v  # noqa: E731
-        got.setdefault(path, (tuple(det(a) for a in args), {k: det(v) for k, v in kwargs.items()}))
-
-    for p in paths:
-        hook = lambda m, a, k, p=p: pre(m, a, k, p)  # noqa: E731
-        handles.append(mods[p].register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model_loss(model, ids, targets)
-    finally:
-        for h in handles:
-            h.remove()
-    return got
-
-
 def _unique_bytes(tensors: Sequence[torch.Tensor], skip: set[int]) -> int:
     """Bytes of the unique storages of ``tensors`` whose key is not in ``skip`` (grows it)."""
     total = 0
@@ -263,6 +247,7 @@ def profile_compiled(
     rounds: int = 5,
     progress: Callable[[str], None] | None = None,
     root_codecs: Sequence[str] = ROOT_CODECS,
+    root_reform: bool = True,
 ) -> CompiledProfile:
     """Measure every option of the grid on one block of each kind (module docstring); the
     model is not changed (options run on copies of its blocks; the RNG state is restored)."""
@@ -307,7 +292,7 @@ def profile_compiled(
         root_bytes = base.total_bytes - sum(eager[k] * len(ps) for k, ps in kinds.items())
         if progress:
             progress("measuring the root's options")
-        roots = profile_root(model, ids, targets, root_bytes, root_codecs, rounds)
+        roots = profile_root(model, ids, targets, root_bytes, root_codecs, rounds, root_reform)
     return CompiledProfile(
         blocks=kinds,
         options=options,
@@ -398,7 +383,7 @@ def solve_compiled(
         predicted_seconds=float(root.seconds + sum(s.seconds for s in flat)),
         baseline_bytes=profile.baseline_bytes,
         meta={"profile_time_s": round(profile.profile_time_s, 2), "solver": "scipy HiGHS"},
-        root=root if root.codec != "none" else None,
+        root=None if root.keeps else root,
     )
 
 

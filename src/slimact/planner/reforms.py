@@ -105,7 +105,9 @@ def measure_reform(prof: Any, kp: KindProfile, rep: str, rel: str) -> None:
         kp.reforms.append(r)
 
 
-def _head_times(head: nn.Linear, h: torch.Tensor, t: torch.Tensor, prof: Any) -> float:
+def head_times(
+    head: nn.Linear, h: torch.Tensor, t: torch.Tensor, repeats: int, device: torch.device
+) -> float:
     """Median over interleaved rounds of t(chunked) - t(linear + cross_entropy), fwd+bwd."""
     h = h.detach().reshape(-1, h.shape[-1]).requires_grad_(True)  # (B, S, D) -> (N, D)
     t = t.reshape(-1)
@@ -122,9 +124,9 @@ def _head_times(head: nn.Linear, h: torch.Tensor, t: torch.Tensor, prof: Any) ->
             torch.autograd.grad(loss, leaves, allow_unused=True)
 
     t_new, t_old = [], []
-    for _ in range(prof.repeats):
-        t_new.append(median_time(chunked, 1, prof.device))
-        t_old.append(median_time(plain, 1, prof.device))
+    for _ in range(repeats):
+        t_new.append(median_time(chunked, 1, device))
+        t_old.append(median_time(plain, 1, device))
     return statistics.median(t_new) - statistics.median(t_old)
 
 
@@ -170,6 +172,6 @@ def measure_head_reform(prof: Any, kp: KindProfile) -> None:
         seen.add(ptr)
     if not silenced:
         return
-    dt = _head_times(head, h0, prof.targets, prof)
+    dt = head_times(head, h0, prof.targets, prof.repeats, prof.device)
     added = sorted(int(k) for k in savers)
     kp.reforms.append(ReformProfile(path, HEAD_KIND, silenced, added, extra, dt, savers))

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,7 @@ from slimact.patching import override_forward, overrides, run_all
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig
 
 _PROBE_RTOL = {torch.float32: 1e-4, torch.float64: 1e-6}  # else (bf16/fp16) 2e-2
+PROBE_LOGIT_STD = 10.0  # the probe's second run: logits about this large (see _probe)
 
 
 @dataclass(frozen=True)
@@ -265,33 +267,50 @@ def _dummy_batch(model: nn.Module, label: str) -> dict | None:
 
 
 def _probe(model: nn.Module, state: HeadState) -> str:
-    """'' when the chunked loss matches the model's own on a dummy batch, else why not."""
+    """'' when the chunked loss matches the model's own on a dummy batch, else why not.
+
+    Twice: with the head's weights as they are, and scaled so that the logits' spread is about
+    ``PROBE_LOGIT_STD`` (restored after). At initialization the logits are ~0.1 and a
+    soft-capped head (``cap * tanh(z / cap)``) computes nearly ``z``, so only large logits
+    tell the two losses apart."""
     batch = _dummy_batch(model, state.label)
     if batch is None:
         return "unverified (no dummy input to probe the loss)"
     flags = {m: m.training for m in model.modules()}
-    losses = []
+    weight = state.head.weight
+    saved = weight.detach().clone()
+    rms = float(saved.float().pow(2).mean().sqrt()) * weight.shape[-1] ** 0.5
+    scales = (1.0, PROBE_LOGIT_STD / rms) if rms > 0 and math.isfinite(rms) else (1.0,)
+    pairs = []
     try:
         model.eval()  # no dropout: both runs see the same function
         with torch.random.fork_rng(devices=[]), torch.enable_grad():
-            for off in (True, False):
-                state.off = off
-                losses.append(getattr(model(**batch), "loss", None))
+            for scale in scales:
+                with torch.no_grad():
+                    weight.copy_(saved * scale)
+                losses = []
+                for off in (True, False):
+                    state.off = off
+                    losses.append(getattr(model(**batch), "loss", None))
+                pairs.append(losses)
     except Exception as e:  # e.g. an output type the loss cannot be set on
         return f"MISMATCH: {type(e).__name__}: {e}"
     finally:
         state.off = False
+        with torch.no_grad():
+            weight.copy_(saved)
         for m, flag in flags.items():
             m.training = flag
-    ref, got = losses
-    if ref is None or got is None:
-        return "MISMATCH: the model returned no loss for labels"
-    rtol = _PROBE_RTOL.get(state.head.weight.dtype, 2e-2)
-    if not torch.allclose(got.detach().float(), ref.detach().float(), rtol=rtol, atol=rtol):
-        return (
-            f"MISMATCH: chunked loss {float(got):.6g} != model's {float(ref):.6g} (the head "
-            "does more than linear + cross-entropy, e.g. logit soft-capping or scaling)"
-        )
+    rtol = _PROBE_RTOL.get(weight.dtype, 2e-2)
+    for ref, got in pairs:
+        if ref is None or got is None:
+            return "MISMATCH: the model returned no loss for labels"
+        if not torch.allclose(got.detach().float(), ref.detach().float(), rtol=rtol, atol=rtol):
+            got, ref = float(got.detach()), float(ref.detach())
+            return (
+                f"MISMATCH: chunked loss {got:.6g} != model's {ref:.6g} (the head does more "
+                "than linear + cross-entropy, e.g. logit soft-capping or scaling)"
+            )
     return ""
 
 
