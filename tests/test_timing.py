@@ -46,6 +46,33 @@ def test_interleaved_runs_points_in_rounds_and_ratios_are_per_round(monkeypatch)
     assert d["rounds"] == 4 and d["ratio_vs_a"]["b"]["median"] == pytest.approx(1.5)
 
 
+def test_interleaved_alternate_cancels_drift_within_a_round(monkeypatch):
+    """The load grows through each round (every call costs 10% more than the one before it):
+    in a fixed order the last point's ratio to the first takes the drift; alternating the
+    order brings the median close to the points' true ratio (1: they cost the same)."""
+    clock = [0.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+    calls: list[str] = []
+
+    def point(name: str):
+        def fn():
+            calls.append(name)
+            slow = 1.1 ** (len(calls) % 3 or 3)  # the drift restarts each round of three calls
+            clock[0] += slow
+
+        return fn
+
+    points = {n: point(n) for n in "abc"}
+    fixed = interleaved(points, rounds=4, warmup=0)
+    assert fixed.ratio("c", "a").median == pytest.approx(1.21)  # all drift, no difference
+    calls.clear()
+    alt = interleaved(points, rounds=4, warmup=0, alternate=True)
+    assert calls[:6] == ["a", "b", "c", "c", "b", "a"]
+    # rounds give 1.21 and 1 / 1.21: their median is 1.018, the drift's bias down from 21% to 2%
+    assert alt.ratio("c", "a").median == pytest.approx(1.0, abs=0.02)
+    assert alt.ratio("b", "a").median == pytest.approx(1.0, abs=0.02)
+
+
 @pytest.mark.parametrize("rounds, warmup, msg", [(0, 1, "rounds must be >= 1, got 0"),
                                                  (2, -1, "warmup must be >= 0, got -1")])  # fmt: skip
 def test_interleaved_rejects_bad_counts(rounds, warmup, msg):

@@ -96,16 +96,27 @@ class Timing:
         return out
 
 
-def interleaved(points: Mapping[str, Callable[[], object]], rounds: int, warmup: int = 1) -> Timing:
-    """Call every point once per round, in order, ``warmup`` untimed rounds first."""
+def interleaved(
+    points: Mapping[str, Callable[[], object]],
+    rounds: int,
+    warmup: int = 1,
+    alternate: bool = False,
+) -> Timing:
+    """Call every point once per round, in order, ``warmup`` untimed rounds first.
+
+    ``alternate``: every other round in reverse order (A B C | C B A | ...). With many points a
+    round lasts long enough for the load to drift within it, which a fixed order turns into a
+    bias by position (the last point's ratio to the first takes the whole round's drift); in
+    reversed rounds that bias changes sign, so the median over rounds cancels it."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     if warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup}")
     times: dict[str, list[float]] = {k: [] for k in points}
     load_before = load_average()
+    order = list(points.items())
     for r in range(warmup + rounds):
-        for name, fn in points.items():
+        for name, fn in order[::-1] if alternate and r % 2 else order:
             _sync()
             t0 = time.perf_counter()
             fn()

@@ -9,8 +9,10 @@ measures each option on one block of each kind, on the real batch, and picks one
                as the meter does), its input made inside the call, so an input the block keeps
                raw is counted and one it encodes is not (as in the model, where the raw
                residual stream is freed once the next block has encoded it)
-    time(o)    fwd+bwd seconds of the compiled block: interleaved rounds over the options, the
-               median per-round ratio to the first option times that option's median
+    time(o)    fwd+bwd seconds of the compiled block: interleaved rounds over the options,
+               every other round in reverse order (a round of 21 options lasts ~8 s on
+               llama-20m, long enough for the load to drift within it), the median per-round
+               ratio to the first option times that option's median
     err(o)     gradient error: max over the block's input and parameters of 1 - cos between
                the compiled block's gradients and the eager block's, for one random upstream
                gradient, on the kind's first and last block (the larger: depth matters; on
@@ -289,7 +291,9 @@ def profile_compiled(
                     errs[ch] = max(errs[ch], grad_error(run.step(upstream), ref))  # (compiles)
                     runs.setdefault(ch, run)  # bytes and time: on the first block
             stats = {ch: r.saved_bytes() for ch, r in runs.items()}
-            timing = interleaved({ch.label: r.step for ch, r in runs.items()}, rounds, warmup=1)
+            timing = interleaved(  # 21 options a round: the reversed rounds cancel drift
+                {ch.label: r.step for ch, r in runs.items()}, rounds, warmup=1, alternate=True
+            )
             ref = choices[0].label  # seconds: per-round ratios to it (load cancels) x its median
             secs = {c: timing.median_s(ref) * timing.ratio(c.label, ref).median for c in choices}
             options[kind] = [OptionStat(c, stats[c], secs[c], errs[c]) for c in choices]
