@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+from slimact.bench.document import build
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,3 +34,13 @@ def test_ci_runs_the_readme_test_command():
 def test_architecture_and_benchmarks_exist():
     for name in ("ARCHITECTURE.md", "BENCHMARKS.md"):
         assert (ROOT / name).is_file(), name
+
+
+def test_benchmarks_md_is_generated_from_the_results():
+    """BENCHMARKS.md is ``slimact.bench.document.build`` of benchmarks/results: a hand edit
+    there (lost at the next regeneration) or a summary missing from its sections fails here."""
+    want = build(ROOT / "benchmarks" / "results")
+    assert (ROOT / "BENCHMARKS.md").read_text() == want, (
+        "BENCHMARKS.md differs from its sources: edit benchmarks/results/*.md (and "
+        "slimact.bench.document.SECTIONS), then run python benchmarks/build_report.py"
+    )

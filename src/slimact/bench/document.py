@@ -46,7 +46,14 @@ SECTIONS: list[tuple[str, list[str]]] = [
     ),
     (
         "7. Hugging Face models, torch.compile, distributed",
-        ["hf.md", "compile.md", "compiled.md", "compiled_budgets.md", "compiled_invact.md"],
+        [
+            "hf.md",
+            "compile.md",
+            "compiled.md",
+            "compiled_budgets.md",
+            "compiled_10pct.md",
+            "compiled_invact.md",
+        ],
     ),
 ]
 
