@@ -168,9 +168,9 @@ def test_group_choice(name, last, expect):
         _x(2, 8, 16),  # below min_numel
         _x(5000),  # 1-D
         torch.randint(0, 9, (64, 64)),  # integer
-        torch.ones(64, 64, dtype=torch.bool),
+        torch.ones(63, 65, dtype=torch.bool),  # a mask whose size 8 does not divide
     ],
-    ids=["stats", "small", "1d", "int", "bool"],
+    ids=["stats", "small", "1d", "int", "bool-odd"],
 )
 @pytest.mark.parametrize("name", ["int8", "int6", "int4"])
 def test_kept_exact_by_shape(x, name):
@@ -216,6 +216,22 @@ def test_attention_roles_from_the_saved_node():
         assert C.encode(int4, x)[0] is x
     with _saved_tensor_hook_context({"_node": nodes["q"]}):
         assert C.encode(int4, x)[3] == 8
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (2, 4, 64, 64), (8, 129, 8)])
+@pytest.mark.parametrize("name", ["int8", "int6", "int4"])
+def test_masks_packed_as_bits_losslessly(shape, name):
+    x = torch.rand(shape, generator=torch.Generator().manual_seed(0)) < 0.9  # dropout's keep
+    payload = C.encode(C.CODECS[name], x)
+    assert payload[1] is torch.bool and payload[0].dtype == torch.uint8
+    assert payload[0].numel() * 8 == x.numel()  # one bit per value
+    y = C.decode(payload)
+    assert y.dtype == torch.bool and y.shape == x.shape and torch.equal(y, x)
+    # the layout: bit i of byte j is value i * numel / 8 + j of the flat mask
+    flat, m = x.flatten(), x.numel() // 8
+    assert all(bool(payload[0][j] >> i & 1) == bool(flat[i * m + j]) for i, j in ((0, 0), (7, 1)))
+    assert C.encode(C.CompiledCodec(bits=8, masks=False), x)[0] is x  # opted out: kept
+    assert C.encode(C.CODECS["none"], x)[0] is x  # the identity codec keeps everything
 
 
 def test_none_codec_keeps_everything():

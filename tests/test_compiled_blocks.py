@@ -206,3 +206,41 @@ def test_cli_spec_and_flag():
     p = argparse.ArgumentParser()
     add_compile_argument(p)
     assert p.parse_args(["--compile"]).compile and not p.parse_args([]).compile
+
+
+def _saved_by_dtype(model, loss) -> dict[torch.dtype, int]:
+    seen = {t.untyped_storage().data_ptr() for t in model.parameters()}
+    by: dict[torch.dtype, int] = {}
+    for t in C.compiled_saved_tensors(loss):
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            by[t.dtype] = by.get(t.dtype, 0) + t.untyped_storage().nbytes()
+    return by
+
+
+def test_dropout_masks_inside_compiled_blocks_are_stored_as_bits(monkeypatch):
+    """With dropout on, a compiled GPT-2 block saves its dropout masks (and SDPA's attention
+    dropout mask) as bool, a byte per value: compiled-none keeps them so; the traced codecs
+    pack them 8 to a byte, losslessly: the same step with the masks kept as bool gives
+    bitwise the same loss and gradients."""
+    monkeypatch.setitem(C.CODECS, "int8-bool-masks", C.CompiledCodec(bits=8, masks=False))
+    got = {}
+    for codec in ("none", "int8", "int8-bool-masks"):
+        torch.manual_seed(0)
+        model = build_model("gpt2-tiny", dropout=0.1).train()
+        C.compile_blocks_with(model, C.BlockChoice(1.0, codec))
+        torch.manual_seed(1)  # inductor draws the masks from the global generator
+        loss = model(X[:, :-1], targets=X[:, 1:]).loss
+        by = _saved_by_dtype(model, loss)
+        loss.backward()
+        got[codec] = (by, loss.detach(), [p.grad.clone() for p in model.parameters()])
+    masks = got["none"][0][torch.bool]
+    assert masks > 0 and got["int8-bool-masks"][0][torch.bool] == masks
+    left = got["int8"][0].get(torch.bool, 0)  # masks under min_numel values stay bool
+    assert left < masks / 8
+    packed = got["int8"][0][torch.uint8] - got["int8-bool-masks"][0][torch.uint8]
+    assert packed * 8 == masks - left  # one bit per value
+    assert torch.equal(got["int8"][1], got["int8-bool-masks"][1])
+    for g, r in zip(got["int8"][2], got["int8-bool-masks"][2]):
+        assert torch.equal(g, r)

@@ -15,8 +15,11 @@ What this module adds:
 * :func:`hook_pair` ``(codec)``: the traced pack/unpack pair. Both are one call of a
   ``torch.fx.wrap``-ped helper, so the GraphModule is tiny and AOTAutograd re-traces the helper
   per saved tensor with its fake value: the helper makes *shape-dependent* choices in Python at
-  trace time (:func:`choose`). Kept exact (the pack returns ``(x,)``): non-float tensors,
-  fewer than ``min_numel`` values, last dimension 1 (norm statistics), SDPA's logsumexp. SDPA's
+  trace time (:func:`choose`). Boolean masks (dropout's, and the attention-dropout mask SDPA
+  saves on its math path: with dropout on, a compiled GPT-2 block saves them as bool, one byte
+  per element; inductor does not regenerate them from its seed) are packed 8 to a byte
+  (``masks``; lossless, :func:`pack_bits`). Kept exact (the pack returns ``(x,)``): other
+  non-float tensors, fewer than ``min_numel`` values, last dimension 1 (norm statistics), SDPA's logsumexp. SDPA's
   v and output get ``attention_bits`` (INT8 per row by default: quantizing them to INT4 costs
   most of the gradient error, see adacc's Q/K/V finding in ``strategies/int4.py``), its q and k
   ``qk_bits`` (default: ``attention_bits``). The roles differ in how much error they carry: on
@@ -108,6 +111,7 @@ class CompiledCodec:
     qk_bits: int | None = None  # SDPA's q and k (None: attention_bits)
     filtering: str = "no_static"
     outliers: float = 0.0  # share of channels (last dim) stored exactly below 8 bits (0: none)
+    masks: bool = True  # bool tensors as bits (lossless; the identity codec keeps them too)
 
     def __post_init__(self) -> None:
         if self.bits not in BITS:
@@ -211,6 +215,33 @@ def keeps_exact(codec: CompiledCodec, x: torch.Tensor) -> bool:
     )
 
 
+def packs_mask(codec: CompiledCodec, x: torch.Tensor) -> bool:
+    """Is ``x`` a boolean mask the codec stores as bits (8 values a byte)?"""
+    return (
+        codec.masks
+        and codec.bits != 0
+        and x.dtype == torch.bool
+        and x.numel() >= codec.min_numel
+        and x.numel() % 8 == 0
+    )
+
+
+def pack_bits(x: torch.Tensor) -> torch.Tensor:
+    """Bool ``x`` -> uint8 ``[numel / 8]``: bit i of byte j is value ``i * numel / 8 + j``
+    (eight contiguous slices of the flat tensor, so every step is a vectorized pointwise op)."""
+    planes = x.reshape(8, -1).to(torch.uint8)
+    out = planes[0]
+    for i in range(1, 8):
+        out = out | (planes[i] << i)
+    return out
+
+
+def unpack_bits(packed: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`."""
+    planes = [((packed >> i) & 1) for i in range(8)]
+    return torch.cat(planes).to(torch.bool).reshape(shape)
+
+
 def choose(codec: CompiledCodec, x: torch.Tensor, node: torch.fx.Node | None = None):
     """(bits, group) for ``x``, or None to keep it exact: the shape rules, then SDPA's roles."""
     if keeps_exact(codec, x):
@@ -243,8 +274,11 @@ def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def encode(codec: CompiledCodec, x: torch.Tensor) -> tuple:
-    """Traceable pack: ``(x,)`` (kept) or ``(codes uint8, scale fp32, dtype, bits)``, plus
-    ``(outlier columns [rows, k] in x's dtype, their indices [k])`` when the codec keeps some."""
+    """Traceable pack: ``(x,)`` (kept), ``(bits uint8, torch.bool, *shape)`` (a mask), or
+    ``(codes uint8, scale fp32, dtype, bits)``, plus ``(outlier columns [rows, k] in x's dtype,
+    their indices [k])`` when the codec keeps some."""
+    if packs_mask(codec, x):
+        return (pack_bits(x), torch.bool, *x.shape)
     chosen = choose(codec, x, saved_node())
     if chosen is None:
         return (x,)
@@ -273,6 +307,8 @@ def decode(payload: tuple) -> torch.Tensor:
     """Traceable unpack of :func:`encode`'s payload."""
     if len(payload) == 1:
         return payload[0]
+    if payload[1] is torch.bool:  # a mask: (bits, torch.bool, *shape)
+        return unpack_bits(payload[0], tuple(payload[2:]))
     codes, scale, dtype, bits, *exact = payload
     lead, groups = scale.shape[:-1], scale.shape[-1]
     codes = unpack_codes(codes, bits)
