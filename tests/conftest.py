@@ -8,6 +8,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from slimact.models import build_model  # noqa: E402  (after TRITON_INTERPRET: see above)
+from slimact.models.common import CausalLMOutput, causal_lm_loss  # noqa: E402
+from slimact.models.llama import LlamaModel  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def _seed():
@@ -54,5 +58,32 @@ def tiny_causal_lm():
         if arch == "llama":
             return t.LlamaForCausalLM(t.LlamaConfig(**dec))
         return t.Qwen2ForCausalLM(t.Qwen2Config(**dec, tie_word_embeddings=True))
+
+    return build
+
+
+class SoftCappedLlama(LlamaModel):
+    """llama whose loss head soft-caps its logits as Gemma-2 does (``30 tanh(z / 30)``): more
+    than linear + cross-entropy, invisible at initialization (the logits are ~0.1 there, where
+    the cap changes them by 1e-5)."""
+
+    def forward(self, input_ids, targets=None):
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(input_ids.shape[1], x.dtype)
+        for block in self.layers:
+            x = block(x, cos, sin)
+        logits = 30.0 * torch.tanh(self.lm_head(self.norm(x)) / 30.0)
+        return CausalLMOutput(logits=logits, loss=causal_lm_loss(logits, targets))
+
+
+@pytest.fixture
+def soft_capped_llama():
+    """``build()``: llama-tiny (seeded) as a :class:`SoftCappedLlama`."""
+
+    def build():
+        torch.manual_seed(0)
+        model = build_model("llama-tiny")
+        model.__class__ = SoftCappedLlama
+        return model
 
     return build

@@ -17,8 +17,6 @@ import slimact
 from slimact.bench.runner import head_bytes
 from slimact.compare import grad_cosine
 from slimact.models import build_model
-from slimact.models.common import CausalLMOutput, causal_lm_loss
-from slimact.models.llama import LlamaModel
 from slimact.ops import chunked_ce_triton as tri
 from slimact.ops.chunked_ce import MODES, chunked_linear_cross_entropy, default_chunk_size
 from slimact.ops.chunked_ce_loop import ce_grad_ref_, ce_stats_ref
@@ -319,23 +317,8 @@ def test_probe_skips_heads_that_are_not_linear_plus_ce():
     assert "forward" not in model.__dict__ and "forward" not in model.lm_head.__dict__
 
 
-class _CappedLlama(LlamaModel):
-    """Gemma-2's final logit soft-capping (cap 30) on a llama: at initialization the logits are
-    ~0.1, where 30 tanh(z / 30) = z to 1e-5, so a probe at the initial weights cannot see it."""
-
-    def forward(self, input_ids, targets=None):
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(input_ids.shape[1], x.dtype)
-        for block in self.layers:
-            x = block(x, cos, sin)
-        logits = 30.0 * torch.tanh(self.lm_head(self.norm(x)) / 30.0)
-        return CausalLMOutput(logits=logits, loss=causal_lm_loss(logits, targets))
-
-
-def test_probe_catches_soft_capping_hidden_by_small_initial_logits():
-    torch.manual_seed(0)
-    model = build_model("llama-tiny")
-    model.__class__ = _CappedLlama
+def test_probe_catches_soft_capping_hidden_by_small_initial_logits(soft_capped_llama):
+    model = soft_capped_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     (change,) = slimact.applied(slimact.apply(model, "chunked-ce"))
     assert change.skipped and "soft-capping" in change.detail

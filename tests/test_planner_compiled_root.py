@@ -14,8 +14,6 @@ import torch
 import slimact
 from slimact.compiled import BlockChoice
 from slimact.models import build_model
-from slimact.models.common import CausalLMOutput, causal_lm_loss
-from slimact.models.llama import LlamaModel
 from slimact.planner.compiled import CompiledProfile, OptionStat, solve_compiled
 from slimact.planner.compiled_root import RootOption, install_root, profile_root, root_reforms
 
@@ -97,24 +95,10 @@ def _loss_and_grads(model):
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
-class _SoftCapped(LlamaModel):
-    """Gemma-2-style logit soft-capping: the head does more than linear + cross-entropy."""
-
-    def forward(self, input_ids, targets=None):
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(input_ids.shape[1], x.dtype)
-        for block in self.layers:
-            x = block(x, cos, sin)
-        logits = 2.0 * torch.tanh(self.lm_head(self.norm(x)) / 2.0)
-        return CausalLMOutput(logits=logits, loss=causal_lm_loss(logits, targets))
-
-
-def test_root_reforms_leave_out_a_head_the_chunked_loss_cannot_replace():
+def test_root_reforms_leave_out_a_head_the_chunked_loss_cannot_replace(soft_capped_llama):
     """chunked-ce's probe refuses the soft-capped head, so no option reformulates it (a
     reformulated option would train on another loss); the norm is still inverted."""
-    torch.manual_seed(0)
-    model = build_model("llama-tiny")
-    model.__class__ = _SoftCapped
+    model = soft_capped_llama()
     ids, t = X[:, :-1], X[:, 1:]
     assert root_reforms(model, ids.device) == (("norm", "invnorm:rms"),)
     options = profile_root(model, ids, t, _root_bytes(model), ("none",), repeats=1)
