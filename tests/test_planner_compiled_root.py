@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -154,3 +155,38 @@ def test_root_option_over_the_gradient_cap_is_not_a_candidate():
     prof = _profile(roots)
     assert solve_compiled(prof, "30%", max_grad_err=None).root is not None
     assert solve_compiled(prof, "30%").root is None
+
+
+def test_root_reforms_on_a_hugging_face_causal_lm(tiny_causal_lm):
+    """HF Llama: ``labels`` (shifted inside, as its loss does), the head found by
+    get_output_embeddings, the final norm by what it computes; the reformulated root keeps
+    fewer bytes and gives the model's loss and gradients."""
+    model = tiny_causal_lm("llama", vocab=512, layers=2, max_pos=64)
+    ids = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, :5] = -100
+    found = dict(root_reforms(model, ids.device))
+    assert found == {"lm_head": "chunked-ce", "model.norm": "invnorm:rms"}
+    with slimact.measure(model) as m:
+        model(ids, labels=labels)
+    raw = m.report.per_block["(outside blocks)"]
+    options = profile_root(model, ids, labels, raw, ("none",), repeats=1)
+    (reformed,) = options[1:]
+    assert dict(reformed.reform) == found and reformed.bytes < raw
+    assert reformed.grad_err < 1e-9
+
+    def loss_and_grads(mdl):
+        mdl.zero_grad(set_to_none=True)
+        loss = mdl(ids, labels=labels).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in mdl.parameters()]
+
+    ref = loss_and_grads(model)
+    twin = copy.deepcopy(model)
+    install_root(twin, reformed)
+    with warnings.catch_warnings():  # a plan that recomputes nothing leaves use_cache alone
+        warnings.simplefilter("error", UserWarning)
+        got = loss_and_grads(twin)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
+    for g, r in zip(got[1], ref[1]):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)

@@ -315,9 +315,12 @@ def install(
         raise
     detail = "lazy: plans on the first training forward" if plan is None else plan.budget
     head = AppliedChange("", "plan", detail, undo=rt.remove)
-    # HF: use_cache=False in training; not for a plan of rules alone, which recomputes nothing
-    rules_only = plan is not None and planner is None and not plan.layers
-    guard = None if rules_only else guard_cache(model, "planned recomputation")
+    # HF: use_cache=False in training; not for a fixed plan that recomputes nothing (rules alone,
+    # a root of codecs and reformulations: compiled-auto's): with no planner and no profile to
+    # re-solve from, it is never swapped for one that does
+    fixed = plan is not None and planner is None and profile is None
+    recomputes = plan is None or any(lp.recompute for lp in plan.layers)
+    guard = None if fixed and not recomputes else guard_cache(model, "planned recomputation")
     return [
         head,
         *([guard] if guard else []),
