@@ -8,8 +8,10 @@ therefore taken like this:
     ratio_r = t_r(point) / t_r(baseline)      (per round: both saw about the same load)
     report    median_r(ratio_r), with min-max and the interquartile range, n = rounds
 
-plus the 1-minute load average before and after. ``interleaved`` runs the rounds; ``ratio_stats``
-turns per-round times into a :class:`RatioStats`.
+plus the 1-minute load average before and after. ``interleaved`` runs the rounds (with
+``alternate=True`` every other round in reverse, A B C | C B A, for long rounds whose load drifts
+within them: the compiled planner's 21 options); ``RatioStats.of`` turns per-round ratios into
+a :class:`RatioStats`.
 """
 
 from __future__ import annotations
