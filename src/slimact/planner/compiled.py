@@ -84,8 +84,8 @@ from slimact.utils import fmt_bytes
 # SwiGLU product in backward, pointwise work it fuses: 0.71 of budget 1's bytes at its speed
 # (0.7 + INT8: 11.8 MiB against 16.5 MiB at 1.0 + INT8 on llama-20m 8 x 256, same step time);
 # 0.6 also drops SDPA's output and logsumexp and the residual after attention (it recomputes
-# attention and o_proj): 0.6 + INT6 keeps 7.5 MiB against 9.4 at 0.7, for ~2% of block time,
-# where 0.5 (which recomputes v_proj too) keeps 6.5 MiB for ~6-9%
+# attention and o_proj): 0.6 + INT6 keeps 7.5 MiB against 9.4 at 0.7, for 2-6% of block time in
+# three measurements, where 0.5 (which recomputes v_proj too) keeps 6.5 MiB
 BUDGETS = (1.0, 0.7, 0.6, 0.5, 0.25, 0.1, 0.0)
 # INT6 (per row; SDPA's q and k at 6 bits, v and output INT8): 1.3e-3 block gradient error on
 # llama-20m at 0.8x INT8's bytes and 1-3% more block time; traced INT4 (~1e-2 gradient error,
