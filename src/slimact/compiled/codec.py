@@ -19,9 +19,10 @@ What this module adds:
   saves on its math path: with dropout on, a compiled GPT-2 block saves them as bool, one byte
   per element; inductor does not regenerate them from its seed) are packed 8 to a byte
   (``masks``; lossless, :func:`pack_bits`). Kept exact (the pack returns ``(x,)``): other
-  non-float tensors, fewer than ``min_numel`` values, last dimension 1 (norm statistics), SDPA's logsumexp. SDPA's
-  v and output get ``attention_bits`` (INT8 per row by default: quantizing them to INT4 costs
-  most of the gradient error, see adacc's Q/K/V finding in ``strategies/int4.py``), its q and k
+  non-float tensors, fewer than ``min_numel`` values, last dimension 1 (norm statistics),
+  SDPA's logsumexp. SDPA's v and output get ``attention_bits`` (INT8 per row by default:
+  quantizing them to INT4 costs most of the gradient error, see adacc's Q/K/V finding in
+  ``strategies/int4.py``), its q and k
   ``qk_bits`` (default: ``attention_bits``). The roles differ in how much error they carry: on
   llama-20m's last block at compile's budget 0.7 with everything else INT6, q and k at 6 bits
   give a block gradient error of 1.3e-3 (all four at INT8: 1.1e-3), v at 6 bits 1.9e-3, the
@@ -70,8 +71,8 @@ torch.compile's ``activation_memory_budget=0.25``. Per llama-20m block at compil
 (one random upstream gradient; ``slimact.planner.compiled``): INT8 11.8 MiB, gradient error
 9e-5; INT6 (q and k at 6 bits, v and SDPA's output INT8) 9.4 MiB, 1.3e-3 (the worse of the
 first and last block), 1-3% slower; INT6 with all four SDPA tensors at 6 bits 8.9 MiB but
-8.4e-3 on the last block, whose q/k weight gradients then reach cosine 0.991 in the model; INT4 9.0 MiB (SDPA tensors INT8, one scale
-per 32 values), 1.0e-2.
+8.4e-3 on the last block, whose q/k weight gradients then reach cosine 0.991 in the model;
+INT4 9.0 MiB (SDPA tensors INT8, one scale per 32 values), 1.0e-2.
 """
 
 from __future__ import annotations

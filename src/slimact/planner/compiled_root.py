@@ -43,7 +43,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -55,7 +54,7 @@ from slimact.classify import label_arg, parse_site
 from slimact.meter import measure
 from slimact.planner.apply import install
 from slimact.planner.codecstats import codec_stat, lossy_allowed
-from slimact.planner.measure import fwd_bwd, median_time
+from slimact.planner.measure import fwd_bwd, time_delta
 from slimact.planner.plan import ROOT, LayerPlan, Plan
 from slimact.planner.reforms import head_times, reform_candidates
 from slimact.reformulate import ChunkedCEConfig, InvActConfig, apply_chunked_ce, apply_invact
@@ -218,13 +217,9 @@ def _reform_seconds(
         if kind == "chunked-ce":
             dt += head_times(mods[path], args[0], targets, repeats, ids.device)
             continue
-        new, old = [], []
         run_new = functools.partial(fwd_bwd, twins[path], args, kwargs)
         run_old = functools.partial(fwd_bwd, mods[path], args, kwargs)
-        for _ in range(max(1, repeats)):  # interleaved, so drifting load cancels
-            new.append(median_time(run_new, 1, ids.device))
-            old.append(median_time(run_old, 1, ids.device))
-        dt += statistics.median(new) - statistics.median(old)
+        dt += time_delta(run_new, run_old, repeats, ids.device)
     return dt
 
 
@@ -269,16 +264,8 @@ def _codec_options(
             seconds += stat.encode_s + stat.decode_s
             chosen += [s for s, _ in views]
         if chosen:
-            out.append(
-                RootOption(
-                    name,
-                    base.bytes - saved,
-                    base.seconds + seconds,
-                    0.0,
-                    tuple(chosen),
-                    base.reform,
-                )  # fmt: skip
-            )
+            bytes_, secs = base.bytes - saved, base.seconds + seconds
+            out.append(RootOption(name, bytes_, secs, sites=tuple(chosen), reform=base.reform))
     return out
 
 
@@ -292,8 +279,8 @@ def profile_root(
     reform: bool = True,
 ) -> list[RootOption]:
     """Every root option measured on this batch (module docstring), "keep" first;
-    ``root_bytes``: the root's bytes kept raw; ``reform``: also the reformulated options. The model is not changed (the measurements
-    and gradient runs use copies)."""
+    ``root_bytes``: the root's bytes kept raw; ``reform``: also the reformulated options. The
+    model is not changed (the measurements and gradient runs use copies)."""
     lossy = [c for c in codecs if c != "none"]
     keep = RootOption("none", root_bytes)
     with torch.random.fork_rng(devices=[]):
@@ -305,9 +292,9 @@ def profile_root(
         if found:
             twin = copy.deepcopy(model)
             install(twin, RootOption("none", 0, reform=found).plan())
-            total = sum(_meter_bytes(m, ids, targets) * s for m, s in ((model, -1), (twin, 1)))
+            change = _meter_bytes(twin, ids, targets) - _meter_bytes(model, ids, targets)
             seconds = _reform_seconds(model, twin, found, ids, targets, repeats)
-            reformed = RootOption("none", root_bytes + total, seconds, reform=found)
+            reformed = RootOption("none", root_bytes + change, seconds, reform=found)
             options += [reformed, *_codec_options(twin, ids, targets, reformed, lossy, repeats)]
         measured = [keep]
         for option in options:

@@ -1,6 +1,7 @@
 """Small measuring helpers of the profiler: median wall times, calls on captured inputs.
 
-``median_time`` synchronizes CUDA around each run; ``call_module`` / ``fwd_bwd`` re-run a module
+``median_time`` synchronizes CUDA around each run; ``time_delta`` compares two of them round by
+round; ``call_module`` / ``fwd_bwd`` re-run a module
 on inputs captured during the profiling forward (detached copies sharing their storages, so a
 re-run's saves can be matched to the profiled storages by pointer).
 """
@@ -35,6 +36,18 @@ def median_time(
         sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def time_delta(
+    new: Callable[[], Any], old: Callable[[], Any], repeats: int, device: torch.device
+) -> float:
+    """Median seconds of ``new()`` minus median seconds of ``old()``, one call of each per round
+    (after one warm-up call each), so drifting machine load cancels."""
+    t_new, t_old = [], []
+    for _ in range(max(1, repeats)):
+        t_new.append(median_time(new, 1, device))
+        t_old.append(median_time(old, 1, device))
+    return statistics.median(t_new) - statistics.median(t_old)
 
 
 def detach(v: Any) -> Any:

@@ -20,7 +20,6 @@ Each result is a ``ReformProfile`` of its kind; the MILP decides with one binary
 
 from __future__ import annotations
 
-import statistics
 from functools import partial
 from typing import Any
 
@@ -32,7 +31,7 @@ from slimact import sites
 from slimact.classify import classify_activation, classify_norm, is_activation_leaf, label_arg
 from slimact.meter import measure
 from slimact.ops.chunked_ce import chunked_linear_cross_entropy
-from slimact.planner.measure import call_module, fwd_bwd, median_time
+from slimact.planner.measure import call_module, fwd_bwd, time_delta
 from slimact.planner.plan import KindProfile, ReformProfile, abs_path, inside, rel_site, site_module
 from slimact.reformulate import ChunkedCEConfig, InvActConfig, apply_chunked_ce, apply_invact
 from slimact.reformulate.head import find_head
@@ -75,12 +74,15 @@ def measure_reform(prof: Any, kp: KindProfile, rep: str, rel: str) -> None:
         with torch.enable_grad(), measure(prof.model), sites.listening(events.append):
             out = call_module(module, args, kwargs)
         inv_fwd = module.__dict__["forward"]
-        t_inv, t_orig = [], []
-        for _ in range(prof.repeats):  # interleaved, so drifting machine load cancels
-            t_inv.append(median_time(run, 1, prof.device))
+
+        def run_orig() -> None:  # the same call with the original forward
             del module.forward
-            t_orig.append(median_time(run, 1, prof.device))
-            module.forward = inv_fwd
+            try:
+                run()
+            finally:
+                module.forward = inv_fwd
+
+        dt = time_delta(run, run_orig, prof.repeats, prof.device)
     finally:
         _undo(changes)
     base_sites = {x for s in kp.storages for x in s.sites}
@@ -99,7 +101,6 @@ def measure_reform(prof: Any, kp: KindProfile, rep: str, rel: str) -> None:
             extra += ev.tensor.untyped_storage().nbytes()  # bit mask, rstd, ...
         seen.add(ptr)
     if silenced:
-        dt = statistics.median(t_inv) - statistics.median(t_orig)
         added = sorted(int(k) for k in savers)
         r = ReformProfile(rel, done[0].action, sorted(silenced), added, extra, dt, savers)
         kp.reforms.append(r)
@@ -123,11 +124,7 @@ def head_times(
             loss = chunked_linear_cross_entropy(h, head.weight, t, head.bias)
             torch.autograd.grad(loss, leaves, allow_unused=True)
 
-    t_new, t_old = [], []
-    for _ in range(repeats):
-        t_new.append(median_time(chunked, 1, device))
-        t_old.append(median_time(plain, 1, device))
-    return statistics.median(t_new) - statistics.median(t_old)
+    return time_delta(chunked, plain, repeats, device)
 
 
 def measure_head_reform(prof: Any, kp: KindProfile) -> None:
