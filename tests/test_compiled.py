@@ -295,6 +295,7 @@ def test_strategies_registered():
         "compiled-int6",
         "compiled-int4",
         "compiled-outlier-int4",
+        "compiled-prac",
     ):
         assert n in names
 

@@ -1,4 +1,5 @@
-"""Actions inside torch.compile: traced codecs (``codec``), compiled blocks with a recompute
+"""Actions inside torch.compile: traced codecs (``codec``; byte packing in ``packing``, PRAC in
+``prac``), compiled blocks with a recompute
 budget and a codec each (``blocks``), and their strategies (``strategies``)."""
 
 from slimact.compiled.blocks import (
@@ -21,11 +22,12 @@ from slimact.compiled.codec import (
     encode_ref,
     hook_pair,
     keeps_exact,
-    pack_codes,
+    prac_ranks,
     resolve_codec,
     saved_node,
-    unpack_codes,
 )
+from slimact.compiled.packing import pack_bits, pack_codes, unpack_bits, unpack_codes
+from slimact.compiled.prac import TracedPrac, decode_prac, encode_prac, feeds_linear
 from slimact.compiled.strategies import CompiledCodecConfig, apply_compiled_codec
 
 __all__ = [
@@ -48,7 +50,14 @@ __all__ = [
     "hook_pair",
     "own_code",
     "keeps_exact",
+    "pack_bits",
     "pack_codes",
+    "prac_ranks",
+    "TracedPrac",
+    "decode_prac",
+    "encode_prac",
+    "feeds_linear",
+    "unpack_bits",
     "resolve_codec",
     "saved_node",
     "unpack_codes",

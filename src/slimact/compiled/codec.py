@@ -87,6 +87,8 @@ import torch._functorch.config as functorch_config
 import torch.fx
 import torch.nn as nn
 
+from slimact.compiled.packing import pack_bits, pack_codes, unpack_bits, unpack_codes
+from slimact.compiled.prac import TracedPrac, decode_prac, encode_prac, feeds_linear, is_prac
 from slimact.ops.quant import Quantized, dequantize_ref, quantize_ref
 
 try:  # the per-saved-tensor context (torch >= 2.10); private API, so optional
@@ -113,6 +115,7 @@ class CompiledCodec:
     filtering: str = "no_static"
     outliers: float = 0.0  # share of channels (last dim) stored exactly below 8 bits (0: none)
     masks: bool = True  # bool tensors as bits (lossless; the identity codec keeps them too)
+    prac: TracedPrac | None = None  # PRAC on what it selects (``compiled/prac.py``), first
 
     def __post_init__(self) -> None:
         if self.bits not in BITS:
@@ -141,6 +144,8 @@ class CompiledCodec:
             )
         if not (isinstance(self.outliers, (int, float)) and 0.0 <= self.outliers < 1.0):
             raise ValueError(f"CompiledCodec.outliers must be in [0, 1), got {self.outliers!r}")
+        if self.prac is not None and not isinstance(self.prac, TracedPrac):
+            raise ValueError(f"CompiledCodec.prac must be a TracedPrac or None, got {self.prac!r}")
 
     def outliers_for(self, last_dim: int, bits: int) -> int:
         """How many channels of a ``last_dim``-wide tensor coded at ``bits`` are kept exact."""
@@ -166,6 +171,8 @@ CODECS: dict[str, CompiledCodec] = {
     "int6": CompiledCodec(bits=6, qk_bits=6),  # SDPA's v and output INT8 (module docstring)
     "int4": CompiledCodec(bits=4, group_size=32, attention_bits=8),
     "outlier-int4": CompiledCodec(bits=4, group_size=32, attention_bits=8, outliers=1 / 128),
+    # prac.txt's rule: linear inputs at 0.3n + 0.3n, other saves at 0.2n + 0.2n, SDPA's exact
+    "prac": CompiledCodec(bits=0, attention_bits=0, prac=TracedPrac()),
 }
 
 # Python calls of the traced helpers: they run while AOTAutograd traces, never per step once the
@@ -208,7 +215,7 @@ def saved_node() -> torch.fx.Node | None:
 def keeps_exact(codec: CompiledCodec, x: torch.Tensor) -> bool:
     """The shape rules: what the pack leaves as it is (module docstring)."""
     return (
-        codec.bits == 0
+        (codec.bits == 0 and codec.prac is None)
         or not x.is_floating_point()
         or x.dim() < 2
         or x.shape[-1] == 1
@@ -220,27 +227,11 @@ def packs_mask(codec: CompiledCodec, x: torch.Tensor) -> bool:
     """Is ``x`` a boolean mask the codec stores as bits (8 values a byte)?"""
     return (
         codec.masks
-        and codec.bits != 0
+        and (codec.bits != 0 or codec.prac is not None)
         and x.dtype == torch.bool
         and x.numel() >= codec.min_numel
         and x.numel() % 8 == 0
     )
-
-
-def pack_bits(x: torch.Tensor) -> torch.Tensor:
-    """Bool ``x`` -> uint8 ``[numel / 8]``: bit i of byte j is value ``i * numel / 8 + j``
-    (eight contiguous slices of the flat tensor, so every step is a vectorized pointwise op)."""
-    planes = x.reshape(8, -1).to(torch.uint8)
-    out = planes[0]
-    for i in range(1, 8):
-        out = out | (planes[i] << i)
-    return out
-
-
-def unpack_bits(packed: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`."""
-    planes = [((packed >> i) & 1) for i in range(8)]
-    return torch.cat(planes).to(torch.bool).reshape(shape)
 
 
 def choose(codec: CompiledCodec, x: torch.Tensor, node: torch.fx.Node | None = None):
@@ -248,39 +239,29 @@ def choose(codec: CompiledCodec, x: torch.Tensor, node: torch.fx.Node | None = N
     if keeps_exact(codec, x):
         return None
     bits = _role_bits(codec, _attention_role(node))
+    bits = codec.bits if bits is None else bits
     return None if bits == 0 else codec.group_for(x.shape[-1], bits)
 
 
-def pack_codes(u: torch.Tensor, bits: int) -> torch.Tensor:
-    """Biased codes ``u`` (uint8, [..., D]) -> bytes, per row in contiguous slices (module
-    docstring): INT4 ``[..., D/2]`` (code j low, j + D/2 high), INT6 ``[..., 3D/4]``."""
-    if bits == 8:
-        return u
-    if bits == 4:
-        lo, hi = u.chunk(2, dim=-1)
-        return lo | (hi << 4)
-    a, b, c, d = u.chunk(4, dim=-1)  # INT6: a, b, c's 6 bits, each with 2 of d's on top
-    return torch.cat((a | (d << 6), b | ((d >> 2) << 6), c | ((d >> 4) << 6)), dim=-1)
-
-
-def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: bytes -> biased codes ``[..., D]``."""
-    if bits == 8:
-        return codes
-    if bits == 4:
-        return torch.cat((codes & 15, codes >> 4), dim=-1)
-    p, q, r = codes.chunk(3, dim=-1)
-    d = (p >> 6) | ((q >> 6) << 2) | ((r >> 6) << 4)
-    return torch.cat((p & 63, q & 63, r & 63, d), dim=-1)
+def prac_ranks(codec: CompiledCodec, x: torch.Tensor, node: torch.fx.Node | None = None):
+    """(r1, r2) where the codec's PRAC takes ``x`` (never SDPA's tensors), else None."""
+    if codec.prac is None or keeps_exact(codec, x) or _attention_role(node) is not None:
+        return None
+    return codec.prac.ranks(tuple(x.shape), x.element_size(), feeds_linear(node))
 
 
 def encode(codec: CompiledCodec, x: torch.Tensor) -> tuple:
-    """Traceable pack: ``(x,)`` (kept), ``(bits uint8, torch.bool, *shape)`` (a mask), or
+    """Traceable pack: ``(x,)`` (kept), ``(bits uint8, torch.bool, *shape)`` (a mask),
+    ``(z, p, dtype, "prac")`` (PRAC, ``compiled/prac.py``), or
     ``(codes uint8, scale fp32, dtype, bits)``, plus ``(outlier columns [rows, k] in x's dtype,
     their indices [k])`` when the codec keeps some."""
     if packs_mask(codec, x):
         return (pack_bits(x), torch.bool, *x.shape)
-    chosen = choose(codec, x, saved_node())
+    node = saved_node()
+    ranks = prac_ranks(codec, x, node)
+    if ranks is not None:
+        return encode_prac(x, *ranks, codec.prac)
+    chosen = choose(codec, x, node)
     if chosen is None:
         return (x,)
     bits, g = chosen
@@ -310,6 +291,8 @@ def decode(payload: tuple) -> torch.Tensor:
         return payload[0]
     if payload[1] is torch.bool:  # a mask: (bits, torch.bool, *shape)
         return unpack_bits(payload[0], tuple(payload[2:]))
+    if is_prac(payload):  # (z, p, dtype, "prac")
+        return decode_prac(payload)
     codes, scale, dtype, bits, *exact = payload
     lead, groups = scale.shape[:-1], scale.shape[-1]
     codes = unpack_codes(codes, bits)

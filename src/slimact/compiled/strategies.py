@@ -1,5 +1,5 @@
 """Strategies of compiled blocks: ``compiled-none``, ``compiled-int8``, ``compiled-int6``,
-``compiled-int4``, ``compiled-outlier-int4``, ``compiled-recompute``, each ``@<budget>`` for
+``compiled-int4``, ``compiled-outlier-int4``, ``compiled-prac``, ``compiled-recompute``, each ``@<budget>`` for
 compile's region budget (``compiled-int8@0.25``).
 
 One :class:`~slimact.compiled.blocks.BlockChoice` for every block; ``compiled-auto@<budget>``
@@ -88,6 +88,13 @@ register_strategy(
     apply_compiled_codec,
     "compiled-int4 with the 1/128 of channels of largest absolute sum stored exactly "
     "(adacc's outlier separation, a static count)",
+)
+register_strategy(
+    "compiled-prac",
+    CompiledCodecConfig("prac"),
+    apply_compiled_codec,
+    "torch.compile per block, PRAC (principal + random subspace, prac.txt) inlined: linear "
+    "inputs at r1 = r2 = 0.3n, other saves 0.2n, attention exact; the basis from each step's X",
 )
 register_strategy(
     "compiled-recompute",
