@@ -14,6 +14,8 @@ Points, all in one process, fp32, one torch thread (unless --threads):
   its own budget patched in, so a recompile can never take another point's budget;
 * ``compiled-int8`` / ``-int6`` / ``-int4``: ``slimact.compiled.compile_blocks_with`` (per-block
   compile, pack/unpack GraphModules inlined into the compiled graphs);
+* ``eager-prac`` / ``compiled-prac``: PRAC eagerly (``prac``: a stateful codec per site, Q1
+  refreshed every 5 steps) and as a traced codec in compiled blocks (Q1 from every step's X);
 * ``compiled-invact``: ``invact`` (inverted activations and norms as custom ops) then
   ``compile_blocks``: the reformulation inside compiled blocks;
 * ``compiled-invact-norms``: the same with norms only (``InvActConfig(ops=())``): under
@@ -130,6 +132,8 @@ def run(args) -> dict:
         points[f"compile-budget ({b})"] = Point(copy.deepcopy(base), fwd, b)
     for name in CODEC_POINTS:
         points[name] = Point(slimact.apply(copy.deepcopy(base), name))
+    points["eager-prac"] = Point(slimact.apply(copy.deepcopy(base), "prac"))
+    points["compiled-prac"] = Point(slimact.apply(copy.deepcopy(base), "compiled-prac"))
     inv = slimact.apply(copy.deepcopy(base), "invact")
     compile_blocks(inv, backend="inductor")
     points["compiled-invact"] = Point(inv)
@@ -201,6 +205,7 @@ def run(args) -> dict:
     anchors = ["compiled-none", *(f"compile-budget ({b})" for b in args.budgets)]
     pairs = [(a, b) for a in CODEC_POINTS for b in anchors]
     pairs += [("compiled-invact", "compiled-none"), ("compiled-invact-norms", "compiled-none")]
+    pairs += [("compiled-prac", "eager-prac"), ("compiled-prac", "compiled-none")]
     for name, r in rows.items():  # each compiled-auto point against the anchor it was given
         if "anchor" in r:
             pairs += [(name, r["anchor"]), (name, "compiled-none")]

@@ -52,6 +52,7 @@ SECTIONS: list[tuple[str, list[str]]] = [
             "compiled.md",
             "compiled_budgets.md",
             "compiled_10pct.md",
+            "compiled_prac.md",
             "compiled_invact.md",
         ],
     ),
