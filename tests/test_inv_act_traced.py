@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from slimact.compiled import compiled_saved_tensors
+from slimact.ops import compiled_ref as ic
 from slimact.ops import inv_act_approx as ap
-from slimact.ops import inv_act_compiled as ic
 from slimact.ops import inv_act_traced as it
 from slimact.ops.inv_act import inv_act, inv_act_bwd_ref, inv_act_fwd_ref
 

@@ -5,6 +5,7 @@ the final cast to bf16/fp16), packing is checked bit by bit, and the Triton kern
 TRITON_INTERPRET=1 on CPU) must reproduce the ``*_ref`` codes and scales exactly.
 """
 
+import math
 import os
 
 import pytest
@@ -14,8 +15,16 @@ if not torch.cuda.is_available():  # must precede the first kernel build (triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from slimact.codecs import get_codec  # noqa: E402
-from slimact.codecs.outlier import OutlierConfig, count_outlier_channels, outlier_mask  # noqa: E402
+from slimact.codecs import quant as CQ  # noqa: E402
+from slimact.codecs.outlier import (  # noqa: E402
+    OutlierConfig,
+    channel_abs_sums,
+    channel_abs_sums_ref,
+    count_outlier_channels,
+    outlier_mask,
+)
 from slimact.codecs.quant import ChannelQuantConfig, QuantConfig  # noqa: E402
+from slimact.ops import compiled_ref  # noqa: E402
 from slimact.ops import quant as Q  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -122,6 +131,78 @@ def test_triton_channelwise_and_keep_cols_match_ref():
     keep = torch.tensor([True, False, True, True, True, False], device=DEV)
     a, b = (Q.quantize(x, keep_cols=keep, group_size=4, backend=be) for be in ("ref", "triton"))
     assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)
+
+
+# ----------------------------------------------------------------------------- the CPU path
+# backend="auto" off CUDA runs the refs compiled by inductor (ops.compiled_ref) for tensors of
+# at least MIN_NUMEL values: it must give the eager ref's codes, scales and counts bit for bit.
+def _big(shape, dtype, seed=0):
+    x = (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
+    flat = x.view(-1)
+    flat[5], flat[1000], flat[-1] = float("nan"), float("inf"), -float("inf")
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape,group_size,keep",
+    [
+        ((64, 512), 16, True),
+        ((64, 512), 128, False),
+        ((3, 7001), 16, False),
+        ((130, 136), 32, True),
+    ],
+)
+@pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, True)])
+def test_compiled_cpu_path_equals_ref(dtype, shape, group_size, keep, bits, symmetric):
+    """(130, 136) with groups of 32: the flat keep path (136 % 32 != 0); (64, 512) with 16:
+    whole groups per row; (3, 7001): a padded last group."""
+    assert math.prod(shape) >= compiled_ref.MIN_NUMEL
+    x = _big(shape, dtype)
+    keep_cols = None
+    if keep:
+        keep_cols = torch.ones(shape[-1], dtype=torch.bool)
+        keep_cols[[1, shape[-1] // 2]] = False
+    kw = dict(bits=bits, group_size=group_size, symmetric=symmetric, keep_cols=keep_cols)
+    a, b = Q.quantize(x, backend="ref", **kw), Q.quantize(x, **kw)
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)
+    assert torch.equal(a.nonfinite, b.nonfinite) and int(a.nonfinite.sum()) == 3
+    assert (a.offset is None) == symmetric and (symmetric or torch.equal(a.offset, b.offset))
+    ya, yb = Q.dequantize(a, dtype=dtype, backend="ref"), Q.dequantize(b, dtype=dtype)
+    eps = torch.finfo(dtype).eps  # an FMA may fuse q * scale + offset (asymmetric)
+    torch.testing.assert_close(yb, ya, rtol=0 if symmetric else eps, atol=0 if symmetric else eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_compiled_cpu_channelwise_equals_ref(dtype, bits):
+    x = _big((257, 96), dtype).view(-1, 96)
+    a = Q.quantize_channelwise(x, bits=bits, backend="ref")
+    b = Q.quantize_channelwise(x, bits=bits)
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)
+    assert torch.equal(a.nonfinite, b.nonfinite)
+    assert torch.equal(Q.dequantize(a, backend="ref"), Q.dequantize(b))
+
+
+@pytest.mark.parametrize("c,group_size", [(512, 16), (136, 32), (96, 32)])
+def test_keep_cols_is_zeroing_the_columns(c, group_size):
+    """Both keep paths (whole groups per row, and flat) code exactly the zeroed input."""
+    x = torch.randn(40, c)
+    keep = torch.ones(c, dtype=torch.bool)
+    keep[[0, c - 1]] = False
+    a = Q.quantize_ref(x, 4, group_size, keep_cols=keep)
+    b = Q.quantize_ref(x.masked_fill(~keep, 0.0), 4, group_size)
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)
+
+
+def test_compiled_cpu_range_statistics_equal_ref():
+    """The codecs' per-tensor statistics, compiled on CPU: the row norms of the range check and
+    the outlier channels' absolute sums."""
+    x = torch.randn(300, 200) * 5
+    x[7] *= 1e3
+    assert CQ.row_stats(x, 0, 256.0) is not None
+    torch.testing.assert_close(CQ.row_stats(x, 0, 256.0), CQ.row_stats_ref(x), rtol=1e-6, atol=0)
+    torch.testing.assert_close(channel_abs_sums(x), channel_abs_sums_ref(x), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("name", ["int4", "int4-asym", "int8", "int4-channel", "int4-outlier"])

@@ -54,6 +54,7 @@ SECTIONS: list[tuple[str, list[str]]] = [
             "compiled_10pct.md",
             "compiled_prac.md",
             "compiled_invact.md",
+            "cpu_path.md",
         ],
     ),
 ]

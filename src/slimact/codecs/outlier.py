@@ -48,11 +48,19 @@ from slimact.codecs.quant import (
     row_stats,
     rows_view,
 )
+from slimact.ops import compiled_ref
 from slimact.ops.quant import dequantize, quantize
 
 
 def channel_abs_sums(x2d: torch.Tensor) -> torch.Tensor:
-    """fp32 ``sum_rows |x[:, c]|`` of an [R, C] tensor without materializing ``|x|``."""
+    """fp32 ``sum_rows |x[:, c]|`` of an [R, C] tensor without materializing ``|x|`` (on CPU,
+    compiled: eager, this column reduction took 7.7 ms on a 2048 x 1376 tensor)."""
+    if x2d.is_cuda or x2d.numel() < compiled_ref.MIN_NUMEL:
+        return channel_abs_sums_ref(x2d)
+    return compiled_ref.call(channel_abs_sums_ref, x2d)
+
+
+def channel_abs_sums_ref(x2d: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x2d, ord=1, dim=0, dtype=torch.float32)
 
 

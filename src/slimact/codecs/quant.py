@@ -50,6 +50,7 @@ from slimact.codecs.base import (
     exact_value,
     register_codec,
 )
+from slimact.ops import compiled_ref
 from slimact.ops.quant import BACKENDS, Quantized, dequantize, quantize, quantize_channelwise
 
 NONFINITE_MODES = ("exact", "raise")
@@ -82,8 +83,16 @@ def row_stats(x: torch.Tensor, channels: int, max_range: float | None) -> torch.
     if max_range is None or x.numel() == 0 or not x.is_floating_point():
         return None
     with torch.no_grad():
-        rn = _row_norms(_rows(x, channels))
-        return torch.cat([rn.max().view(1), rn[:: max(1, rn.numel() // _MEDIAN_SAMPLE)]])
+        rows = _rows(x, channels)
+        if x.is_cuda or x.numel() < compiled_ref.MIN_NUMEL:
+            return row_stats_ref(rows)
+        return compiled_ref.call(row_stats_ref, rows)  # CPU: one fused pass
+
+
+def row_stats_ref(rows: torch.Tensor) -> torch.Tensor:
+    """:func:`row_stats` of an ``[R, C]`` view: ``[max row norm, every (R // 256)-th norm]``."""
+    rn = _row_norms(rows)
+    return torch.cat([rn.max().view(1), rn[:: max(1, rn.numel() // _MEDIAN_SAMPLE)]])
 
 
 def stats_ok(stats: torch.Tensor, max_range: float) -> bool:

@@ -30,7 +30,7 @@ default: the excess is small in norm and confined to where |f'| < 0.1.
 
 Paths: CUDA tensors with triton installed run the Triton kernels (``ops.inv_act_triton``; also on
 CPU under ``TRITON_INTERPRET=1`` with ``backend="triton"``; none for ``near-branch``). CPU tensors of
-≥ ``MIN_NUMEL`` elements run the refs compiled by inductor (``ops.inv_act_compiled``: one fused
+≥ ``MIN_NUMEL`` elements run the refs compiled by inductor (``ops.compiled_ref``: one fused
 loop instead of ~150 small eager ops; the backward evaluates g from ``inv_act_poly``'s
 piecewise polynomials);
 ``backend="torch"`` runs the ``*_ref`` functions eagerly (``ops.inv_act_ref``: the reference the
@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from slimact import sites
-from slimact.ops import inv_act_compiled, inv_act_traced
+from slimact.ops import compiled_ref, inv_act_traced
 from slimact.ops.inv_act_approx import KINDS, MODES, act_ref
 from slimact.ops.inv_act_poly import poly_floats
 from slimact.ops.inv_act_ref import (
@@ -134,7 +134,7 @@ def _path(x: torch.Tensor, backend: str, variant: str) -> str:
         return "triton" if x.dtype != torch.float64 else "torch"
     if x.dtype != torch.float64 and (
         backend == "inductor"
-        or (backend == "auto" and not x.is_cuda and x.numel() >= inv_act_compiled.MIN_NUMEL)
+        or (backend == "auto" and not x.is_cuda and x.numel() >= compiled_ref.MIN_NUMEL)
     ):
         return "inductor"
     return "torch"
@@ -148,7 +148,7 @@ def _fwd(x: torch.Tensor, kind: str, variant: str, backend: str):
     if path == "torch":
         return inv_act_fwd_ref(x, kind, variant)
     y = act_ref(x, kind)  # torch's kernel: bit-identical forward; the side is one fused loop
-    side = inv_act_compiled.call(fwd_side_ref, x.view(-1), y.view(-1), kind=kind, variant=variant)
+    side = compiled_ref.call(fwd_side_ref, x.view(-1), y.view(-1), kind=kind, variant=variant)
     return (side.view(y.shape), None) if variant == "lsb" else (y, side)
 
 
@@ -164,7 +164,7 @@ def _bwd(dy, y, side, kind: str, mode: str, variant: str, backend: str):
     if variant == "bitmask" and n % 32 == 0 and _word_aligned(side):
         # 32 elements per row, their bits one int32 word: full 16-lane vectors (rows of 8 left
         # half of every AVX-512 vector idle: 17 -> 10 ms on llama-20m's SiLU input)
-        dx = inv_act_compiled.call(
+        dx = compiled_ref.call(
             inv_act_bwd_dense,
             dy.view(-1, 32),
             y.view(-1, 32),
@@ -179,7 +179,7 @@ def _bwd(dy, y, side, kind: str, mode: str, variant: str, backend: str):
     dy8, y8 = (F.pad(t.reshape(-1), (0, pad)).view(-1, 8) for t in (dy, y))
     if variant == "near-branch":
         side = F.pad(side, (0, pad)).view(-1, 8)
-    dx = inv_act_compiled.call(
+    dx = compiled_ref.call(
         inv_act_bwd_dense, dy8, y8, side, kind=kind, mode=mode, variant=variant, coeffs=coeffs
     )
     return (dx.view(-1)[:n] if pad else dx).view(y.shape)

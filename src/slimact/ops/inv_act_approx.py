@@ -299,7 +299,7 @@ def newton_table(kind: str) -> torch.Tensor:
 def dinv_table(y: torch.Tensor, s: torch.Tensor, kind: str, table: torch.Tensor) -> torch.Tensor:
     """g(y, s) by linear interpolation in :func:`newton_table` (one sqrt, one log, two table
     reads; interpolation error < 1e-6, under fp32's conditioning floor): the pointwise form
-    inductor compiles for the CPU path (``inv_act_compiled``). fp32 in and out."""
+    inductor compiles for the CPU path (``compiled_ref``). fp32 in and out."""
     b, n = BRANCH[kind], TABLE_SEGMENTS
     if table.shape != (3 * (n + 1),):  # the reads below are unchecked
         raise ValueError(f"table must be newton_table(kind), shape {(3 * (n + 1),)}: {table.shape}")

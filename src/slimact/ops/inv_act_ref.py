@@ -8,7 +8,7 @@ one byte per element, the exact x for the 254 values nearest T (:func:`near_code
 :func:`near_decode_ref`). :func:`inv_act_fwd_ref` / :func:`inv_act_bwd_ref` are the reference
 every other path (Triton, inductor, the traced backward) is tested against;
 :func:`inv_act_bwd_dense` is the backward in the pointwise form inductor compiles
-(``ops.inv_act_compiled``). g = f'(f⁻¹(y; s)) itself comes from ``ops.inv_act_approx`` (the
+(``ops.compiled_ref``). g = f'(f⁻¹(y; s)) itself comes from ``ops.inv_act_approx`` (the
 Newton reference) and ``ops.inv_act_poly`` (its piecewise-polynomial fit, the compiled path's).
 """
 
@@ -113,7 +113,7 @@ def inv_act_bwd_ref(dy, y, side, kind: str, mode: str = "newton", variant: str =
 
 
 def inv_act_bwd_dense(dyr, yr, side, *, kind: str, mode: str, variant: str, coeffs=None):
-    """:func:`inv_act_bwd_ref` in pointwise form, what inductor compiles (``inv_act_compiled``):
+    """:func:`inv_act_bwd_ref` in pointwise form, what inductor compiles (``compiled_ref``):
     dyr, yr: (rows, w), zero-padded; side: bitmask words (rows,) of w bits (w = 8: the uint8
     bytes; w = 32: the same bytes viewed as int32, little-endian, so row j holds elements
     32j .. 32j + 31 and a row fills two AVX-512 vectors), the near-branch code (rows, 8) or None.

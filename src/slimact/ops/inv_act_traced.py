@@ -9,7 +9,7 @@ two opaque custom ops ``slimact::inv_act_fwd`` / ``slimact::inv_act_bwd``:
   AOTAutograd's partitioner never recomputes an op outside its allowlist, so what the compiled
   graph keeps for backward is still exactly y + 1 bit per element (had the forward been traced,
   the min-cut partitioner would keep x and recompute y and the bits: measured). Its body is one
-  fused inductor loop (``inv_act_compiled``) computing y and packing the bits;
+  fused inductor loop (``compiled_ref``) computing y and packing the bits;
 * the backward is plain torch ops (``register_autograd`` with a traceable formula,
   :func:`inv_act_bwd_graph`), which AOTAutograd inlines into the block's backward graph, so
   inductor fuses f'(f⁻¹(y; s)) (``inv_act_approx.dinv_table``) with its neighbours (SwiGLU's
@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from slimact.ops import inv_act_compiled
+from slimact.ops import compiled_ref
 from slimact.ops.inv_act_approx import BRANCH, act_ref, dinv_table, newton_table
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -44,7 +44,7 @@ def eligible(x: torch.Tensor, mode: str, variant: str, backend: str) -> bool:
     eagerly, a tensor under ``MIN_NUMEL`` elements keeps the Newton reference (no table)."""
     return (
         x.device.type == "cpu"
-        and x.numel() >= inv_act_compiled.MIN_NUMEL
+        and x.numel() >= compiled_ref.MIN_NUMEL
         and x.dtype in DTYPES
         and variant == "bitmask"
         and mode == "newton"
@@ -103,7 +103,7 @@ def inv_act_bwd_graph(dy, y, side, table, kind: str) -> torch.Tensor:
 def _fwd_op(x: torch.Tensor, table: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     # x: (*shape) -> y: (*shape) contiguous, side: (ceil(numel/8),) uint8 planar; table is only
     # an input so that the traced backward receives it (setup_context saves it; 48 KiB)
-    y, side = inv_act_compiled.call(fwd_graph_ref, x.contiguous().view(-1), kind=kind)
+    y, side = compiled_ref.call(fwd_graph_ref, x.contiguous().view(-1), kind=kind)
     return y.view(x.shape), side
 
 

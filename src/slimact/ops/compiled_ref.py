@@ -1,14 +1,19 @@
-"""The inverted activations' CPU path: their plain-PyTorch ``*_ref`` functions, compiled.
+"""The CPU path of slimact's ops: their plain-PyTorch ``*_ref`` functions, compiled by inductor.
 
-Eager, the Newton backward of ``slimact.ops.inv_act`` is ~150 small elementwise ops per call,
-each a full pass over memory (plus boolean-mask gathers): on llama-20m it made the whole training
-step ~1.5× slower than strategy ``none`` on one CPU thread. ``call(fn, *tensors, **static)``
-runs ``fn`` compiled by inductor instead: one fused, vectorized loop per call.
+Eager, a ref is a chain of small ops, each a full pass over memory: the inverted activations'
+Newton backward is ~150 of them per call (it made llama-20m's training step ~1.5x slower than
+strategy ``none`` on one CPU thread), and INT4 quantize+pack plus the codecs' range checks about
+two dozen per saved tensor (eager ``int4`` took 2.0x ``none``'s step). ``call(fn, *tensors,
+**static)`` runs ``fn`` compiled by inductor instead: a few fused, vectorized loops per call.
+Users: ``ops.inv_act`` and ``ops.inv_act_traced`` (the inverted activations), ``ops.quant``
+(quantize/dequantize) and ``codecs.quant`` (the row statistics of its range check).
 
 * compiled once per key, lazily at first use, never at import; the key is the function, its
   static arguments (kind, mode, variant) and what dynamo would otherwise recompile for: the
   tensors' dtypes and storage layout (contiguous, or a view), grad mode and autocast state.
-  ``dynamic=True`` (callers pass flat tensors, so one symbolic size serves every shape) and
+  ``dynamic=True`` (callers pass flat tensors, so one symbolic size serves every shape) with
+  ``specialize_int`` (the static arguments, closure cells of the bound function, stay constants:
+  a symbolic group size turned a dequantize's index math into divisions, 3x slower) and
   ``fullgraph=True`` (the refs are written without graph breaks: ``dense=True`` selects the
   pointwise Newton form).
 * each key gets its own copy of the function's code object, since dynamo keeps its cache (and
@@ -26,13 +31,27 @@ from __future__ import annotations
 import types
 import warnings
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
+import torch._dynamo.config as dynamo_config
 
 MIN_NUMEL = 1 << 14  # below this the eager ref is as fast as a compiled call's dispatch
 
 _COMPILED: dict[tuple, Callable] = {}
 _BROKEN: list[str] = []  # why compiling was given up (at most one entry)
+_EAGER: list[bool] = []  # non-empty inside eager_refs()
+
+
+@contextmanager
+def eager_refs():
+    """Inside, every :func:`call` runs its ref eagerly (``benchmarks/bench_cpu_path.py``
+    compares the two CPU paths in one process)."""
+    _EAGER.append(True)
+    try:
+        yield
+    finally:
+        _EAGER.pop()
 
 
 def available() -> bool:
@@ -73,17 +92,19 @@ def compiled(fn: Callable, *tensors: torch.Tensor, **static) -> Callable:
 
 
 def call(fn: Callable, *tensors: torch.Tensor, **static):
-    """``fn(*tensors, **static)``, compiled; the eager ``fn`` if compiling is unavailable."""
-    if _BROKEN:
+    """``fn(*tensors, **static)``, compiled; the eager ``fn`` if compiling is unavailable, and
+    ``fn`` itself while dynamo traces (an outer ``torch.compile`` then fuses it there)."""
+    if _BROKEN or _EAGER or torch.compiler.is_compiling():
         return fn(*tensors, **static)
     c = compiled(fn, *tensors, **static)
     try:
-        return c(*tensors)
+        with dynamo_config.patch(specialize_int=True):
+            return c(*tensors)
     except Exception as e:  # the compiler is optional: any failure of it means eager
         _BROKEN.append(f"{type(e).__name__}: {e}")
         warnings.warn(
-            f"slimact: torch.compile of {fn.__name__} failed ({_BROKEN[0][:300]}); inverted "
-            "activations run their eager PyTorch reference on CPU from now on (correct, slower)",
+            f"slimact: torch.compile of {fn.__name__} failed ({_BROKEN[0][:300]}); slimact's "
+            "ops run their eager PyTorch references on CPU from now on (correct, slower)",
             RuntimeWarning,
             stacklevel=2,
         )
