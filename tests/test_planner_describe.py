@@ -96,7 +96,11 @@ def _check_compiled_rows(plan: Plan) -> None:
         assert eager and all(e == ("reformulate:compiled", 0) for e in eager)
         codec = next((p for p in lp.kind.split("+") if "codec:" in p), None)
         coded = {a for a, _ in graph} - {"keep"}
-        assert coded == ({codec.split(" ")[-1]} if codec else set()), (lp.kind, coded)
+        expect = {codec.split(" ")[-1]} if codec else set()
+        if expect == {"codec:compiled-prac"}:  # PRAC codes a tensor only where Z + P is smaller:
+            assert coded <= expect  # never at llama-tiny's 64 tokens (n = 64)
+        else:
+            assert coded == expect, (lp.kind, coded)
 
 
 def test_recompute_rows_and_checkpoint_inputs(ids):

@@ -147,7 +147,8 @@ def complement_basis(q1: torch.Tensor, r2: int, draw: Draw) -> torch.Tensor:
 def encode_prac(
     x: torch.Tensor, r1: int, r2: int, config: TracedPrac, draw: Draw = draw_normal
 ) -> tuple:
-    """Traceable pack: ``(z [..., r1 + r2] in x's dtype, p [n, r1 + r2] fp32, dtype, "prac")``."""
+    """Traceable pack: ``(z, p, dtype, "prac")``: z [..., r1 + r2] in x's dtype and p [n, r1 + r2]
+    fp32, each stored as same-width integers (:func:`_bits`)."""
     n = x.shape[-1]
     with torch.autocast(x.device.type, enabled=False):  # the basis in fp32 under autocast too
         xf = x.reshape(-1, n).float()
@@ -159,12 +160,17 @@ def encode_prac(
         q2 = complement_basis(q1, r2, draw)
         k = (n - r1) / r2
         z = xf @ torch.cat((q1, q2 * k), dim=1)
-    return (
-        z.to(x.dtype).reshape(*x.shape[:-1], r1 + r2),
-        torch.cat((q1, q2), dim=1),
-        x.dtype,
-        PRAC_TAG,
-    )
+    z = z.to(x.dtype).reshape(*x.shape[:-1], r1 + r2)
+    return (_bits(z), _bits(torch.cat((q1, q2), dim=1)), x.dtype, PRAC_TAG)
+
+
+_INT_OF = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` reinterpreted as integers of its width (free): every traced codec's payload is
+    non-float, which is how the meter tells a compiled graph's coded saves from kept ones."""
+    return t.view(_INT_OF[t.element_size()])
 
 
 def is_prac(payload: tuple) -> bool:
@@ -174,6 +180,7 @@ def is_prac(payload: tuple) -> bool:
 def decode_prac(payload: tuple) -> torch.Tensor:
     """Traceable unpack: X̃ = Z Pᵀ in the saved dtype (``prac_decode_ref``)."""
     z, p, dtype, _ = payload
+    z, p = z.view(dtype), p.view(torch.float32)
     with torch.autocast(z.device.type, enabled=False):
         y = prac_decode_ref(z.reshape(-1, z.shape[-1]), p, dtype)
     return y.reshape(*z.shape[:-1], p.shape[0])
