@@ -72,6 +72,12 @@ def _worker(rank: int, port: int, out: str) -> None:
         state = state_of(model).stateful["prac"]
         result["prac_p"] = {k: c.p.clone() for k, c in state.codecs.items()}
         result["prac_grads"] = _grads(model)
+        # the meter on an FSDP2 model: its sharded parameters are DTensors (no storage of their
+        # own: reading one crashed `slimact train --dist fsdp` before)
+        fsdp = sdist.wrap(_model("invact"), "fsdp")
+        with slimact.measure(fsdp) as m:
+            fsdp(sdist.shard(x), targets=sdist.shard(y)).loss.backward()
+        result["fsdp_meter_bytes"] = m.report.total_bytes
         torch.save(result, Path(out) / f"rank{rank}.pt")
     finally:
         sdist.teardown()
@@ -124,6 +130,10 @@ def test_prac_ranks_share_subspaces(ranks):
     for k in p0:
         torch.testing.assert_close(p0[k], p1[k], rtol=0, atol=0)
     _close(ranks[0]["prac_grads"], ranks[1]["prac_grads"], rtol=0, atol=0)
+
+
+def test_meter_reads_an_fsdp2_model(ranks):
+    assert ranks[0]["fsdp_meter_bytes"] > 0 and ranks[1]["fsdp_meter_bytes"] > 0
 
 
 def test_shard_rows_and_errors():

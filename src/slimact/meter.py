@@ -204,13 +204,26 @@ def _tensors(value: object) -> list[torch.Tensor]:
     return []
 
 
+def _param_storages(model: nn.Module) -> set[int]:
+    """Storage keys of the parameters and buffers (a DTensor's local shard; FSDP2's sharded
+    parameters are DTensors, whose wrapper has no storage of its own)."""
+    keys = set()
+    for t in (*model.parameters(), *model.buffers()):
+        local = t.to_local() if callable(getattr(t, "to_local", None)) else t
+        try:
+            keys.add(sites.storage_key(local))
+        except RuntimeError:  # a storage with no data (freed or resized away): nothing to skip
+            continue
+    return keys
+
+
 @contextmanager
 def _compiled_regions(meter: Meter, model: nn.Module | None) -> Iterator[None]:
     """Forward hooks on the blocks that hand their compiled saves to ``meter``."""
     if model is None:
         yield
         return
-    params = {sites.storage_key(t) for t in (*model.parameters(), *model.buffers())}
+    params = _param_storages(model)
     stop: set = set()  # autograd nodes already walked (earlier blocks, inputs)
     mods = dict(model.named_modules())
     mine = threading.get_ident()  # module hooks are global; a planner's worker thread is not ours
