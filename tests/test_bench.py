@@ -338,12 +338,12 @@ def test_select_keeps_baseline():
 
 
 def test_compiled_suite_takes_every_strategy_in_its_compiled_form():
-    s = get_suite("quick").select(["llama-20m"], ["invact", "int4", "prac", "auto@25%"])
+    s = get_suite("quick").select(["llama-20m"], ["invact", "int4", "prac", "cola-m", "auto@25%"])
     c = s.compiled()
-    assert c.name == "quick-compiled" and "left out (no compiled form): prac" in c.description
+    assert c.name == "quick-compiled" and "left out (no compiled form): cola-m" in c.description
     names = [p.name for p in c.cases[0].points]
     assert names == ["none", "compiled-none", "invact@ops=none+compiled-none", "compiled-int4",
-                     "compiled-auto@25%"]  # fmt: skip
+                     "compiled-prac", "compiled-auto@25%"]  # fmt: skip
     anchors = get_suite("quick").select(["llama-20m"], ["anchor:torch-checkpoint"]).compiled()
     assert [p.name for p in anchors.cases[0].points][-1] == "anchor:torch-checkpoint"
 

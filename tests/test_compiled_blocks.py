@@ -68,6 +68,7 @@ def test_compiled_strategy_specs():
         ("invact-act", "invact-act+compiled-none"),
         ("int8+recompute", "compiled-int8@0"),
         ("recompute", "compiled-recompute"),
+        ("prac", "compiled-prac"),
         ("compiled-int4@0.5", "compiled-int4@0.5"),
     ],
 )
@@ -77,7 +78,7 @@ def test_compiled_spec(spec, want):
 
 
 @pytest.mark.parametrize(
-    "spec, match", [("prac", "has no compiled form"), ("int4+auto@25%", "compiled once")]
+    "spec, match", [("pac", "has no compiled form"), ("int4+auto@25%", "compiled once")]
 )
 def test_compiled_spec_refuses(spec, match):
     with pytest.raises(ValueError, match=match):

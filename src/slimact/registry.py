@@ -222,6 +222,7 @@ COMPILED_FORMS = {
     "int8": "compiled-int8",  # traced INT8, one scale per row
     "int4": "compiled-int4",  # traced INT4 (groups of 32, SDPA tensors INT8), not outlier-aware
     "recompute": "compiled-recompute",  # compile's partitioner at region budget 0
+    "prac": "compiled-prac",  # traced PRAC: the basis from every step's X (no state in a hook)
     "auto": "compiled-auto",  # the compiled planner: region budgets x traced codecs per block
 }
 COMPILE_SAFE = frozenset({"invact", "invact-act", "chunked-ce", "cola"})

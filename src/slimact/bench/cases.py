@@ -233,7 +233,7 @@ class Suite:
         (``registry.compiled_spec``: ``auto@25%`` -> ``compiled-auto@25%``, ``int8`` ->
         ``compiled-int8``, ``invact`` -> ``invact@ops=none+compiled-none``), beside eager ``none`` (the
         baseline every ratio is taken against), ``compiled-none`` and the anchors. A strategy
-        with no compiled form (e.g. ``prac``) is left out, and the description says so."""
+        with no compiled form (e.g. ``pac``) is left out, and the description says so."""
         cases, dropped = [], set()
         for c in self.cases:
             names = ["none", "compiled-none"]
