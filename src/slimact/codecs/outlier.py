@@ -55,9 +55,7 @@ from slimact.ops.quant import dequantize, quantize
 def channel_abs_sums(x2d: torch.Tensor) -> torch.Tensor:
     """fp32 ``sum_rows |x[:, c]|`` of an [R, C] tensor without materializing ``|x|`` (on CPU,
     compiled: eager, this column reduction took 7.7 ms on a 2048 x 1376 tensor)."""
-    if x2d.is_cuda or x2d.numel() < compiled_ref.MIN_NUMEL:
-        return channel_abs_sums_ref(x2d)
-    return compiled_ref.call(channel_abs_sums_ref, x2d)
+    return compiled_ref.run(channel_abs_sums_ref, x2d)
 
 
 def channel_abs_sums_ref(x2d: torch.Tensor) -> torch.Tensor:

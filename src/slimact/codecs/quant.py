@@ -83,10 +83,7 @@ def row_stats(x: torch.Tensor, channels: int, max_range: float | None) -> torch.
     if max_range is None or x.numel() == 0 or not x.is_floating_point():
         return None
     with torch.no_grad():
-        rows = _rows(x, channels)
-        if x.is_cuda or x.numel() < compiled_ref.MIN_NUMEL:
-            return row_stats_ref(rows)
-        return compiled_ref.call(row_stats_ref, rows)  # CPU: one fused pass
+        return compiled_ref.run(row_stats_ref, _rows(x, channels))  # CPU: one fused pass
 
 
 def row_stats_ref(rows: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ strategy ``none`` on one CPU thread), and INT4 quantize+pack plus the codecs' ra
 two dozen per saved tensor (eager ``int4`` took 2.0x ``none``'s step). ``call(fn, *tensors,
 **static)`` runs ``fn`` compiled by inductor instead: a few fused, vectorized loops per call.
 Users: ``ops.inv_act`` and ``ops.inv_act_traced`` (the inverted activations), ``ops.quant``
-(quantize/dequantize) and ``codecs.quant`` (the row statistics of its range check).
+(quantize/dequantize), ``codecs.quant`` and ``codecs.outlier`` (the range check's row norms, the
+outlier channels' sums) through :func:`run`, which decides where compiling pays.
 
 * compiled once per key, lazily at first use, never at import; the key is the function, its
   static arguments (kind, mode, variant) and what dynamo would otherwise recompile for: the
@@ -109,3 +110,18 @@ def call(fn: Callable, *tensors: torch.Tensor, **static):
             stacklevel=2,
         )
         return fn(*tensors, **static)
+
+
+def run(fn: Callable, *tensors: torch.Tensor, **static):
+    """``fn(*tensors, **static)`` where it pays: :func:`call` (compiled) when the first tensor
+    is a CPU tensor of at least ``MIN_NUMEL`` values, ``fn`` eagerly otherwise (CUDA has the
+    Triton kernels or its own fast eager ops; small tensors do not repay a compiled call)."""
+    t = tensors[0]
+    if t.is_cuda or t.numel() < MIN_NUMEL:
+        return fn(*tensors, **static)
+    return call(fn, *tensors, **static)
+
+
+def eager(fn: Callable, *tensors: torch.Tensor, **static):
+    """``fn(*tensors, **static)`` as written: the reference path, same signature as :func:`run`."""
+    return fn(*tensors, **static)

@@ -124,10 +124,10 @@ def _use_triton(x: torch.Tensor, backend: str) -> bool:
     return True
 
 
-def _compiled_cpu(x: torch.Tensor, backend: str) -> bool:
-    """``backend="auto"`` off CUDA: the refs compiled by inductor (``ops.compiled_ref``), for
-    tensors large enough to repay a compiled call's dispatch."""
-    return backend == "auto" and not x.is_cuda and x.numel() >= compiled_ref.MIN_NUMEL
+def _runner(backend: str):
+    """Off Triton, how the refs run: ``"auto"`` compiled where it pays (``compiled_ref.run``:
+    CPU tensors of at least ``MIN_NUMEL`` values), ``"ref"`` eagerly."""
+    return compiled_ref.run if backend == "auto" else compiled_ref.eager
 
 
 @functools.cache
@@ -151,9 +151,15 @@ def quantize_ref(
     keep_cols: torch.Tensor | None = None,
 ) -> Quantized:
     """Per-group quantize+pack in plain PyTorch (``keep_cols``: bool [C], False -> zeroed)."""
-    u, scale, offset, nonfinite = quantize_codes_ref(
-        x, keep_cols, bits=bits, group_size=group_size, symmetric=symmetric,
-        paper_scale=paper_scale,
+    return _quantize(compiled_ref.eager, x, bits, group_size, symmetric, paper_scale, keep_cols)
+
+
+def _quantize(run, x, bits, group_size, symmetric, paper_scale, keep_cols) -> Quantized:
+    """The codes by ``run`` (``compiled_ref.run``: compiled on CPU; ``.eager``: the ref), then
+    packed eagerly."""
+    u, scale, offset, nonfinite = run(
+        quantize_codes_ref, x.reshape(-1), keep_cols, bits=bits, group_size=group_size,
+        symmetric=symmetric, paper_scale=paper_scale,
     )  # fmt: skip
     n = x.numel()
     return Quantized(_pack(u, n, bits), scale, offset, nonfinite, n, bits, group_size)
@@ -226,9 +232,14 @@ def _inverse(scale: torch.Tensor) -> torch.Tensor:
 
 def dequantize_ref(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Unpack+dequantize (group or channel mode) -> flat tensor of ``q.numel`` values."""
-    return dequantize_codes_ref(
-        _unpack(q.codes, q.numel, q.bits), q.scale, q.offset, bits=q.bits,
-        group_size=q.group_size, channels=q.channels, dtype=dtype,
+    return _dequantize(compiled_ref.eager, q, dtype)
+
+
+def _dequantize(run, q: Quantized, dtype: torch.dtype) -> torch.Tensor:
+    """Unpacked eagerly, then the values by ``run`` (as :func:`_quantize`)."""
+    return run(
+        dequantize_codes_ref, _unpack(q.codes, q.numel, q.bits), q.scale, q.offset,
+        bits=q.bits, group_size=q.group_size, channels=q.channels, dtype=dtype,
     )  # fmt: skip
 
 
@@ -272,7 +283,11 @@ def quantize_channelwise_ref(
     x2d: torch.Tensor, bits: int = 4, paper_scale: bool = False
 ) -> Quantized:
     """Channel-wise symmetric quantize+pack of an [R, C] tensor in plain PyTorch."""
-    u, scale, counts = quantize_channelwise_codes_ref(x2d, bits=bits, paper_scale=paper_scale)
+    return _quantize_channelwise(compiled_ref.eager, x2d, bits, paper_scale)
+
+
+def _quantize_channelwise(run, x2d: torch.Tensor, bits: int, paper_scale: bool) -> Quantized:
+    u, scale, counts = run(quantize_channelwise_codes_ref, x2d, bits=bits, paper_scale=paper_scale)
     n, c = x2d.numel(), x2d.shape[1]
     return Quantized(_pack(u, n, bits), scale, None, counts, n, bits, 0, channels=c)
 
@@ -386,14 +401,8 @@ def quantize(
         )
     if _use_triton(x, backend):
         return quantize_triton(x.contiguous(), bits, group_size, symmetric, paper_scale, keep_cols)
-    if not _compiled_cpu(x, backend):
-        return quantize_ref(x.contiguous(), bits, group_size, symmetric, paper_scale, keep_cols)
-    u, scale, offset, nonfinite = compiled_ref.call(
-        quantize_codes_ref, x.contiguous().view(-1), keep_cols,
-        bits=bits, group_size=group_size, symmetric=symmetric, paper_scale=paper_scale,
-    )  # fmt: skip
-    n = x.numel()
-    return Quantized(_pack(u, n, bits), scale, offset, nonfinite, n, bits, group_size)
+    return _quantize(_runner(backend), x.contiguous(), bits, group_size, symmetric, paper_scale,
+                     keep_cols)  # fmt: skip
 
 
 def quantize_channelwise(
@@ -407,13 +416,7 @@ def quantize_channelwise(
     x2d = x.contiguous().view(-1, x.shape[-1]) if x.shape[-1] else x.reshape(0, 1)
     if _use_triton(x, backend):
         return quantize_channelwise_triton(x2d, bits, paper_scale)
-    if not _compiled_cpu(x, backend):
-        return quantize_channelwise_ref(x2d, bits, paper_scale)
-    u, scale, counts = compiled_ref.call(
-        quantize_channelwise_codes_ref, x2d, bits=bits, paper_scale=paper_scale
-    )
-    n, c = x2d.numel(), x2d.shape[1]
-    return Quantized(_pack(u, n, bits), scale, None, counts, n, bits, 0, channels=c)
+    return _quantize_channelwise(_runner(backend), x2d, bits, paper_scale)
 
 
 def dequantize(
@@ -422,9 +425,4 @@ def dequantize(
     """Unpack+dequantize -> flat tensor of ``q.numel`` values in ``dtype``."""
     if _use_triton(q.codes, backend):
         return dequantize_triton(q, dtype)
-    if not _compiled_cpu(q.codes, backend) or q.numel < compiled_ref.MIN_NUMEL:
-        return dequantize_ref(q, dtype)
-    return compiled_ref.call(
-        dequantize_codes_ref, _unpack(q.codes, q.numel, q.bits), q.scale, q.offset,
-        bits=q.bits, group_size=q.group_size, channels=q.channels, dtype=dtype,
-    )  # fmt: skip
+    return _dequantize(_runner(backend), q, dtype)
