@@ -92,7 +92,11 @@ def random_complement_ref(
 
     ``batch`` draws that many independent bases at once, shape (*batch, n, r2).
     """
-    s = torch.randn(*batch, n, r2, generator=gen).to(q1.device)
+    return complement_of_ref(q1, torch.randn(*batch, n, r2, generator=gen).to(q1.device))
+
+
+def complement_of_ref(q1: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Orthonormal basis of (I − Q1Q1ᵀ)S for given draws S (..., n, r2)."""
     for _ in range(2):  # project out Q1 twice ("twice is enough" for numerical orthogonality)
         s = s - q1 @ (q1.T @ s)
         s, _ = torch.linalg.qr(s)

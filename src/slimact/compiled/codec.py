@@ -104,7 +104,7 @@ _SDPA = "scaled_dot_product"
 
 @dataclass(frozen=True)
 class CompiledCodec:
-    """A traced codec: ``bits`` 0 (keep everything: the identity pair), 4, 6 or 8; ``group_size``
+    """A traced codec: ``bits`` 0 (with no ``prac``: the identity pair), 4, 6 or 8; ``group_size``
     values per fp32 scale along the last dimension (0: one scale per row)."""
 
     bits: int = 8
@@ -146,6 +146,11 @@ class CompiledCodec:
             raise ValueError(f"CompiledCodec.outliers must be in [0, 1), got {self.outliers!r}")
         if self.prac is not None and not isinstance(self.prac, TracedPrac):
             raise ValueError(f"CompiledCodec.prac must be a TracedPrac or None, got {self.prac!r}")
+
+    @property
+    def identity(self) -> bool:
+        """Stores everything as it is (``none``: no bits, no PRAC)."""
+        return self.bits == 0 and self.prac is None
 
     def outliers_for(self, last_dim: int, bits: int) -> int:
         """How many channels of a ``last_dim``-wide tensor coded at ``bits`` are kept exact."""
@@ -215,7 +220,7 @@ def saved_node() -> torch.fx.Node | None:
 def keeps_exact(codec: CompiledCodec, x: torch.Tensor) -> bool:
     """The shape rules: what the pack leaves as it is (module docstring)."""
     return (
-        (codec.bits == 0 and codec.prac is None)
+        codec.identity
         or not x.is_floating_point()
         or x.dim() < 2
         or x.shape[-1] == 1
@@ -227,7 +232,7 @@ def packs_mask(codec: CompiledCodec, x: torch.Tensor) -> bool:
     """Is ``x`` a boolean mask the codec stores as bits (8 values a byte)?"""
     return (
         codec.masks
-        and (codec.bits != 0 or codec.prac is not None)
+        and not codec.identity
         and x.dtype == torch.bool
         and x.numel() >= codec.min_numel
         and x.numel() % 8 == 0

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from slimact.codecs.prac_ref import prac_decode_ref
+from slimact.codecs.prac_ref import complement_of_ref, prac_decode_ref
 
 try:  # registers prims.inductor_seeds / inductor_lookup_seed / inductor_random
     import torch._inductor.inductor_prims  # noqa: F401
@@ -65,16 +65,15 @@ Draw = Callable[[tuple[int, ...], torch.device], torch.Tensor]
 class TracedPrac:
     """Rank fractions of n: ``linear`` for linear layers' inputs, ``other`` for other float
     saves (0: keep them); ``niter`` power iterations and ``oversample`` extra columns for the
-    range finder; tensors whose last dimension is below ``min_features`` are kept."""
+    range finder, which reads every s-th row, s = tokens // ``sketch_rows`` (0: every row);
+    tensors whose last dimension is below ``min_features`` are kept."""
 
     linear: float = 0.3
     other: float = 0.2
     niter: int = 1
     oversample: int = 8
     min_features: int = 8
-    sketch_rows: int = (
-        0  # the range finder reads every s-th row, s = tokens // sketch_rows (0: all)
-    )
+    sketch_rows: int = 0
 
     def __post_init__(self) -> None:
         for name in ("linear", "other"):
@@ -140,10 +139,7 @@ def principal_basis(xs: torch.Tensor, r1: int, niter: int, oversample: int, draw
 
 def complement_basis(q1: torch.Tensor, r2: int, draw: Draw) -> torch.Tensor:
     """Orthonormal n × r2 basis of (I − Q1Q1ᵀ)S, S ~ N(0, 1) (as ``random_complement_ref``)."""
-    s = draw((q1.shape[0], r2), q1.device)
-    for _ in range(2):  # "twice is enough" for orthogonality to Q1
-        s = torch.linalg.qr(s - q1 @ (q1.T @ s)).Q
-    return s
+    return complement_of_ref(q1, draw((q1.shape[0], r2), q1.device))
 
 
 def encode_prac(
