@@ -50,6 +50,7 @@ import torch._functorch.config as functorch_config
 import torch.nn.functional as F
 
 import slimact
+from slimact.bench.document import write_summary
 from slimact.bench.tables import pareto_front
 from slimact.compare import grad_cosine
 from slimact.compiled import TRACE_CALLS, compiled_saved_tensors, forward_live_bytes, own_code
@@ -65,7 +66,6 @@ from slimact.timing import interleaved, load_average
 from slimact.utils import fmt_bytes, seed_everything
 
 RESULTS = Path(__file__).parent / "results"
-MARK = "<!-- reading -->"
 CODEC_POINTS = ("compiled-int8", "compiled-int6", "compiled-int4")
 
 
@@ -197,7 +197,8 @@ def run(args) -> dict:
     for r in rows.values():
         r["bytes_ratio"] = r["saved_bytes"] / base_bytes
 
-    timing = interleaved({k: (lambda p=p: p.step(x, y)) for k, p in points.items()}, args.rounds)
+    steps = {k: (lambda p=p: p.step(x, y)) for k, p in points.items()}
+    timing = interleaved(steps, args.rounds, alternate=args.alternate)
     for name in rows:
         rows[name]["step_s"] = timing.median_s(name)
         if name != "eager-none":
@@ -219,6 +220,7 @@ def run(args) -> dict:
         "dtype": "float32",
         "budgets": args.budgets,
         "rounds": args.rounds,
+        "alternate": args.alternate,
         "meter_bytes_eager_none": meter_bytes,
         "graph_breaks": graph_breaks(),
         "timing_load_avg": [timing.load_before, timing.load_after],
@@ -393,6 +395,11 @@ def main() -> None:
     )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument(
+        "--alternate",
+        action="store_true",
+        help="every other round in reverse order (A B C | C B A): cancels a bias by position",
+    )
+    p.add_argument(
         "--only",
         type=lambda t: [v.strip() for v in t.split(",")],
         default=None,
@@ -423,8 +430,7 @@ def main() -> None:
         data = run(args)
         (args.results_dir / "compiled.json").write_text(json.dumps(data, indent=2))
     md = args.results_dir / "compiled.md"
-    reading = md.read_text().split(MARK, 1)[1] if md.exists() and MARK in md.read_text() else ""
-    md.write_text(report(data) + "\n" + MARK + reading)
+    write_summary(md, report(data))
     print(report(data))
 
 

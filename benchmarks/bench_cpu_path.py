@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 import slimact
+from slimact.bench.document import write_summary
 from slimact.envinfo import machine_info
 from slimact.models import build_model
 from slimact.ops import compiled_ref
@@ -126,9 +127,7 @@ def main() -> None:
     data = run(args)
     (args.results_dir / "cpu_path.json").write_text(json.dumps(data, indent=2))
     md = args.results_dir / "cpu_path.md"
-    mark = "<!-- reading -->"
-    reading = md.read_text().split(mark, 1)[1] if md.exists() and mark in md.read_text() else ""
-    md.write_text(report(data) + "\n" + mark + reading)
+    write_summary(md, report(data))
     print(report(data))
 
 

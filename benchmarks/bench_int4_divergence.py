@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from slimact.bench.document import write_summary
 from slimact.envinfo import machine_info
 from slimact.timing import load_average
 from slimact.train import TrainConfig, read_metrics, train
@@ -45,7 +46,6 @@ from slimact.train import TrainConfig, read_metrics, train
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 RUNS = ROOT / "runs" / "int4_divergence"
-MARK = "<!-- reading -->"
 STRATEGIES = ("none", "int4", "int4-paper", "int4-naive", "int4-plain")
 PAPER = {
     "setting": "GPT-117M / GPT-345M, The Pile, FP16, batch 8-64 x 1024 tokens, V100 x 8, "
@@ -220,9 +220,7 @@ def main(argv=None) -> None:
     verdicts(data, args.diverge_pct)
     path.write_text(json.dumps(data, indent=1))
     md = args.results_dir / "int4_divergence.md"
-    text = md.read_text() if md.exists() else ""
-    reading = text.split(MARK, 1)[1] if MARK in text else "\n"
-    md.write_text(report(data) + "\n" + MARK + reading)
+    write_summary(md, report(data))
     print(report(data))
 
 

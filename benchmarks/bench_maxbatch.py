@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
+from slimact.bench.document import write_summary
 from slimact.bench.maxbatch import MaxBatchConfig, max_batch, split_strategies, summary
 from slimact.utils import fmt_bytes
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MARK = "<!-- reading -->"
 # adacc.txt Table 3: maximum batch size on one 32 GB V100 (ZeRO), GPT models, FP16
 PAPER = {
     "GPT-117M": {"none": 57, "recompute": 136, "int4-naive": 98, "auto": 136},
@@ -106,9 +106,7 @@ def main(argv=None) -> None:
     args.results_dir.mkdir(parents=True, exist_ok=True)
     (args.results_dir / "maxbatch.json").write_text(json.dumps(data, indent=1))
     md = args.results_dir / "maxbatch.md"
-    text = md.read_text() if md.exists() else ""
-    reading = text.split(MARK, 1)[1] if MARK in text else "\n"
-    md.write_text(report(data) + "\n" + MARK + reading)
+    write_summary(md, report(data))
     print(report(data))
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 import slimact
+from slimact.bench.document import write_summary
 from slimact.codecs import codec_names
 from slimact.envinfo import machine_info
 from slimact.models import build_model, count_params
@@ -45,7 +46,6 @@ from slimact.utils import fmt_bytes, seed_everything
 
 RESULTS = Path(__file__).parent / "results"
 JSON_PATH, MD_PATH = RESULTS / "planner.json", RESULTS / "planner.md"
-MARK = "<!-- reading -->"
 
 
 def env(args) -> dict:
@@ -449,10 +449,7 @@ def main() -> None:
               "table3": part_table3}[args.part]  # fmt: skip
         data[args.part] = {"env": env(args), "result": fn(args)}
         JSON_PATH.write_text(json.dumps(data, indent=2, default=str))
-    reading = ""
-    if MD_PATH.exists() and MARK in MD_PATH.read_text():
-        reading = MD_PATH.read_text().split(MARK, 1)[1]
-    MD_PATH.write_text(report(data) + "\n" + MARK + reading)
+    write_summary(MD_PATH, report(data))
     print(report({k: v for k, v in data.items() if k == args.part} or data))
 
 

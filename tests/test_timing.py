@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import random
+import statistics
+
 import pytest
 
 from slimact import timing
-from slimact.timing import RatioStats, interleaved
+from slimact.timing import RatioStats, interleaved, median_ci, verdict
 
 
 def test_ratio_stats_median_spread_and_quartiles():
@@ -78,3 +81,31 @@ def test_interleaved_alternate_cancels_drift_within_a_round(monkeypatch):
 def test_interleaved_rejects_bad_counts(rounds, warmup, msg):
     with pytest.raises(ValueError, match=msg):
         interleaved({"a": lambda: None}, rounds=rounds, warmup=warmup)
+
+
+def test_median_ci_brackets_the_median_narrows_with_rounds_and_is_reproducible():
+    rng = random.Random(0)
+    few = [1.0 + rng.gauss(0, 0.05) for _ in range(15)]
+    many = [1.0 + rng.gauss(0, 0.05) for _ in range(200)]
+    lo, hi = median_ci(few)
+    assert lo <= statistics.median(few) <= hi
+    lo2, hi2 = median_ci(many)
+    assert lo2 <= statistics.median(many) <= hi2 and hi2 - lo2 < hi - lo
+    assert 0.98 < lo2 < 1.0 < hi2 < 1.02  # the true median (1.0) inside, within 2%
+    assert median_ci(few, seed=3) == median_ci(few, seed=3)
+
+
+@pytest.mark.parametrize(
+    "values, level, msg",
+    [([1.0], 0.95, "at least two values, got 1"), ([1.0, 2.0], 1.5, r"level must be in \(0, 1\)")],
+)
+def test_median_ci_rejects_bad_input(values, level, msg):
+    with pytest.raises(ValueError, match=msg):
+        median_ci(values, level=level)
+
+
+@pytest.mark.parametrize(
+    "ci, want", [((0.99, 1.0), "met"), ((1.001, 1.2), "missed"), ((0.99, 1.01), "too close")]
+)
+def test_verdict_reads_the_whole_interval_against_the_bar(ci, want):
+    assert verdict(ci, 1.0) == want

@@ -11,18 +11,28 @@ therefore taken like this:
 plus the 1-minute load average before and after. ``interleaved`` runs the rounds (with
 ``alternate=True`` every other round in reverse, A B C | C B A, for long rounds whose load drifts
 within them: the compiled planner's 21 options); ``RatioStats.of`` turns per-round ratios into
-a :class:`RatioStats`.
+a :class:`RatioStats`. Where a difference is smaller than one run's spread (a bar of 1.0x met
+by 1.006x), :func:`median_ci` gives the median's confidence interval (scipy's bootstrap over
+rounds), and runs of the same command pool their rounds: the bar is met where the whole
+interval is under it, missed where the whole interval is over it, and otherwise too close to
+call on this machine.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
+from scipy.stats import bootstrap
+
+# scipy >= 1.15 seeds by ``rng`` (SPEC 7); older releases (the floor is 1.9) by ``random_state``
+_SEED_ARG = "rng" if "rng" in inspect.signature(bootstrap).parameters else "random_state"
 
 
 def load_average() -> float | None:
@@ -65,6 +75,32 @@ class RatioStats:
 
     def __str__(self) -> str:
         return f"{self.median:.3f} [{self.min:.3f}-{self.max:.3f}, n={self.n}]"
+
+
+def median_ci(
+    values: Sequence[float], level: float = 0.95, resamples: int = 9999, seed: int = 0
+) -> tuple[float, float]:
+    """Percentile-bootstrap confidence interval of the median of ``values`` (per-round ratios;
+    rounds are the resampled unit), reproducible from ``seed``."""
+    if len(values) < 2:
+        raise ValueError(f"median_ci needs at least two values, got {len(values)}")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"median_ci: level must be in (0, 1), got {level}")
+    res = bootstrap(
+        (np.asarray(values, dtype=np.float64),),
+        np.median,
+        confidence_level=level,
+        n_resamples=resamples,
+        method="percentile",
+        **{_SEED_ARG: np.random.default_rng(seed)},
+    )
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+def verdict(ci: tuple[float, float], bar: float) -> str:
+    """``met`` (the whole interval at or under ``bar``), ``missed`` (over it) or ``too close``."""
+    low, high = ci
+    return "met" if high <= bar else "missed" if low > bar else "too close"
 
 
 @dataclass(frozen=True)

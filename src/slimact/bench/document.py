@@ -25,6 +25,7 @@ round by round and reports the median of per-round ratios with its spread.
 """
 
 BENCH_SECTION = "Side by side (slimact bench)"
+READING_MARK = "<!-- reading -->"  # a summary's hand-written reading follows this line
 
 # (section title, summary files in order)
 SECTIONS: list[tuple[str, list[str]]] = [
@@ -75,6 +76,16 @@ def demote(md: str, prefix: str = "benchmarks/results/") -> str:
             fenced = not fenced
         out.append("#" + ln if ln.startswith("#") and not fenced else ln)
     return "\n".join(out).strip("\n")
+
+
+def write_summary(md: Path, text: str) -> str:
+    """Write a benchmark script's summary ``text`` to ``md``, keeping the hand-written reading
+    below :data:`READING_MARK` of the file it replaces; returns what was written."""
+    old = md.read_text() if md.exists() else ""
+    reading = old.split(READING_MARK, 1)[1] if READING_MARK in old else "\n"
+    out = text.rstrip("\n") + "\n\n" + READING_MARK + reading
+    md.write_text(out)
+    return out
 
 
 def build(results: Path) -> str:
