@@ -53,6 +53,7 @@ SECTIONS: list[tuple[str, list[str]]] = [
             "compiled.md",
             "compiled_budgets.md",
             "compiled_10pct.md",
+            "compiled_pooled.md",
             "compiled_prac.md",
             "compiled_invact.md",
             "cpu_path.md",
