@@ -297,3 +297,14 @@ def test_outlier_threshold_and_degenerate_inputs():
     assert count_outlier_channels(torch.ones(8, 16)) == 0  # std 0: no outliers
     assert count_outlier_channels(torch.randn(8, 1)) == 0  # a single channel
     assert count_outlier_channels(torch.arange(6).view(2, 3)) == 0  # integers: none
+
+
+def test_count_true_is_exact_past_float32s_integers():
+    """count_true sums in floating point (a vectorized reduction when compiled); past 2**24
+    values along the dim float32 would round, so it sums in float64 there."""
+    mask = torch.rand(5, 37, generator=torch.Generator().manual_seed(0)) < 0.3
+    for dim in (0, 1, -1):
+        got = Q.count_true(mask, dim)
+        assert got.dtype == torch.int32 and torch.equal(got, mask.sum(dim, dtype=torch.int32))
+    long = torch.ones(2**24 + 3, dtype=torch.bool)
+    assert int(Q.count_true(long, 0)) == 2**24 + 3

@@ -177,8 +177,8 @@ def quantize_codes_ref(
     """The unpacked biased codes (one uint8 per value, padded to whole groups), scale, offset,
     non-finite counts: what the CPU path compiles (``ops.compiled_ref``). Packing neighbours
     into one byte is a strided access that inductor does not vectorize, so it stays an eager
-    op after the compiled call (llama-20m's 2048 x 1376: 9 ms in all, against 40-50 ms for the
-    eager ref, one thread)."""
+    op after the compiled call (llama-20m's 2048 x 1376 in groups of 16: 11 ms in all, the codes
+    6 ms, against about 60 ms for the eager ref, one thread; the counts use :func:`count_true`)."""
     n, gs = x.numel(), group_size
     groups = -(-n // gs)
     lo, hi, bias = _limits(bits)
@@ -198,7 +198,7 @@ def quantize_codes_ref(
         # no pad, no copy: compiled, a pad of symbolic size turns every load into index math
         xp = (F.pad(xf, (0, pad)) if pad else xf).view(groups, gs)
         bad = (F.pad(~finite, (0, pad)) if pad else ~finite).view(groups, gs)
-    nonfinite = bad.sum(-1, dtype=torch.int32).reshape(-1)
+    nonfinite = count_true(bad, -1).reshape(-1)
     div = divisor(bits, symmetric, paper_scale)
     if symmetric:
         scale, offset = _div(xp.abs().amax(-1), div), None
@@ -218,6 +218,16 @@ def quantize_codes_ref(
         offset = offset.reshape(-1)
     u = (torch.floor(v + 0.5).clamp_(lo, hi) + bias).to(torch.uint8).reshape(-1)
     return u, scale.reshape(-1), offset, nonfinite
+
+
+def count_true(mask: torch.Tensor, dim: int) -> torch.Tensor:
+    """int32 count of True along ``dim``, summed in floating point: exact (float32 holds every
+    integer up to 2**24, float64 up to 2**53), and compiled it is a vectorized float reduction,
+    where an integer sum per group of 16 ran lane by lane (28 ms against 5.5 ms for llama-20m's
+    2048 x 1376 INT4 codes, one thread)."""
+    acc = torch.float32 if mask.shape[dim] <= 2**24 else torch.float64
+    ones = torch.ones((), dtype=acc, device=mask.device)
+    return torch.where(mask, ones, 0.0).sum(dim).to(torch.int32)
 
 
 def _div(a: torch.Tensor, d: float) -> torch.Tensor:
@@ -275,8 +285,7 @@ def channel_scale(x2d: torch.Tensor, bits: int = 4, paper_scale: bool = False):
         amax = torch.where(finite, x2d, 0).abs().amax(0).float()
     else:
         amax = x2d.new_zeros(x2d.shape[1]).float()
-    counts = (~finite).sum(0, dtype=torch.int32)
-    return _div(amax, divisor(bits, True, paper_scale)), counts
+    return _div(amax, divisor(bits, True, paper_scale)), count_true(~finite, 0)
 
 
 def quantize_channelwise_ref(
