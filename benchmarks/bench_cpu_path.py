@@ -9,7 +9,8 @@ inductor (``slimact.ops.compiled_ref``): the inverted activations, INT4/INT8 qua
 dequantize, and the codecs' range and outlier statistics. This measures what that buys, in one
 process, fp32, one thread: for each strategy the same model is stepped with the compiled refs
 and inside ``compiled_ref.eager_refs()`` (the same refs, eagerly), every point once per round
-(``slimact.timing.interleaved``, alternating order), against eager ``none``. Gradients are the
+(``slimact.timing.interleaved``, alternating order), against eager ``none``; then INT4
+quantize/dequantize of one tensor per group size, the same two ways. Gradients are the
 same either way (the tests check the paths bit for bit or to an ulp). Writes
 ``benchmarks/results/cpu_path.{json,md}``.
 """
@@ -17,6 +18,7 @@ same either way (the tests check the paths bit for bit or to an ulp). Writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import sys
@@ -28,7 +30,7 @@ import slimact
 from slimact.bench.document import write_summary
 from slimact.envinfo import machine_info
 from slimact.models import build_model
-from slimact.ops import compiled_ref
+from slimact.ops import compiled_ref, quant
 from slimact.timing import interleaved, load_average
 from slimact.utils import seed_everything
 
@@ -72,6 +74,7 @@ def run(args) -> dict:
         for name in args.strategies
     }
     return {
+        "kernels": kernels(args.kernel_shape, args.group_sizes, rounds=15),
         "env": machine_info() | {"torch": torch.__version__, "threads": args.threads},
         "command": "benchmarks/bench_cpu_path.py " + " ".join(args.argv),
         "model": args.model,
@@ -82,6 +85,30 @@ def run(args) -> dict:
         "rows": rows,
         "compiled_vs_eager": cross,
     }
+
+
+def kernels(shape: tuple[int, int], group_sizes: list[int], rounds: int) -> dict:
+    """Milliseconds of INT4 ``quantize`` / ``dequantize`` (``slimact.ops.quant``, packing
+    included) of one fp32 tensor per group size, refs compiled and eager, interleaved."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    points = {}
+    for gs in group_sizes:
+        q = quant.quantize(x, bits=4, group_size=gs)
+        for path, ctx in (("compiled", contextlib.nullcontext), ("eager", compiled_ref.eager_refs)):
+
+            def enc(gs=gs, ctx=ctx):
+                with ctx():
+                    quant.quantize(x, bits=4, group_size=gs)
+
+            def dec(q=q, ctx=ctx):
+                with ctx():
+                    quant.dequantize(q)
+
+            points[f"quantize g{gs} {path}"], points[f"dequantize g{gs} {path}"] = enc, dec
+    for fn in points.values():
+        fn()
+    timing = interleaved(points, rounds, alternate=True)
+    return {"shape": list(shape), "ms": {k: timing.median_s(k) * 1e3 for k in points}}
 
 
 def report(d: dict) -> str:
@@ -109,6 +136,20 @@ def report(d: dict) -> str:
     lines += ["", "| strategy | compiled refs / eager refs (median, IQR) |", "| --- | --- |"]
     for k, r in d["compiled_vs_eager"].items():
         lines.append(f"| {k} | {r['median']:.3f} ({r['q1']:.3f}-{r['q3']:.3f}) |")
+    kern = d["kernels"]
+    lines += [
+        "",
+        f"INT4 `quantize` / `dequantize` of one {' x '.join(map(str, kern['shape']))} fp32 "
+        "tensor, packing included (ms, median of 15 interleaved rounds):",
+        "",
+        "| group size | quantize compiled | quantize eager | dequantize compiled | "
+        "dequantize eager |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for gs in sorted({int(k.split()[1][1:]) for k in kern["ms"]}):
+        ms = [kern["ms"][f"{op} g{gs} {path}"] for op in ("quantize", "dequantize")
+              for path in ("compiled", "eager")]  # fmt: skip
+        lines.append(f"| {gs} | " + " | ".join(f"{v:.1f}" for v in ms) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -121,6 +162,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--results-dir", type=Path, default=RESULTS)
+    p.add_argument(
+        "--kernel-shape", type=lambda s: tuple(map(int, s.split("x"))), default=(2048, 1376)
+    )
+    p.add_argument(
+        "--group-sizes", type=lambda s: [int(v) for v in s.split(",")], default=[16, 32, 128]
+    )
     args = p.parse_args()
     args.argv = sys.argv[1:]
     args.results_dir.mkdir(parents=True, exist_ok=True)
