@@ -59,6 +59,7 @@ SECTIONS: list[tuple[str, list[str]]] = [
             "cpu_path.md",
         ],
     ),
+    ("8. On a GPU", ["gpu_check.md"]),
 ]
 
 _LINK = re.compile(r"\]\((?!https?://|/|#)([^)]+)\)")

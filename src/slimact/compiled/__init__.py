@@ -1,5 +1,5 @@
 """Actions inside torch.compile: traced codecs (``codec``; byte packing in ``packing``, PRAC in
-``prac``), compiled blocks with a recompute
+``prac``; where they may run in ``devices``), compiled blocks with a recompute
 budget and a codec each (``blocks``), and their strategies (``strategies``)."""
 
 from slimact.compiled.blocks import (
@@ -26,12 +26,24 @@ from slimact.compiled.codec import (
     resolve_codec,
     saved_node,
 )
+from slimact.compiled.devices import (
+    CUDA_OPT_IN,
+    UnverifiedOnDevice,
+    check_device,
+    usable_codecs,
+    usable_on,
+)
 from slimact.compiled.packing import pack_bits, pack_codes, unpack_bits, unpack_codes
 from slimact.compiled.prac import TracedPrac, decode_prac, encode_prac, feeds_linear
 from slimact.compiled.strategies import CompiledCodecConfig, apply_compiled_codec
 
 __all__ = [
     "CODECS",
+    "CUDA_OPT_IN",
+    "UnverifiedOnDevice",
+    "check_device",
+    "usable_codecs",
+    "usable_on",
     "TRACE_CALLS",
     "BlockChoice",
     "CompiledCodec",

@@ -48,6 +48,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from slimact import actions, sites
 from slimact.compiled.codec import CODECS, codec_hooks
+from slimact.compiled.devices import check_device
 from slimact.patching import NotCopyable
 from slimact.registry import AppliedChange, FilterFn
 
@@ -143,12 +144,17 @@ def _compiled_forward(
     *args: Any,
     **kwargs: Any,
 ) -> Any:
+    check_device(choice.codec, _device_types(args, kwargs))
     with (
         codec_hooks(choice.codec),
         functorch_config.patch(activation_memory_budget=choice.budget),
         dynamo_config.patch(recompile_limit=max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)),
     ):
         return compiled(forward, *args, **kwargs)
+
+
+def _device_types(args: tuple, kwargs: dict) -> set[str]:
+    return {a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
 
 
 def compile_block(

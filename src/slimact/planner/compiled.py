@@ -67,6 +67,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from slimact import sites
 from slimact.budget import Budget
 from slimact.compiled.blocks import BlockChoice, compile_block, compiled_saved_tensors
+from slimact.compiled.devices import usable_codecs
 from slimact.meter import MemoryReport, measure
 from slimact.planner.compiled_root import (
     ROOT_CODECS,
@@ -264,6 +265,7 @@ def profile_compiled(
         kinds.setdefault(kind_signature(mods[p]), []).append(p)
     if not kinds:
         raise ValueError(f"{type(model).__name__} has no repeated blocks to compile")
+    codecs = usable_codecs(codecs, ids.device.type)  # lossy traced codecs: not on CUDA
     choices = [BlockChoice(b, c) for b in budgets for c in codecs]
     with torch.random.fork_rng(devices=[]):
         probes = {k: list(dict.fromkeys((ps[0], ps[-1]))) for k, ps in kinds.items()}
