@@ -163,6 +163,8 @@ def test_compile_failure_falls_back_with_one_warning(monkeypatch):
 
     monkeypatch.setattr(ic, "_COMPILED", {})
     monkeypatch.setattr(ic, "_BROKEN", [])
+    monkeypatch.setattr(ic, "_WORKED", [])  # no compiled call has succeeded: the compiler is out
+    monkeypatch.setattr(ic, "_EAGER_KEYS", {})
     monkeypatch.setattr(torch, "compile", broken)
     x = _x(1 << 14, torch.float32)
     with pytest.warns(RuntimeWarning, match="eager PyTorch reference"):

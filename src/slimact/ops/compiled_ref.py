@@ -11,7 +11,9 @@ outlier channels' sums) through :func:`run`, which decides where compiling pays.
 
 * compiled once per key, lazily at first use, never at import; the key is the function, its
   static arguments (kind, mode, variant) and what dynamo would otherwise recompile for: the
-  tensors' dtypes and storage layout (contiguous, or a view), grad mode and autocast state.
+  tensors' dtypes, ``requires_grad`` and storage layout (contiguous, or a view), grad mode and
+  autocast state (without ``requires_grad`` in it, a codec's saved tensors, some requiring
+  grad and some not, made one key recompile past dynamo's limit).
   ``dynamic=True`` (callers pass flat tensors, so one symbolic size serves every shape) with
   ``specialize_int`` (the static arguments, closure cells of the bound function, stay constants:
   a symbolic group size turned a dequantize's index math into divisions, 3x slower) and
@@ -21,8 +23,12 @@ outlier channels' sums) through :func:`run`, which decides where compiling pays.
   its recompile limit of 8) per code object: a process mixing dtypes, eval and training,
   autocast on and off, never hits the limit and falls back to eager behind our back (a test
   suite did, at the 9th variant of one function).
-* if compiling fails (no C++ compiler, an unsupported platform...), one warning, and from then
-  on every call runs the eager reference.
+* if compiling fails before any compiled call has succeeded (no C++ compiler, an unsupported
+  platform...), one warning, and from then on every call runs the eager reference. A failure
+  after that (dynamo's recompile limit, an op it cannot trace) is that key's alone: it runs
+  eagerly from then on, with one warning naming it, and every other key stays compiled (a
+  recompile-limit hit in one codec had turned the whole process's CPU path eager: a benchmark
+  suite's later cases ran ``invact`` at 2-3x ``none``).
 
 The refs themselves stay the reference: tests compare this path against them.
 """
@@ -41,6 +47,8 @@ MIN_NUMEL = 1 << 14  # below this the eager ref is as fast as a compiled call's 
 
 _COMPILED: dict[tuple, Callable] = {}
 _BROKEN: list[str] = []  # why compiling was given up (at most one entry)
+_WORKED: list[bool] = []  # non-empty once a compiled call has succeeded in this process
+_EAGER_KEYS: dict[tuple, str] = {}  # keys whose compiled call failed after _WORKED: why
 _EAGER: list[bool] = []  # non-empty inside eager_refs()
 
 
@@ -75,17 +83,23 @@ def _bind(fn: Callable, static: dict) -> Callable:
 def _state(tensors: tuple[torch.Tensor | None, ...]) -> tuple:
     """What dynamo guards on besides sizes (module docstring): one code object per value."""
     layout = tuple(
-        (t.dtype, t.is_contiguous(), t._base is not None) if isinstance(t, torch.Tensor) else t
+        (t.dtype, t.requires_grad, t.is_contiguous(), t._base is not None)
+        if isinstance(t, torch.Tensor)
+        else t
         for t in tensors
     )
     amp = tuple(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
     return (layout, torch.is_grad_enabled(), amp)
 
 
+def _key(fn: Callable, tensors: tuple, static: dict) -> tuple:
+    return (fn, tuple(sorted(static.items())), _state(tensors))
+
+
 def compiled(fn: Callable, *tensors: torch.Tensor, **static) -> Callable:
     """``fn`` with ``static`` bound, compiled by inductor (cached per (fn, static, the state
     of ``tensors`` and of grad mode and autocast))."""
-    key = (fn, tuple(sorted(static.items())), _state(tensors))
+    key = _key(fn, tensors, static)
     c = _COMPILED.get(key)
     if c is None:
         c = _COMPILED[key] = torch.compile(_bind(fn, static), dynamic=True, fullgraph=True)
@@ -93,23 +107,41 @@ def compiled(fn: Callable, *tensors: torch.Tensor, **static) -> Callable:
 
 
 def call(fn: Callable, *tensors: torch.Tensor, **static):
-    """``fn(*tensors, **static)``, compiled; the eager ``fn`` if compiling is unavailable, and
-    ``fn`` itself while dynamo traces (an outer ``torch.compile`` then fuses it there)."""
+    """``fn(*tensors, **static)``, compiled; the eager ``fn`` if compiling is unavailable (or
+    failed for this key), and ``fn`` itself while dynamo traces (an outer ``torch.compile``
+    then fuses it there)."""
     if _BROKEN or _EAGER or torch.compiler.is_compiling():
+        return fn(*tensors, **static)
+    key = _key(fn, tensors, static)
+    if key in _EAGER_KEYS:
         return fn(*tensors, **static)
     c = compiled(fn, *tensors, **static)
     try:
         with dynamo_config.patch(specialize_int=True):
-            return c(*tensors)
+            out = c(*tensors)
     except Exception as e:  # the compiler is optional: any failure of it means eager
-        _BROKEN.append(f"{type(e).__name__}: {e}")
-        warnings.warn(
-            f"slimact: torch.compile of {fn.__name__} failed ({_BROKEN[0][:300]}); slimact's "
-            "ops run their eager PyTorch references on CPU from now on (correct, slower)",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+        why = f"{type(e).__name__}: {e}"
+        if _WORKED:  # the compiler works: this key alone runs eagerly from now on
+            _EAGER_KEYS[key] = why
+            warnings.warn(
+                f"slimact: torch.compile of {fn.__name__} failed for one input state "
+                f"({why[:300]}); that state runs the eager PyTorch reference from now on "
+                "(correct, slower), the others stay compiled",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        else:
+            _BROKEN.append(why)
+            warnings.warn(
+                f"slimact: torch.compile of {fn.__name__} failed ({why[:300]}); slimact's "
+                "ops run their eager PyTorch references on CPU from now on (correct, slower)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return fn(*tensors, **static)
+    if not _WORKED:
+        _WORKED.append(True)
+    return out
 
 
 def run(fn: Callable, *tensors: torch.Tensor, **static):

@@ -1,0 +1,61 @@
+"""The CPU path's compile cache (``slimact.ops.compiled_ref``): keys, and failures kept local."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from slimact.ops import compiled_ref as cr
+
+
+def f_good(x, *, k):
+    return x * k + 1
+
+
+def f_bad(x, *, k):
+    return x * k - 1
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    for name, empty in (("_COMPILED", {}), ("_BROKEN", []), ("_EAGER_KEYS", {})):
+        monkeypatch.setattr(cr, name, empty)
+    monkeypatch.setattr(cr, "_WORKED", [True])  # the compiler has worked in this process
+
+
+def test_requires_grad_is_part_of_the_key(fresh):
+    """Dynamo guards on requires_grad: without it in the key, a codec's saved tensors (some
+    requiring grad, some not) recompiled one entry past dynamo's limit of 8."""
+    x = torch.randn(1 << 14)
+    with torch.no_grad():
+        a = cr.call(f_good, x, k=2.0)
+        b = cr.call(f_good, x.clone().requires_grad_(True), k=2.0)
+    assert torch.equal(a, x * 2.0 + 1) and torch.equal(b, a)
+    keys = [key for key in cr._COMPILED if key[0] is f_good]
+    assert len(keys) == 2 and not cr._BROKEN and not cr._EAGER_KEYS
+
+
+def test_a_failure_after_the_compiler_worked_is_that_keys_alone(fresh, monkeypatch):
+    real = torch.compile
+
+    def compile_(fn, **kw):  # the compiler works, except for f_bad's frame
+        if fn.__name__.startswith("f_bad"):
+
+            def run(*args):
+                raise RuntimeError("FailOnRecompileLimitHit: stand-in")
+
+            return run
+        return real(fn, **kw)
+
+    monkeypatch.setattr(torch, "compile", compile_)
+    x = torch.randn(1 << 14)
+    with pytest.warns(RuntimeWarning, match="f_bad failed for one input state .*the others stay"):
+        assert torch.equal(cr.call(f_bad, x, k=3.0), x * 3.0 - 1)  # eager, still right
+    assert cr.available() and len(cr._EAGER_KEYS) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning for that key
+        assert torch.equal(cr.call(f_bad, x, k=3.0), x * 3.0 - 1)
+        assert torch.equal(cr.call(f_good, x, k=3.0), x * 3.0 + 1)  # compiled, as before
+    assert any(key[0] is f_good for key in cr._COMPILED) and cr.available()
