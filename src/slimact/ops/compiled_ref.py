@@ -96,10 +96,9 @@ def _key(fn: Callable, tensors: tuple, static: dict) -> tuple:
     return (fn, tuple(sorted(static.items())), _state(tensors))
 
 
-def compiled(fn: Callable, *tensors: torch.Tensor, **static) -> Callable:
-    """``fn`` with ``static`` bound, compiled by inductor (cached per (fn, static, the state
-    of ``tensors`` and of grad mode and autocast))."""
-    key = _key(fn, tensors, static)
+def compiled(key: tuple, fn: Callable, static: dict) -> Callable:
+    """``fn`` with ``static`` bound, compiled by inductor, cached under ``key`` (:func:`_key`:
+    fn, static, the state of the tensors and of grad mode and autocast)."""
     c = _COMPILED.get(key)
     if c is None:
         c = _COMPILED[key] = torch.compile(_bind(fn, static), dynamic=True, fullgraph=True)
@@ -115,7 +114,7 @@ def call(fn: Callable, *tensors: torch.Tensor, **static):
     key = _key(fn, tensors, static)
     if key in _EAGER_KEYS:
         return fn(*tensors, **static)
-    c = compiled(fn, *tensors, **static)
+    c = compiled(key, fn, static)
     try:
         with dynamo_config.patch(specialize_int=True):
             out = c(*tensors)
