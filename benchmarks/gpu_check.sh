@@ -22,7 +22,8 @@ py=${PYTHON:-python3}
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   $py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
   [ -n "${SKIP_TESTS:-}" ] || timeout "${TEST_S:-270}" $py -m pytest -q -p no:cacheprovider -m "not slow" \
-    tests/test_inv_act.py tests/test_quant.py tests/test_chunked_ce.py tests/test_codecs.py \
+    tests/test_compiled_layout.py tests/test_inv_act.py tests/test_quant.py tests/test_chunked_ce.py \
+    tests/test_codecs.py \
     --junitxml="$OUT/kernels.xml" 2>&1 | tail -40
   echo "pytest exit: ${PIPESTATUS[0]}"
 } 2>&1 | tee "$OUT/log"

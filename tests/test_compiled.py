@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import slimact
 from slimact import compiled as C
 from slimact.models import build_model
-from slimact.ops.quant import Quantized, dequantize_ref, quantize_ref
+from slimact.ops.quant import Quantized, dequantize_ref
 from slimact.ops.quant import _unpack as unpack_ref
 
 
@@ -61,15 +61,39 @@ def test_encode_equals_quant_reference(name, shape, dtype):
     assert torch.equal(y, dequantize_ref(ref, dtype=dtype).view(x.shape))
 
 
-def test_noncontiguous_input_uses_logical_order():
-    x = _x(2, 64, 4, 32).permute(0, 2, 1, 3)  # what a q/k/v transpose saves
-    for name in ("int8", "int6", "int4"):
-        codec = C.CODECS[name]
-        payload = C.encode(codec, x)
-        bits, group = codec.group_for(32)
-        ref = quantize_ref(x, bits=bits, group_size=group)
-        assert torch.equal(_codes(payload), _ref_codes(ref))
-        assert torch.equal(C.decode(payload), dequantize_ref(ref).view(x.shape))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["int8", "int6", "int4", "outlier-int4", "prac"])
+def test_noncontiguous_input_decodes_with_its_strides(name, dtype):
+    """What a q/k/v transpose saves ([B, H, S, D] over [B, S, H, D] storage) is coded in memory
+    order and comes back with the same strides: a compiled backward was laid out for them."""
+    x = _x(2, 64, 4, 32, dtype=dtype).permute(0, 2, 1, 3)
+    codec = C.CODECS[name]
+    payload = C.encode(codec, x)
+    assert payload[0] == C.LAYOUT and payload[1] == (0, 2, 1, 3)
+    y = C.decode(payload)
+    assert y.shape == x.shape and y.stride() == x.stride() and y.dtype == dtype
+    if name == "prac":
+        return
+    ref = C.encode_ref(codec, x)
+    assert torch.equal(_codes(payload[2:]), _ref_codes(ref))  # codes in memory order
+    if name != "outlier-int4":  # (its decode puts the exact channels back; the ref zeroes them)
+        assert torch.equal(y, C.decode_ref(ref, x))
+    contiguous = C.decode(C.encode(codec, x.contiguous()))  # the same values, either layout
+    assert torch.equal(y.contiguous(), contiguous)
+
+
+def test_layouts_that_need_no_permutation_or_have_none():
+    x = _x(4, 64, 32)
+    assert C.memory_order(x) is None  # contiguous
+    assert C.memory_order(x[:, :, :16]) is None  # not dense: decoded contiguous, as before
+    assert C.memory_order(x.transpose(0, 1)) == (1, 0, 2)
+    assert C.memory_order(x.transpose(1, 2)) == (0, 2, 1)  # channels innermost: coded [.., D, S]
+    t = x.transpose(1, 2)
+    assert C.decode(C.encode(C.CODECS["int8"], t)).stride() == t.stride()
+    kept = x[:, :1].transpose(0, 1)  # kept exact by the shape rules: the tensor itself
+    assert (
+        len(C.encode(C.CODECS["none"], kept)) == 1 and C.encode(C.CODECS["none"], kept)[0] is kept
+    )
 
 
 @pytest.mark.parametrize("bits", [4, 6, 8])

@@ -12,6 +12,7 @@ from slimact.compiled.blocks import (
 )
 from slimact.compiled.codec import (
     CODECS,
+    LAYOUT,
     TRACE_CALLS,
     CompiledCodec,
     choose,
@@ -22,6 +23,7 @@ from slimact.compiled.codec import (
     encode_ref,
     hook_pair,
     keeps_exact,
+    memory_order,
     prac_ranks,
     resolve_codec,
     saved_node,
@@ -38,6 +40,8 @@ from slimact.compiled.prac import TracedPrac, decode_prac, encode_prac, feeds_li
 from slimact.compiled.strategies import CompiledCodecConfig, apply_compiled_codec
 
 __all__ = [
+    "LAYOUT",
+    "memory_order",
     "CODECS",
     "CUDA_OPT_IN",
     "UnverifiedOnDevice",

@@ -34,9 +34,13 @@ What this module adds:
   ``group_size`` values along the last dimension; a last dimension the group does not divide
   uses ``gcd(D, group_size)``, and below 8 values per group, or a row that does not split into
   the packing's slices, one INT8 scale per row. The math is ``slimact.ops.quant.quantize_ref``
-  / ``dequantize_ref`` on the flat logical order with ``group_size = g``: :func:`encode_ref` /
+  / ``dequantize_ref`` on the flat order in memory with ``group_size = g``: :func:`encode_ref` /
   :func:`decode_ref` are that reference and the tests check codes and scales equal it bit for
   bit (codes compared unpacked).
+* Layout: a saved tensor that is dense but not contiguous (SDPA's q, k, v and output are
+  [B, H, S, D] views of [B, S, H, D] storage) is coded in memory order and decoded back to the
+  *same strides* (:func:`memory_order`): a compiled backward was laid out for the saved tensor's
+  strides, and handing its kernels another layout is a silent wrong gradient, not an error.
 * The packing (:func:`pack_codes`) combines *contiguous slices* of a row, so every byte plane
   is a vectorized pointwise op that inductor fuses with the quantization: INT4 puts code j and
   code j + D/2 in one byte; INT6 stores the first three quarters' 6-bit codes in three byte
@@ -100,6 +104,7 @@ FILTERING_MODES = ("donated", "no_static", "all")
 BITS = (0, 4, 6, 8)
 _ROW_MULTIPLE = {4: 2, 6: 4}  # a row's codes pack into 2 (INT4) or 4 (INT6) contiguous slices
 _SDPA = "scaled_dot_product"
+LAYOUT = "layout"  # a payload coded in memory order: (LAYOUT, inverse permutation, *payload)
 
 
 @dataclass(frozen=True)
@@ -255,11 +260,41 @@ def prac_ranks(codec: CompiledCodec, x: torch.Tensor, node: torch.fx.Node | None
     return codec.prac.ranks(tuple(x.shape), x.element_size(), feeds_linear(node))
 
 
+def memory_order(x: torch.Tensor) -> tuple[int, ...] | None:
+    """The permutation that lays a dense but non-contiguous ``x`` out contiguously (its dims from
+    the largest stride to the smallest), or None where ``x`` is contiguous or not dense.
+
+    The codecs code ``x.permute(order)`` (a view: no copy) and the unpack permutes the decoded
+    tensor back, so the backward receives a tensor with the *same strides* as the one the forward
+    saved. That is the contract of a saved tensor: a compiled backward's kernels were chosen and
+    laid out for the saved tensor's strides (SDPA's q, k, v and output are [B, H, S, D] views of
+    [B, S, H, D] storage), and a decode that returns other strides hands them something else."""
+    if x.dim() < 2 or x.is_contiguous():
+        return None
+    order = tuple(sorted(range(x.dim()), key=lambda d: -x.stride(d)))
+    return order if x.permute(order).is_contiguous() else None
+
+
+def inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(order.index(d) for d in range(len(order)))
+
+
 def encode(codec: CompiledCodec, x: torch.Tensor) -> tuple:
-    """Traceable pack: ``(x,)`` (kept), ``(bits uint8, torch.bool, *shape)`` (a mask),
-    ``(z, p, dtype, "prac")`` (PRAC, ``compiled/prac.py``), or
-    ``(codes uint8, scale fp32, dtype, bits)``, plus ``(outlier columns [rows, k] in x's dtype,
-    their indices [k])`` when the codec keeps some."""
+    """Traceable pack: ``(x,)`` (kept) or :func:`encode_dense`'s payload of ``x`` in memory
+    order, tagged ``(LAYOUT, inverse order, *payload)`` where that order is not ``x``'s own
+    (:func:`memory_order`); :func:`decode` returns a tensor with ``x``'s shape and strides."""
+    order = memory_order(x)
+    if order is None:
+        return encode_dense(codec, x)
+    payload = encode_dense(codec, x.permute(order))
+    return (x,) if len(payload) == 1 else (LAYOUT, inverse(order), *payload)
+
+
+def encode_dense(codec: CompiledCodec, x: torch.Tensor) -> tuple:
+    """The pack of a tensor in its logical order: ``(x,)`` (kept),
+    ``(bits uint8, torch.bool, *shape)`` (a mask), ``(z, p, dtype, "prac")`` (PRAC,
+    ``compiled/prac.py``), or ``(codes uint8, scale fp32, dtype, bits)``, plus ``(outlier
+    columns [rows, k] in x's dtype, their indices [k])`` when the codec keeps some."""
     if packs_mask(codec, x):
         return (pack_bits(x), torch.bool, *x.shape)
     node = saved_node()
@@ -291,7 +326,9 @@ def outlier_channels(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def decode(payload: tuple) -> torch.Tensor:
-    """Traceable unpack of :func:`encode`'s payload."""
+    """Traceable unpack of :func:`encode`'s payload: the saved tensor's shape and strides."""
+    if isinstance(payload[0], str) and payload[0] == LAYOUT:
+        return decode(payload[2:]).permute(payload[1])
     if len(payload) == 1:
         return payload[0]
     if payload[1] is torch.bool:  # a mask: (bits, torch.bool, *shape)
@@ -310,9 +347,12 @@ def decode(payload: tuple) -> torch.Tensor:
 
 
 def encode_ref(codec: CompiledCodec, x: torch.Tensor) -> Quantized | None:
-    """The reference: ``quantize_ref`` on the flat logical order with the group :func:`encode`
-    uses (None where the tensor is kept exact by the shape rules); outlier channels zeroed
-    (``keep_cols``), as :func:`encode` codes them."""
+    """The reference: ``quantize_ref`` on the flat order of ``x`` in memory
+    (:func:`memory_order`) with the group :func:`encode` uses (None where the tensor is kept
+    exact by the shape rules); outlier channels zeroed (``keep_cols``), as :func:`encode` codes
+    them."""
+    order = memory_order(x)
+    x = x if order is None else x.permute(order)
     chosen = choose(codec, x)
     if chosen is None:
         return None
@@ -323,7 +363,11 @@ def encode_ref(codec: CompiledCodec, x: torch.Tensor) -> Quantized | None:
 
 
 def decode_ref(q: Quantized, like: torch.Tensor) -> torch.Tensor:
-    return dequantize_ref(q, dtype=like.dtype).view(like.shape)
+    order = memory_order(like)
+    if order is None:
+        return dequantize_ref(q, dtype=like.dtype).view(like.shape)
+    y = dequantize_ref(q, dtype=like.dtype).view(like.permute(order).shape)
+    return y.permute(inverse(order))
 
 
 # ----------------------------------------------------------------------------- the hook pair

@@ -1,14 +1,17 @@
 """Where the lossy traced codecs may run: refused on CUDA until verified there.
 
-On an H200 with torch 2.11 (``benchmarks/results/gpu_check.md``), llama-20m in bf16 under
-``compiled-int8`` and ``compiled-int4`` gave a worst-parameter gradient cosine of 0.157, where
-compiled ``none`` gave 0.9998; llama-tiny's whole gradient matched (0.99998) on the same GPU,
-and every CPU run matches. The cause is not found yet (a lead: the decoded tensors are
-contiguous where the saved ones may not be, and CUDA's attention backward may read them with
-the saved tensors' strides). A wrong gradient is the worst result slimact can give, so a lossy
+On an H200 with torch 2.11, llama-20m in bf16 under ``compiled-int8`` and ``compiled-int4``
+gave one q-projection weight a gradient cosine far below the codecs' error, where compiled
+``none`` was exact (BENCHMARKS.md, the GPU section). The likely cause, since fixed in
+``compiled/codec.py`` (:func:`~slimact.compiled.codec.memory_order`): the decode of SDPA's
+q/k/v/output ([B, H, S, D] views of [B, S, H, D] storage) had the saved strides only through
+eager stride propagation, which left the decoded buffer's layout to inductor while CUDA's
+attention backward was planned for the saved strides; the decode is now a permutation of a
+contiguous tensor, so its strides hold by construction (``tests/test_compiled_layout.py``
+checks that on CPU). Until a GPU run confirms the gradients (the ``gpu`` test there,
+``benchmarks/gpu_check.sh``), a wrong gradient being the worst result slimact can give, a lossy
 traced codec (INT8/6/4, PRAC) is refused on CUDA, the identity pair runs everywhere, and the
-compiled planner leaves the lossy codecs out there, unless :data:`CUDA_OPT_IN` is ``"1"``
-(``benchmarks/gpu_check.sh`` sets it to check them on a GPU).
+compiled planner leaves the lossy codecs out there, unless :data:`CUDA_OPT_IN` is ``"1"``.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ def check_device(codec: CompiledCodec | str, device_types: Iterable[str]) -> Non
         if not usable_on(codec, dev):
             raise UnverifiedOnDevice(
                 f"traced codec {codec!r} is not verified on {dev}: on an H200 (torch 2.11) it "
-                "gave llama-20m a worst-parameter gradient cosine of 0.157 "
-                "(benchmarks/results/gpu_check.md). Use its eager codec (apply without "
+                "gave one llama-20m parameter a wrong gradient; the likely cause is fixed and "
+                "awaits a GPU run (BENCHMARKS.md, the GPU section). Use its eager codec (apply without "
                 "compile=True), or compiled-none, compiled-recompute, invact or compiled-auto "
                 f"(which then plans without lossy traced codecs) under compile; {CUDA_OPT_IN}=1 "
                 "runs it anyway, to check it on a GPU (benchmarks/gpu_check.sh)"
