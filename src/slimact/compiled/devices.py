@@ -1,14 +1,16 @@
 """Where the lossy traced codecs may run: refused on CUDA until verified there.
 
-On an H200 with torch 2.11, llama-20m in bf16 under ``compiled-int8`` and ``compiled-int4``
-gave one q-projection weight a gradient cosine far below the codecs' error, where compiled
-``none`` was exact (BENCHMARKS.md, the GPU section). The likely cause, since fixed in
-``compiled/codec.py`` (:func:`~slimact.compiled.codec.memory_order`): the decode of SDPA's
-q/k/v/output ([B, H, S, D] views of [B, S, H, D] storage) had the saved strides only through
-eager stride propagation, which left the decoded buffer's layout to inductor while CUDA's
-attention backward was planned for the saved strides; the decode is now a permutation of a
-contiguous tensor, so its strides hold by construction (``tests/test_compiled_layout.py``
-checks that on CPU). Until a GPU run confirms the gradients (the ``gpu`` test there,
+On an H200 with torch 2.11, llama-20m in bf16 under ``compiled-int8`` and ``compiled-int4`` gave one
+q-projection weight a gradient cosine far below the codecs' error, where compiled ``none`` was exact
+(BENCHMARKS.md, the GPU section). The cause, read in inductor's lowering
+(``torch/_inductor/lowering.py``, ``sdpa_constraint``): on CPU an SDPA input is forced to the stride
+order the graph was traced with; on CUDA an aligned input is passed with the strides inductor gave
+its buffer. The decode of SDPA's q/k/v/output ([B, H, S, D] views of [B, S, H, D] storage) was a
+view of an elementwise result, which inductor lays out contiguously, so CUDA's attention backward
+ran on other strides than the ones its outputs' layout was planned for. Fixed in
+``compiled/codec.py`` (:func:`~slimact.compiled.codec.memory_order`): the decode is a permutation of
+a contiguous tensor, so its strides hold by construction (``tests/test_compiled_layout.py`` checks
+the backward graph on CPU). Until a GPU run confirms the gradients (the ``gpu`` test there,
 ``benchmarks/gpu_check.sh``), a wrong gradient being the worst result slimact can give, a lossy
 traced codec (INT8/6/4, PRAC) is refused on CUDA, the identity pair runs everywhere, and the
 compiled planner leaves the lossy codecs out there, unless :data:`CUDA_OPT_IN` is ``"1"``.
