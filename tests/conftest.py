@@ -8,6 +8,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (the README's test command runs ``-n 2``) each worker is one process on one
+# core: one intra-op thread each, so two workers do not oversubscribe a 2-core machine.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 from slimact.models import build_model  # noqa: E402  (after TRITON_INTERPRET: see above)
 from slimact.models.common import CausalLMOutput, causal_lm_loss  # noqa: E402
 from slimact.models.llama import LlamaModel  # noqa: E402
