@@ -52,10 +52,12 @@ once and warns if the measured bytes still exceed it.
 from __future__ import annotations
 
 import copy
+import json
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -76,7 +78,7 @@ from slimact.planner.compiled_root import (
     model_loss,
     profile_root,
 )
-from slimact.planner.profile import static_memory
+from slimact.planner.profile import _warn_uncached, cache_path, profile_key, static_memory
 from slimact.planner.profiler import kind_signature
 from slimact.timing import interleaved, load_average
 from slimact.utils import fmt_bytes
@@ -112,6 +114,15 @@ class OptionStat:
     seconds: float
     grad_err: float = 0.0  # max over input and parameters of 1 - cos vs the eager block's
 
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.choice.to_dict(), "bytes": self.bytes, "seconds": self.seconds,
+                "grad_err": self.grad_err}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> OptionStat:
+        choice = BlockChoice(d["budget"], d["codec"])
+        return cls(choice, int(d["bytes"]), float(d["seconds"]), float(d.get("grad_err", 0.0)))
+
 
 @dataclass
 class CompiledProfile:
@@ -133,6 +144,38 @@ class CompiledProfile:
 
     def option(self, kind: str, choice: BlockChoice) -> OptionStat:
         return next(s for s in self.options[kind] if s.choice == choice)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": COMPILED_PROFILE_FORMAT,
+            "blocks": self.blocks,
+            "options": {k: [s.to_dict() for s in v] for k, v in self.options.items()},
+            "baseline_bytes": self.baseline_bytes,
+            "root_bytes": self.root_bytes,
+            "static_bytes": self.static_bytes,
+            "batch": list(self.batch),
+            "profile_time_s": self.profile_time_s,
+            "load": list(self.load),
+            "root_options": [r.to_dict() for r in self.root_options],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CompiledProfile:
+        if d.get("format") != COMPILED_PROFILE_FORMAT:
+            raise ValueError(
+                f"compiled profile format {d.get('format')!r}, not {COMPILED_PROFILE_FORMAT}"
+            )
+        return cls(
+            blocks={k: list(v) for k, v in d["blocks"].items()},
+            options={k: [OptionStat.from_dict(s) for s in v] for k, v in d["options"].items()},
+            baseline_bytes=int(d["baseline_bytes"]),
+            root_bytes=int(d["root_bytes"]),
+            static_bytes=int(d["static_bytes"]),
+            batch=tuple(d["batch"]),
+            profile_time_s=float(d["profile_time_s"]),
+            load=tuple(d["load"]),
+            root_options=[RootOption.from_dict(r) for r in d["root_options"]],
+        )
 
 
 @dataclass
@@ -166,12 +209,45 @@ class CompiledPlan:
             lines.append(f"measured {fmt_bytes(self.measured_bytes)}")
         return "\n".join(lines)
 
+    def summary(self) -> str:
+        """One line: each distinct block action with its count, the root's, and the bytes
+        (measured once verified, else predicted) against the budget's allowance."""
+        counts: dict[str, int] = {}
+        for c in self.choices.values():
+            counts[c.label] = counts.get(c.label, 0) + 1
+        blocks = ", ".join(f"{n} x {label}" for label, n in counts.items())
+        root = self.root.label if self.root is not None else "keep"
+        kept = self.measured_bytes if self.measured_bytes is not None else self.predicted_bytes
+        word = "keeps" if self.measured_bytes is not None else "predicted to keep"
+        return (
+            f"blocks {blocks}; root {root}; {word} {fmt_bytes(kept)} of "
+            f"{fmt_bytes(self.allowed_bytes)} allowed"
+        )
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["choices"] = {p: c.to_dict() for p, c in self.choices.items()}
         d["root"] = self.root.to_dict() if self.root is not None else None
         d["rows"] = self.rows()
         return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CompiledPlan:
+        """Inverse of :meth:`to_dict` (``rows`` is derived and ignored)."""
+        return cls(
+            choices={p: BlockChoice(c["budget"], c["codec"]) for p, c in d["choices"].items()},
+            budget=str(d["budget"]),
+            allowed_bytes=int(d["allowed_bytes"]),
+            predicted_bytes=int(d["predicted_bytes"]),
+            predicted_seconds=float(d["predicted_seconds"]),
+            baseline_bytes=int(d["baseline_bytes"]),
+            measured_bytes=None if d.get("measured_bytes") is None else int(d["measured_bytes"]),
+            meta=dict(d.get("meta") or {}),
+            root=None if d.get("root") is None else RootOption.from_dict(d["root"]),
+        )
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -314,6 +390,60 @@ def profile_compiled(
         load=(load0, load_average()),
         root_options=roots,
     )
+
+
+COMPILED_PROFILE_FORMAT = 1  # bumped when what a compiled profile records changes
+
+
+def profile_summary(profile: CompiledProfile) -> dict[str, Any]:
+    """What a plan records of the profile it was solved from (``CompiledPlan.meta``)."""
+    return {
+        "batch": list(profile.batch),
+        "root_bytes": profile.root_bytes,
+        "options": {k: [s.to_dict() for s in v] for k, v in profile.options.items()},
+        "root_options": [r.to_dict() for r in profile.roots()],
+    }
+
+
+def cached_compiled_profile(
+    model: nn.Module,
+    ids: torch.Tensor,
+    targets: torch.Tensor,
+    budgets: Sequence[float] = BUDGETS,
+    codecs: Sequence[str] = CODECS,
+    rounds: int = 5,
+    cache_dir: str | Path | None = "",
+    **kwargs: Any,
+) -> CompiledProfile:
+    """:func:`profile_compiled` through a JSON cache, as ``auto``'s profiles are
+    (``slimact.planner.profile.cached_profile``): keyed by the model's structure and weights,
+    the batch's shape, dtype and device, the option grid and torch's version, so that a run
+    planned again on the same model and batch solves the same measured figures and takes the
+    same plan (measured times differ run to run by a few percent, enough to swap options that
+    are about as fast). ``cache_dir``: '' = the default directory, None = no cache. An
+    unreadable entry is profiled again; an unwritable directory is warned about once."""
+    if cache_dir is None:
+        return profile_compiled(model, ids, targets, budgets, codecs, rounds, **kwargs)
+    key = profile_key(
+        model, ids, targets, name=f"compiled-{type(model).__name__}",
+        codecs=tuple(usable_codecs(codecs, ids.device.type)), budgets=tuple(budgets),
+        rounds=rounds, format=COMPILED_PROFILE_FORMAT, **kwargs,
+    )  # fmt: skip
+    path = cache_path(cache_dir or None, key)
+    if path.is_file():
+        try:
+            return CompiledProfile.from_dict(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            warnings.warn(f"slimact: ignoring unreadable profile cache {path}: {e}", stacklevel=2)
+    prof = profile_compiled(model, ids, targets, budgets, codecs, rounds, **kwargs)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(prof.to_dict()))
+        tmp.replace(path)
+    except OSError as e:
+        _warn_uncached(path.parent, e)
+    return prof
 
 
 # ----------------------------------------------------------------------------- solving

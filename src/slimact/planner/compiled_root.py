@@ -50,6 +50,7 @@ import torch
 import torch.nn as nn
 
 from slimact import actions, sites
+from slimact.checkpointing import CACHE_KWARGS, is_cache
 from slimact.classify import label_arg, parse_site
 from slimact.meter import measure
 from slimact.planner.apply import install
@@ -93,6 +94,18 @@ class RootOption:
                 "grad_err": self.grad_err, "sites": list(self.sites),
                 "reform": [list(r) for r in self.reform]}  # fmt: skip
 
+    @classmethod
+    def from_dict(cls, d: dict) -> RootOption:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            codec=str(d["codec"]),
+            bytes=int(d["bytes"]),
+            seconds=float(d.get("seconds", 0.0)),
+            grad_err=float(d.get("grad_err", 0.0)),
+            sites=tuple(d.get("sites", ())),
+            reform=tuple((str(p), str(k)) for p, k in d.get("reform", ())),
+        )
+
     def plan(self) -> Plan:
         """The root-only plan the runtime applies (no plan for "keep")."""
         codecs = ((self.codec, self.sites),) if self.codec != "none" else ()
@@ -122,12 +135,20 @@ def capture_inputs(
     model: nn.Module, ids: torch.Tensor, targets: torch.Tensor, paths: Sequence[str]
 ) -> dict[str, tuple[tuple, dict]]:
     """The (args, kwargs) each module in ``paths`` is first called with on this batch
-    (detached)."""
+    (detached). A KV cache handed to a module (Hugging Face decoders build one in a forward
+    with ``use_cache``) is replaced by None: every later call on the captured inputs would
+    append to it, so keys and values would grow call by call and carry the graphs of calls
+    whose backward already ran."""
     mods, got, handles = dict(model.named_modules()), {}, []
 
+    def det(k: str | None, v: object) -> object:
+        if k in CACHE_KWARGS or is_cache(v):
+            return None
+        return v.detach() if isinstance(v, torch.Tensor) else v
+
     def pre(mod, args, kwargs, path):
-        det = lambda v: v.detach() if isinstance(v, torch.Tensor) else v  # noqa: E731
-        got.setdefault(path, (tuple(det(a) for a in args), {k: det(v) for k, v in kwargs.items()}))
+        a = tuple(det(None, v) for v in args)
+        got.setdefault(path, (a, {k: det(k, v) for k, v in kwargs.items()}))
 
     for p in paths:
         hook = lambda m, a, k, p=p: pre(m, a, k, p)  # noqa: E731

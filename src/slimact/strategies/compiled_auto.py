@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from slimact import sites
 from slimact.budget import Budget
 from slimact.classify import call_batch
 from slimact.compiled.blocks import compile_blocks_with
@@ -36,12 +37,19 @@ from slimact.planner.compiled import (
     TIME_TOLERANCE,
     CompiledPlan,
     CompiledProfile,
-    profile_compiled,
+    cached_compiled_profile,
+    profile_summary,
     solve_compiled,
     verify,
 )
 from slimact.planner.compiled_root import install_root
-from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
+from slimact.registry import (
+    AppliedChange,
+    FilterFn,
+    StrategyConfig,
+    applied,
+    register_strategy,
+)
 from slimact.state import reset_field, state_of
 from slimact.utils import in_worker_thread
 
@@ -55,7 +63,9 @@ class CompiledAutoConfig(StrategyConfig):
     ``max_grad_err``: options whose measured block-gradient error (1 - cos, worst parameter)
     exceeds it are not candidates (None: every option);
     ``batch``/``seq``: plan at apply time on random tokens of that shape (else on the first
-    training forward)."""
+    training forward); ``cache``: the profile's JSON cache directory ('' = ~/.cache/slimact,
+    as ``auto``'s; None = no cache), so that a run planned again on the same model, weights
+    and batch shape solves the same profile and takes the same plan."""
 
     budget: Budget | str | int | None = None
     budgets: tuple[float, ...] = BUDGETS
@@ -66,6 +76,7 @@ class CompiledAutoConfig(StrategyConfig):
     batch: int | None = None
     seq: int | None = None
     seed: int = 0
+    cache: str | None = ""
     compile_kwargs: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -105,10 +116,12 @@ class CompiledAutoConfig(StrategyConfig):
                 kw["max_grad_err"] = None if value.lower() == "none" else float(value)
             elif key == "time_tolerance":
                 kw["time_tolerance"] = float(value)
+            elif key == "cache":
+                kw["cache"] = None if value.lower() == "none" else value
             else:
                 raise ValueError(
                     f"{spec!r}: unknown option {key!r}; valid: codecs, budgets, rounds, "
-                    "max_grad_err, time_tolerance"
+                    "max_grad_err, time_tolerance, cache"
                 )
         return cls(budget=budget or None, **kw)
 
@@ -121,41 +134,70 @@ def plan_compiled(
     profile: CompiledProfile | None = None,
 ) -> list[AppliedChange]:
     """Profile (unless given one of this model, e.g. to solve several budgets on one profile),
-    solve, install and verify (module docstring); the plan goes to the state."""
+    solve, install and verify (module docstring); the plan goes to the state. On an error
+    nothing stays installed."""
     if runtime_of(model) is not None:  # its profile would mix encoded and raw bytes
         raise ValueError(
             "compiled-auto plans a model that carries no other slimact plan (one plan runtime "
             "per model: it plans the root's codec too); slimact.revert(model) first"
         )
     if profile is None:
-        profile = profile_compiled(
-            model, ids, targets, config.budgets, config.codecs, config.rounds
+        profile = cached_compiled_profile(
+            model, ids, targets, config.budgets, config.codecs, config.rounds, config.cache
         )
     plan = solve_compiled(profile, config.budget, config.max_grad_err, config.time_tolerance)
     changes = _install(model, plan, config)
-    measured = verify(plan, model, ids, targets)
-    tighter = plan.allowed_bytes - (measured - plan.allowed_bytes)
-    if measured > plan.allowed_bytes and tighter > profile.root_bytes:
-        _undo(changes)  # once: re-solve with the overshoot taken off the budget
-        retry = solve_compiled(profile, f"{tighter + profile.static_bytes}B"
-                               if not config.budget.relative else
-                               f"{100 * tighter / profile.baseline_bytes:.6f}%",
-                               config.max_grad_err)  # fmt: skip
-        retry.budget, retry.allowed_bytes = plan.budget, plan.allowed_bytes
-        retry.meta["resolved_for"] = tighter
-        changes, plan = _install(model, retry, config), retry
-        verify(plan, model, ids, targets)
-    plan.meta["profile"] = {
-        "batch": list(profile.batch),
-        "root_bytes": profile.root_bytes,
-        "options": {
-            k: [{**s.choice.to_dict(), "bytes": s.bytes, "seconds": s.seconds} for s in stats]
-            for k, stats in profile.options.items()
-        },
-        "root_options": [r.to_dict() for r in profile.roots()],
-    }
+    try:
+        measured = verify(plan, model, ids, targets)
+        tighter = plan.allowed_bytes - (measured - plan.allowed_bytes)
+        if measured > plan.allowed_bytes and tighter > profile.root_bytes:
+            _undo(changes)  # once: re-solve with the overshoot taken off the budget
+            changes = []
+            retry = solve_compiled(profile, f"{tighter + profile.static_bytes}B"
+                                   if not config.budget.relative else
+                                   f"{100 * tighter / profile.baseline_bytes:.6f}%",
+                                   config.max_grad_err)  # fmt: skip
+            retry.budget, retry.allowed_bytes = plan.budget, plan.allowed_bytes
+            retry.meta["resolved_for"] = tighter
+            changes, plan = _install(model, retry, config), retry
+            verify(plan, model, ids, targets)
+    except BaseException:
+        _undo(changes)
+        raise
+    plan.meta["profile"] = profile_summary(profile)
     state_of(model).compiled_plan = plan
     return changes
+
+
+def install_plan(model: nn.Module, plan: CompiledPlan) -> list[AppliedChange]:
+    """Install a plan solved before (a checkpoint's ``compiled_plan.json``) on a model under a
+    ``compiled-auto`` strategy that has not planned yet: no profiling, no solving, so a resumed
+    run trains with the plan it had. Returns the changes (also shown by ``slimact.applied``)."""
+    lazy = _pending(model)
+    want = set(sites.block_paths(model))
+    if set(plan.choices) != want:
+        raise ValueError(
+            f"the saved compiled plan is for blocks {sorted(plan.choices)[:4]}..., this model's "
+            f"are {sorted(want)[:4]}...: it was solved for another model"
+        )
+    lazy.handle.remove()
+    lazy.installed = _install(model, plan, lazy.config)
+    state_of(model).compiled_plan = plan
+    lazy.show(plan, "installed from a saved plan")
+    return lazy.installed
+
+
+def _pending(model: nn.Module) -> _LazyPlanner:
+    for c in applied(model):
+        owner = getattr(c.undo, "__self__", None)
+        if isinstance(owner, _LazyPlanner):
+            if state_of(model).compiled_plan is not None:
+                raise ValueError("this model's compiled-auto has already planned")
+            return owner
+    raise ValueError(
+        "the model carries no compiled-auto strategy to install a plan for; apply "
+        "'compiled-auto@<budget>' (or 'auto@<budget>' with compile=True) first"
+    )
 
 
 def _install(model: nn.Module, plan: CompiledPlan, config: CompiledAutoConfig):
@@ -176,27 +218,69 @@ def _undo(changes: list[AppliedChange]) -> None:
 
 
 class _LazyPlanner:
-    """Root forward pre-hook: plans on the first training forward's batch, then removes itself."""
+    """Root forward pre-hook: plans on the first training forward's batch, then removes itself.
+
+    If planning fails, the error is raised, nothing of the plan stays installed, and every later
+    training forward raises again naming it (the model never trains without the plan it was
+    given while ``slimact.applied`` still shows it); ``slimact.applied`` says so as well."""
 
     def __init__(self, model: nn.Module, config: CompiledAutoConfig) -> None:
         self.model, self.config, self.installed = model, config, []
-        self.handle = model.register_forward_pre_hook(
+        self.head: AppliedChange | None = None  # the strategy's row in slimact.applied
+        self.error: Exception | None = None
+        self.handle = self._hook()
+
+    def _hook(self):  # type: ignore[no-untyped-def]
+        return self.model.register_forward_pre_hook(
             NotCopyable(self, "a pending compiled-auto plan"), with_kwargs=True
         )
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if not (module.training and torch.is_grad_enabled()):
             return None
+        if self.error is not None:
+            raise RuntimeError(
+                f"compiled-auto (budget {self.config.budget}) could not plan this model on its "
+                f"first training forward ({type(self.error).__name__}: {self.error}); it does "
+                "not train without its plan: slimact.revert(model), then apply another "
+                "strategy or budget"
+            ) from self.error
         ids, targets = call_batch(module, args, kwargs)
         if not isinstance(ids, torch.Tensor) or targets is None:
             return None
-        self.handle.remove()
         plan = lambda: plan_compiled(module, self.config, ids, targets)  # noqa: E731
-        self.installed = in_worker_thread(plan, ids.device.type)  # unseen by a meter
+        self.handle.remove()  # the planner runs the model, on copies too
+        try:
+            self.installed = in_worker_thread(plan, ids.device.type)  # unseen by a meter
+        except BaseException as e:
+            self.handle = self._hook()  # (interrupted: the next training forward plans again)
+            if not isinstance(e, Exception):
+                raise
+            self.error = e  # from now on every training forward raises (above)
+            if self.head is not None:
+                self.head.detail = (
+                    f"budget {self.config.budget}; planning failed ({type(e).__name__}: {e}): "
+                    "no plan is installed and training forwards raise until slimact.revert"
+                )
+            raise
+        self.show(state_of(module).compiled_plan, "planned on the first training forward")
         runtime = runtime_of(module)  # the root's codec plan, installed during this pre-hook:
         if runtime is not None:  # it applies to this very call too, not from the next one
             return runtime.join_call(module, args, kwargs)
         return None
+
+    def show(self, plan: CompiledPlan, how: str) -> None:
+        """Put the plan in ``slimact.applied``: the strategy's row says how it was planned and
+        what it keeps, one row per installed change (each block's choice, the root's plan)
+        follows it."""
+        if self.head is None:
+            return
+        self.head.detail = f"budget {self.config.budget}; {how}: {plan.summary()}"
+        log = state_of(self.model).applied
+        at = next((i for i, c in enumerate(log) if c is self.head), None)
+        if at is not None:
+            rows = [AppliedChange(c.path, c.action, c.detail, c.skipped) for c in self.installed]
+            log[at + 1 : at + 1] = rows
 
     def undo(self) -> None:
         self.handle.remove()
@@ -225,6 +309,9 @@ def apply_compiled_auto(
         lazy.installed = plan_compiled(model, config, ids, targets)
     what = "planned" if config.batch is not None else "plans on the first training forward"
     head = AppliedChange("", "compiled-auto", f"budget {config.budget}; {what}", undo=lazy.undo)
+    lazy.head = head
+    if config.batch is not None:
+        head.detail += f": {state_of(model).compiled_plan.summary()}"
     # the blocks' rows, for slimact.applied(); the head's undo reverts them
     rows = [AppliedChange(c.path, c.action, c.detail, c.skipped) for c in lazy.installed]
     return [head, *rows]

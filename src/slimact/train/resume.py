@@ -15,7 +15,9 @@ stateful strategies (PRAC's subspaces), and under a plan runtime (``auto``, ``pl
 itself (``plan.json``) with the planner's state (``planner.json``: the profile the plan was
 solved from, which the evolver updates, the evolver's state and the budget check's), so a
 resumed run carries on with the plan it had instead of re-solving it from the checkpoint's
-weights, and repeats the uninterrupted run bit for bit.
+weights, and repeats the uninterrupted run bit for bit. Under ``compiled-auto`` (``auto`` with
+``--compile``) the plan it solved on its first step is ``compiled_plan.json``; a resumed run
+installs it on its blocks and root instead of profiling and solving again.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from slimact.data import ByteTokenizer
 from slimact.models import build_model
 from slimact.planner.adaptive import PlanEvolver, budget_check_of
 from slimact.planner.apply import runtime_of
+from slimact.planner.compiled import CompiledPlan
+from slimact.state import peek
+from slimact.strategies.compiled_auto import install_plan
 from slimact.planner.plan import Plan, Profile
 from slimact.train.checkpoint import (
     CheckpointError,
@@ -49,6 +54,7 @@ from slimact.train.config import TrainConfig
 PLAN_FILE = "plan.json"
 PLANNER_FILE = "planner.json"
 PLAN_LOG = "plan_changes.jsonl"
+COMPILED_PLAN_FILE = "compiled_plan.json"
 RESUME_MODES = ("latest", "latest-valid")
 
 
@@ -184,7 +190,11 @@ class RunCheckpoints:
 
 
 def planner_files(model: nn.Module, evolver: PlanEvolver | None) -> dict[str, str]:
-    """``plan.json`` and ``planner.json`` for a model under a plan runtime, else nothing."""
+    """``plan.json`` and ``planner.json`` for a model under a plan runtime, ``compiled_plan.json``
+    for one under ``compiled-auto`` once it has planned, else nothing."""
+    compiled = getattr(peek(model), "compiled_plan", None)
+    if compiled is not None:  # its root plan is on a runtime too: the compiled plan carries it
+        return {COMPILED_PLAN_FILE: compiled.to_json()}
     rt = runtime_of(model)
     if rt is None or rt.plan is None:
         return {}
@@ -202,6 +212,10 @@ def restore_planner(
 ) -> PlanEvolver | None:
     """Put the checkpoint's plan back on ``model`` (no re-solve) with its profile, budget-check
     and (``evolve``) evolver state; returns the evolver, if the run has one."""
+    compiled = read_json(path, COMPILED_PLAN_FILE)
+    if compiled is not None:
+        install_plan(model, CompiledPlan.from_dict(compiled))
+        return None
     rt = runtime_of(model)
     saved = read_json(path, PLAN_FILE)
     if rt is None or saved is None:
