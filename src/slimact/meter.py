@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from slimact import actions, sites
+from slimact.registry import refuse_compiled_root
 
 
 @dataclass
@@ -256,8 +257,11 @@ def measure(model: nn.Module | None = None, n_tokens: int | None = None) -> Iter
     """Count bytes saved for backward by the forward passes run inside the block.
 
     ``model`` gives module paths (sites) and the parameters to exclude; ``n_tokens`` (B*S) enables
-    per-token figures.
+    per-token figures. A model compiled whole by ``torch.compile`` is refused (its forward is
+    one graph the router cannot see into): measure the plain model (``model._orig_mod``), whose
+    blocks ``slimact.apply(..., compile=True)`` compiles.
     """
+    refuse_compiled_root(model, "slimact.measure")
     meter = Meter(model)
     meter.report.n_tokens = n_tokens
     try:

@@ -21,7 +21,11 @@ Composition rule (checked before anything is applied, in one spec and across ``a
   ``chunked-ce``, ``cola``, ``cola-m``, ``none``) and composes with the others and with one codec
   policy in any order: ``invact+int4``, ``invact+recompute+prac``, ``invact+int4+chunked-ce``.
 * Compiled blocks (``compiled-none``, ``compiled-int8``, ``compiled-int4``) do not compose with
-  per-block checkpointing (``recompute``, ``cola-m``): an error, whatever the order.
+  per-block checkpointing (``recompute``, ``cola-m``): an error, whatever the order. The traced
+  codecs (``compiled-int8``, ``-int6``, ``-int4``, ``-outlier-int4``, ``-prac``) and
+  ``compiled-auto`` are codec policies. A block is compiled once: a second ``compiled-*``
+  strategy is an error, the same one again is skipped block by block.
+* A model compiled whole by the user (``torch.compile(model)``) is refused: ``compile=True``.
 * A spec names each strategy once: ``int4+int4`` or ``invact+invact-act`` (one config class
   twice) is an error. A site transform may be applied again by a later ``apply`` call (e.g. to
   other modules through ``filter_fn``): sites it already changed are skipped and reported as
@@ -168,7 +172,20 @@ def _resolve_named(strategy: str | StrategyConfig) -> list[tuple[str, StrategyCo
 
 
 def _is_codec_policy(config: StrategyConfig) -> bool:
-    return _entry_for(config).codec_policy
+    """A config may say so itself (``is_codec_policy``: several strategies share one config
+    class, e.g. ``compiled-none`` and ``compiled-int8``), else its strategy's entry does."""
+    own = getattr(config, "is_codec_policy", None)
+    return bool(own) if own is not None else _entry_for(config).codec_policy
+
+
+def _label_is_policy(label: str) -> bool:
+    """Is the strategy a spec ``label`` names (``"compiled-int8@0"``) a codec policy?"""
+    entry = _REGISTRY.get(label) or _REGISTRY.get(label.split("@", 1)[0])
+    if entry is None:
+        return False
+    if hasattr(entry.config_cls, "from_spec") and "@" in label:
+        return _is_codec_policy(entry.config_cls.from_spec(label))
+    return entry.codec_policy
 
 
 def _composable() -> str:
@@ -208,6 +225,21 @@ def _check_compiled(labels: list[str], spec: object) -> None:
             f"strategy {spec!r}: {compiled[0]!r} compiles each block with its codec inside, "
             f"and {ckpt[0]!r} checkpoints blocks; the two do not compose (apply one of them; "
             f"{compiled[0]!r} composes with invact and chunked-ce)"
+        )
+
+
+def _check_compiled_again(before: list[str], labels: list[str]) -> None:
+    """A block is compiled once: a ``compiled-*`` strategy on a model whose blocks another one
+    already compiles is an error; the same one again is a repeat, which its transform skips
+    block by block (as ``recompute`` skips the blocks it already checkpoints)."""
+    old = [x for x in before if x.startswith(COMPILED_PREFIX)]
+    new = [x for x in labels if x.startswith(COMPILED_PREFIX)]
+    clash = [x for x in new if any(x != o for o in old)]
+    if old and clash:
+        raise ValueError(
+            f"cannot apply {clash[0]!r}: the model's blocks are already compiled by {old[-1]!r}, "
+            "and a block is compiled once (a second compile layer around the first); call "
+            "slimact.revert(model) first to compile them another way"
         )
 
 
@@ -325,7 +357,13 @@ def apply(
     ``compile=True`` compiles every block with the strategy's actions inside it (the root stays
     eager): the spec is rewritten by :func:`compiled_spec` (``"auto@25%"`` becomes the compiled
     planner ``"compiled-auto@25%"``); a config must already be a ``compiled-*`` one.
+
+    A model the user compiled whole (``torch.compile(model)``, an ``OptimizedModule``) is
+    refused: its forward is one compiled graph that slimact's hooks cannot enter, so a strategy
+    on it would do nothing; ``compile=True`` on the plain model compiles its blocks with the
+    strategy inside them.
     """
+    refuse_compiled_root(model, "slimact.apply")
     if compile:
         if isinstance(strategy, StrategyConfig):
             if not strategy.name.startswith(COMPILED_PREFIX):
@@ -337,18 +375,18 @@ def apply(
             strategy = compiled_spec(strategy)
     parts = _resolve_named(strategy)
     before = applied_strategies(model)
-    _check_compiled([*before, *(label for label, _ in parts)], strategy)
-    for label, cfg in parts:
+    for label, cfg in parts:  # first: a second policy is the error, whatever else clashes
         if not _is_codec_policy(cfg):
             continue
         for prev in before:
-            prev_entry = _REGISTRY.get(prev) or _REGISTRY.get(prev.split("@", 1)[0])
-            if prev_entry is not None and prev_entry.codec_policy:
+            if _label_is_policy(prev):
                 raise ValueError(
                     f"cannot apply {label!r}: the model already has codec-policy strategy "
                     f"{prev!r} and {label!r} is another one; {_ONE_POLICY}. Call "
                     f"slimact.revert(model) first to switch; what still composes: {_composable()}"
                 )
+    _check_compiled([*before, *(label for label, _ in parts)], strategy)
+    _check_compiled_again(before, [label for label, _ in parts])
     done: list[AppliedChange] = []
     try:
         for _, cfg in parts:
@@ -371,6 +409,27 @@ def apply(
     st.applied.extend(done)
     st.strategies.extend(label for label, _ in parts)
     return model
+
+
+def is_compiled_root(model: object) -> bool:
+    """Is ``model`` wrapped whole by ``torch.compile`` (an ``OptimizedModule``)?"""
+    return isinstance(model, nn.Module) and any(
+        c.__name__ == "OptimizedModule" and c.__module__.startswith("torch._dynamo")
+        for c in type(model).__mro__
+    )
+
+
+def refuse_compiled_root(model: object, who: str) -> None:
+    """A clear ``TypeError`` for a model wrapped whole by ``torch.compile``, naming the way."""
+    if is_compiled_root(model):
+        raise TypeError(
+            f"{who} got a model compiled whole by torch.compile ({type(model).__name__} around "
+            f"{type(model._orig_mod).__name__}): its forward is one compiled graph that "
+            "slimact's hooks cannot enter, so slimact would silently do nothing to it. Pass the "
+            "plain model and let slimact compile it: slimact.apply(model, spec, compile=True) "
+            "(--compile) compiles every block with the strategy's actions inside (or "
+            "model._orig_mod to work on the uncompiled model)"
+        )
 
 
 def _undo_all(changes: list[AppliedChange], exc: BaseException) -> None:

@@ -44,6 +44,7 @@ import torch
 import torch._dynamo.config as dynamo_config
 import torch._functorch.config as functorch_config
 import torch.nn as nn
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch.profiler import ProfilerActivity, profile
 
 from slimact import actions, sites
@@ -137,6 +138,11 @@ def _block_fn(budget: float, codec: str, owner: type) -> Callable[..., Any]:
     return own_code(_block_call, f"{owner.__name__}_{budget:.6f}_{codec}")
 
 
+# Entered eagerly around each compiled call: an outer torch.compile (a root the user compiled
+# whole) skips it and calls the block's own compiled function, instead of tracing the codec's
+# hook setup (``hook_pair`` is cached with functools.cache, which dynamo would trace through
+# with a warning) and compiling the block a second time around its compiled graph.
+@torch.compiler.disable
 def _compiled_forward(
     compiled: Callable[..., Any],
     choice: BlockChoice,
@@ -150,7 +156,56 @@ def _compiled_forward(
         functorch_config.patch(activation_memory_budget=choice.budget),
         dynamo_config.patch(recompile_limit=max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)),
     ):
-        return compiled(forward, *args, **kwargs)
+        out = compiled(forward, *args, **kwargs)
+    _watch_compiles(compiled, args, kwargs)
+    return out
+
+
+class RecompileWarning(UserWarning):
+    """A compiled block keeps being compiled again for new input shapes."""
+
+
+# Compiles of one block function for distinct input shapes past which it warns (once per
+# process). Under automatic dynamic shapes a new sequence length or batch size compiles once
+# more with symbolic sizes, and a codec's shape rule (a tensor below ``min_numel`` stays exact)
+# may add one where lengths cross it; more than this means every new shape compiles.
+SHAPE_COMPILES_WARN = 6
+_shapes_compiled: dict[Any, dict[str, Any]] = {}
+_warned_recompiles: list[str] = []
+
+
+def _shape_key(args: tuple, kwargs: dict) -> tuple:
+    vals = (*args, *kwargs.values())
+    return tuple(tuple(a.shape) for a in vals if isinstance(a, torch.Tensor))
+
+
+def _watch_compiles(compiled: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    """Count the compiles of the block function ``compiled`` wraps that a new input shape made
+    (dynamo's cache entries for its code object grew on a call with shapes not seen before;
+    entries for a block's own guards, grad mode or a meter's mode reuse seen shapes), and warn
+    once when they pass ``SHAPE_COMPILES_WARN``."""
+    fn = getattr(compiled, "_torchdynamo_orig_callable", None)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return
+    seen = _shapes_compiled.setdefault(code, {"entries": 0, "shapes": set()})
+    entries = len(_debug_get_cache_entry_list(code))
+    grew, seen["entries"] = entries > seen["entries"], entries
+    key = _shape_key(args, kwargs)
+    if not grew or key in seen["shapes"]:
+        return
+    seen["shapes"].add(key)
+    if len(seen["shapes"]) > SHAPE_COMPILES_WARN and not _warned_recompiles:
+        _warned_recompiles.append(code.co_name)
+        warnings.warn(
+            f"slimact: compiled block function {code.co_name} has been compiled for "
+            f"{len(seen['shapes'])} input shapes (the latest {key}); each compile costs seconds "
+            "and every new shape costs another. Shapes are compiled dynamic after the first "
+            "change unless torch.compile was given dynamic=False; pad or bucket sequence "
+            "lengths to a few sizes (this warning is shown once)",
+            RecompileWarning,
+            stacklevel=3,
+        )
 
 
 def _device_types(args: tuple, kwargs: dict) -> set[str]:
@@ -162,9 +217,21 @@ def compile_block(
 ) -> Callable[..., Any]:
     """The compiled forward of ``block`` under ``choice`` (not installed): the codec's hook pair
     around a compiled call of the block's forward inside its region budget."""
-    kw.setdefault("dynamic", False)  # the pack's shape rules read concrete shapes
+    # automatic dynamic shapes: the first call compiles for its shapes, a call with another
+    # sequence length (or batch size) compiles once more with those sizes symbolic, and later
+    # lengths reuse that graph (the codecs' shape rules hold for symbolic sizes)
+    kw.setdefault("dynamic", None)
     compiled = torch.compile(_block_fn(choice.budget, choice.codec, type(block)), **kw)
     return functools.partial(_compiled_forward, compiled, choice, forward or block.forward)
+
+
+def compiled_choice(block: nn.Module) -> BlockChoice | None:
+    """The choice ``block``'s installed compiled forward runs under (None: not compiled here)."""
+    fwd = block.__dict__.get("forward")
+    fn = getattr(fwd, "fn", None) if isinstance(fwd, NotCopyable) else None
+    if isinstance(fn, functools.partial) and fn.func is _compiled_forward:
+        return fn.args[1]
+    return None
 
 
 def compile_blocks_with(
@@ -176,7 +243,9 @@ def compile_blocks_with(
     """``torch.compile`` each block's forward under its :class:`BlockChoice` (one for all, or
     one per block path); the root stays eager. Returns one change per block, whose undo
     restores the eager forward (``slimact.revert``); a block missing from a mapping is left
-    eager and reported as skipped. ``compile_kwargs`` go to ``torch.compile``."""
+    eager and reported as skipped; a block already compiled under the same choice is skipped
+    (a repeat), under another one is an error (one compile layer per block).
+    ``compile_kwargs`` go to ``torch.compile``."""
     modules = dict(model.named_modules())
     changes: list[AppliedChange] = []
     for path in sites.block_paths(model):
@@ -189,6 +258,15 @@ def compile_blocks_with(
             changes.append(AppliedChange(path, "compile", "filtered out", skipped=True))
             continue
         prev = block.__dict__.get("forward")
+        done = compiled_choice(block)
+        if done == choice:
+            changes.append(AppliedChange(path, "compile", f"already compiled ({done.label})", True))
+            continue
+        if done is not None:
+            raise ValueError(
+                f"block {path!r} is already compiled by slimact ({done.label}); a block is "
+                f"compiled once, not under {choice.label} around it: slimact.revert(model) first"
+            )
         fwd = compile_block(block, choice, prev or block.forward, **compile_kwargs)
         block.forward = NotCopyable(fwd, f"compiled block ({choice.label})")
         sites.seal(block)

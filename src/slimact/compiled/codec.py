@@ -90,6 +90,7 @@ import torch
 import torch._functorch.config as functorch_config
 import torch.fx
 import torch.nn as nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from slimact.compiled.packing import pack_bits, pack_codes, unpack_bits, unpack_codes
 from slimact.compiled.prac import TracedPrac, decode_prac, encode_prac, feeds_linear, is_prac
@@ -222,6 +223,13 @@ def saved_node() -> torch.fx.Node | None:
     return ctx.get("_node") if ctx else None
 
 
+def _small(x: torch.Tensor, codec: CompiledCodec) -> bool:
+    """Fewer than ``min_numel`` values, for certain: under dynamic shapes a size-dependent count
+    is not guarded on (that would compile again for every length crossing the threshold), so a
+    graph for symbolic sizes encodes such a tensor, which is correct at any size."""
+    return statically_known_true(x.numel() < codec.min_numel)
+
+
 def keeps_exact(codec: CompiledCodec, x: torch.Tensor) -> bool:
     """The shape rules: what the pack leaves as it is (module docstring)."""
     return (
@@ -229,7 +237,7 @@ def keeps_exact(codec: CompiledCodec, x: torch.Tensor) -> bool:
         or not x.is_floating_point()
         or x.dim() < 2
         or x.shape[-1] == 1
-        or x.numel() < codec.min_numel
+        or _small(x, codec)
     )
 
 
@@ -239,8 +247,8 @@ def packs_mask(codec: CompiledCodec, x: torch.Tensor) -> bool:
         codec.masks
         and not codec.identity
         and x.dtype == torch.bool
-        and x.numel() >= codec.min_numel
-        and x.numel() % 8 == 0
+        and not _small(x, codec)
+        and statically_known_true(x.numel() % 8 == 0)
     )
 
 

@@ -32,6 +32,12 @@ class CompiledCodecConfig(StrategyConfig):
         self.choice  # noqa: B018 - validates the budget
 
     @property
+    def is_codec_policy(self) -> bool:
+        """A traced codec decides how each saved tensor of the blocks is stored, so no eager
+        codec policy may sit beside it (``slimact.registry``'s composition rule)."""
+        return self.codec != "none"
+
+    @property
     def choice(self) -> BlockChoice:
         return BlockChoice(self.budget, self.codec)
 
@@ -68,6 +74,7 @@ register_strategy(
     CompiledCodecConfig("int8"),
     apply_compiled_codec,
     "torch.compile per block, per-row INT8 pack/unpack inlined into the compiled graphs",
+    codec_policy=True,
 )
 register_strategy(
     "compiled-int6",
@@ -75,12 +82,14 @@ register_strategy(
     apply_compiled_codec,
     "torch.compile per block, per-row INT6 (four codes in three bytes) inlined, SDPA's q/k too; "
     "SDPA's v and output INT8 per row",
+    codec_policy=True,
 )
 register_strategy(
     "compiled-int4",
     CompiledCodecConfig("int4"),
     apply_compiled_codec,
     "torch.compile per block, INT4 (groups of 32) inlined; SDPA q/k/v/output INT8 per row",
+    codec_policy=True,
 )
 register_strategy(
     "compiled-outlier-int4",
@@ -88,6 +97,7 @@ register_strategy(
     apply_compiled_codec,
     "compiled-int4 with the 1/128 of channels of largest absolute sum stored exactly "
     "(adacc's outlier separation, a static count)",
+    codec_policy=True,
 )
 register_strategy(
     "compiled-prac",
@@ -95,6 +105,7 @@ register_strategy(
     apply_compiled_codec,
     "torch.compile per block, PRAC (principal + random subspace, prac.txt) inlined: linear "
     "inputs at r1 = r2 = 0.3n, other saves 0.2n, attention exact; the basis from each step's X",
+    codec_policy=True,
 )
 register_strategy(
     "compiled-recompute",
