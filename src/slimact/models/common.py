@@ -32,10 +32,13 @@ class CausalLMOutput:
 
 
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor | None:
-    """Mean cross-entropy of (B, S, V) logits against (B, S) targets; -100 is ignored."""
+    """Mean cross-entropy of (B, S, V) logits against (B, S) targets; -100 is ignored. Targets
+    may be int64 or int32 (``check_input_ids`` admits both; cross-entropy takes int64 only)."""
     if targets is None:
         return None
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten().long(), ignore_index=-100
+    )
 
 
 def check_input_ids(

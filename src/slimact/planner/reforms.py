@@ -111,7 +111,7 @@ def head_times(
 ) -> float:
     """Median over interleaved rounds of t(chunked) - t(linear + cross_entropy), fwd+bwd."""
     h = h.detach().reshape(-1, h.shape[-1]).requires_grad_(True)  # (B, S, D) -> (N, D)
-    t = t.reshape(-1)
+    t = t.reshape(-1).long()  # the models' losses take int32 targets too (cast as they do)
     leaves = [h, *(p for p in head.parameters() if p.requires_grad)]
 
     def plain() -> None:

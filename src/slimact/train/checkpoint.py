@@ -26,12 +26,14 @@ import random
 import re
 import shutil
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn as nn
+from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
 MODEL_FILE = "model.safetensors"
@@ -114,7 +116,9 @@ def file_digest(path: Path) -> str:
 def verify_checkpoint(path: str | Path) -> None:
     """Raise ``CheckpointError`` unless every file of ``path`` is present and matches the
     manifest (size and sha256). A checkpoint without a manifest (written by an older slimact)
-    is accepted with a warning when its three files are there."""
+    is accepted with a warning when its three files are there and readable: the weights file's
+    header and size agree, the state file is a whole zip archive, the config is JSON
+    (``check_files``), so a truncated file is an error naming it, not a loader's traceback."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
@@ -123,8 +127,10 @@ def verify_checkpoint(path: str | Path) -> None:
     if not manifest_path.is_file():
         if missing:
             raise CheckpointError(f"checkpoint {path} is incomplete: missing {', '.join(missing)}")
+        check_files(path)
         warnings.warn(
-            f"checkpoint {path} has no {MANIFEST_FILE} (older slimact): its files are not verified",
+            f"checkpoint {path} has no {MANIFEST_FILE} (older slimact): its files are checked "
+            "for truncation only, not against checksums",
             stacklevel=2,
         )
         return
@@ -143,6 +149,42 @@ def verify_checkpoint(path: str | Path) -> None:
                 f"checkpoint {path} is corrupt: {name} does not match its checksum in "
                 f"{MANIFEST_FILE} ({size} bytes, {want['bytes']} recorded)"
             )
+
+
+def check_files(path: Path) -> None:
+    """Raise ``CheckpointError`` naming the file where one of the three a checkpoint needs is
+    truncated or not what it should be: ``model.safetensors`` must hold its 8-byte header
+    length, a JSON header and exactly the bytes the header's offsets end at; ``state.pt`` must
+    be a zip archive whose members' checksums hold (``torch.save``'s format); ``config.json``
+    must be JSON."""
+    weights = path / MODEL_FILE
+    size = weights.stat().st_size
+    try:
+        with weights.open("rb") as fh:
+            n = int.from_bytes(fh.read(8), "little") if size >= 8 else -1
+            if not 0 < n <= size - 8:
+                raise ValueError(f"a header of {n} bytes in a file of {size}")
+            header = json.loads(fh.read(n))
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+        want = 8 + n + max(ends, default=0)
+        if size != want:
+            raise ValueError(f"{size} bytes where its header describes {want}")
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: {MODEL_FILE} is truncated or not a safetensors "
+            f"file ({e})"
+        ) from None
+    try:
+        with zipfile.ZipFile(path / STATE_FILE) as z:
+            bad = z.testzip()
+        if bad is not None:
+            raise zipfile.BadZipFile(f"member {bad} fails its checksum")
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: {STATE_FILE} is truncated or not a torch.save "
+            f"archive ({e})"
+        ) from None
+    read_json(path, CONFIG_FILE)
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -260,9 +302,12 @@ def load_checkpoint(
             f"checkpoint {path} is incomplete: needs {MODEL_FILE}, {STATE_FILE} and {CONFIG_FILE}"
         )
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    missing, unexpected = load_model(
-        model, str(path / MODEL_FILE), strict=False, device=str(device)
-    )
+    try:
+        missing, unexpected = load_model(
+            model, str(path / MODEL_FILE), strict=False, device=str(device)
+        )
+    except SafetensorError as e:
+        raise CheckpointError(f"checkpoint {path} is corrupt: {MODEL_FILE}: {e}") from None
     if missing or unexpected:
         raise ValueError(
             f"checkpoint {path} does not fit this model: missing {sorted(missing)[:5]}, "
