@@ -31,6 +31,14 @@ are none) shares its figures. The runs use the first samples of the batch that h
 and ``meta[milp.GRAD_CKPT_KEY]`` as ``{kind: {storage id: {codec: {module: {...}}}}}``;
 ``slimact.planner.milp`` caps, per block and per parameter, their sum over the chosen codecs
 (1 - cos of independent small errors adds up: about half the summed relative MSE).
+
+A stochastic unbiased codec (the PRAC family with a random subspace: ``prac``, ``rac``) is
+measured the same way, on one draw. Its figure is that draw's noise, not a bias: the mean of k
+draws' gradients approaches the exact one as k grows (1 - cos about 1/k), which the loss over
+steps shows too, while a deterministic codec's error repeats every step. The cap therefore
+treats PRAC's variance as if it were a bias and leaves such candidates out of capped plans;
+read their ``grad_err`` as noise per step (BENCHMARKS.md §4: why a per-step gradient cosine is
+the wrong yardstick for an unbiased codec, and measured figures).
 """
 
 from __future__ import annotations
