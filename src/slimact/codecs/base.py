@@ -15,6 +15,15 @@ overflowing factorization) returns :func:`exact_packed` instead: the tensor itse
 copy, so it costs exactly what keeping it would), with the reason in ``meta["fallback"]``.
 ``decode`` returns it as is (:func:`exact_value`), ``Codec.fallbacks`` counts the reasons, and the
 saving policy reports the site (``codecs.saving``). Never a wrong finite value instead.
+
+Deciding that fallback reads the tensor's statistics on the host: on a GPU, a device-to-host
+sync per encode. :meth:`Codec.encode_deferred` is the encode without it, which the saving policy
+uses once a site's saves have been clean: the codec returns its fixed-size payload together with
+a small device *verdict* (its checks' outcome) and how to read it; the policy reads the verdict
+after the step without waiting for the device (``slimact.ops.deferred``), reports a problem, and
+checks that site on the host again from its next save on. A codec whose payload is correct
+whatever the verdict (within its contract, non-finite values exact or NaN out) implements it;
+the default is the checked :meth:`Codec.encode`.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import re
 import types
 import typing
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -39,6 +49,18 @@ class Packed:
     dtype: torch.dtype
     device: torch.device
     meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Deferred:
+    """What :meth:`Codec.encode_deferred` returns: the payload, and (optionally) small device
+    tensors (the verdict: read as one flat list of floats) with the host function that turns
+    their values into a reason to report (None: the encode was fine). ``explain`` runs on the
+    host without tensor ops, and may also update the site's state."""
+
+    packed: Packed
+    verdict: torch.Tensor | list[torch.Tensor] | None = None
+    explain: Callable[[list[float]], str | None] | None = None
 
 
 def exact_packed(x: torch.Tensor, reason: str) -> Packed:
@@ -101,6 +123,17 @@ class Codec(ABC):
 
     @abstractmethod
     def decode(self, packed: Packed) -> torch.Tensor: ...
+
+    def encode_deferred(self, x: torch.Tensor, state: dict) -> Deferred:
+        """Encode without reading the device on the host (see the module docstring). ``state``
+        is the site's own dict, kept by the saving policy across steps (an outlier codec keeps
+        its site's capacity there). Default: the checked :meth:`encode`."""
+        return Deferred(self.encode(x))
+
+    def calibrate(self, packed: Packed, state: dict) -> None:
+        """Learn from a checked :meth:`encode` of the site whose ``state`` this is (what a later
+        :meth:`encode_deferred` sizes its payload by). Default: nothing."""
+        del packed, state
 
     def nbytes(self, packed: Packed) -> int:
         return storage_nbytes(list(packed.tensors.values()))

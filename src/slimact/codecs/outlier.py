@@ -15,11 +15,21 @@ INT4, so the compression rate falls as outliers appear (adacc.txt Fig. 4: the co
 during training; :func:`count_outlier_channels` is what a planner tracks).
 
 Non-finite values: a channel holding NaN/inf has a non-finite sum and is always an outlier, so
-those values take the exact path (``nonfinite="raise"`` refuses them instead). Z-scores use the
+those values take the exact path (``nonfinite="raise"`` refuses them instead; beyond a deferred
+encode's capacity they are coded in band, exactly, by ``slimact.ops.quant``). Z-scores use the
 finite sums only; with fewer than two channels, or ``std == 0``, there are no outliers.
 
 Extreme finite values (squares overflowing float32, rows beyond ``max_range`` times the median
 row) store the whole tensor exactly, as in ``slimact.codecs.quant`` (``row_stats``).
+
+**Without a sync** (:meth:`OutlierCodec.encode_deferred`): how many channels are outliers is
+data, and a payload sized by it needs the count on the host. A deferred encode therefore stores
+a fixed number of exact channels, the site's *capacity* (the most outliers its checked encodes
+found, kept in the site's state), chosen as the top-``capacity`` Z-scores on the device
+(``torch.topk``; channels below the threshold among them are stored exactly too, at the same
+cost). Its verdict carries the range and scale checks of ``slimact.codecs.quant`` and the
+outlier count: more outliers than the capacity (they were quantized with the rest, within the
+codec's bound) raise the site's capacity from its next save on.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import torch
 from slimact.codecs.base import (
     Codec,
     CodecConfig,
+    Deferred,
     Packed,
     codec_name,
     exact_value,
@@ -47,6 +58,7 @@ from slimact.codecs.quant import (
     quantized_problem,
     row_stats,
     rows_view,
+    verdict,
 )
 from slimact.ops import compiled_ref
 from slimact.ops.quant import dequantize, quantize
@@ -62,26 +74,38 @@ def channel_abs_sums_ref(x2d: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x2d, ord=1, dim=0, dtype=torch.float32)
 
 
-def outlier_mask(x2d: torch.Tensor, threshold: float = 3.0) -> torch.Tensor:
-    """Bool [C]: True for channels whose abs-sum Z-score exceeds ``threshold`` or is not finite."""
+def outlier_scores(x2d: torch.Tensor) -> torch.Tensor:
+    """fp32 [C] abs-sum Z-scores of the channels, on the device (no sync): +inf for a channel
+    with a non-finite sum, -inf for every channel when there are fewer than two finite sums or
+    they do not vary (no outliers then). Mean and std are over the finite sums."""
     s = channel_abs_sums(x2d)
     finite = torch.isfinite(s)
-    if s.numel() < 2:
-        return ~finite
-    sf = s[finite]
-    if sf.numel() < 2:
-        return ~finite
-    mu, sigma = sf.mean(), sf.std(unbiased=False)
+    n = finite.sum()
+    sf = torch.where(finite, s, 0.0)
+    mu = sf.sum() / n.clamp_min(1)
+    sigma = (torch.where(finite, s - mu, 0.0).square().sum() / n.clamp_min(1)).sqrt()
     z = (s - mu) / sigma.clamp_min(torch.finfo(torch.float32).tiny)
-    return ~finite | ((z > threshold) & (sigma > 0))
+    valid = (n >= 2) & (sigma > 0)
+    return torch.where(finite, torch.where(valid, z, -float("inf")), float("inf"))
+
+
+def outlier_mask(x2d: torch.Tensor, threshold: float = 3.0) -> torch.Tensor:
+    """Bool [C]: True for channels whose abs-sum Z-score exceeds ``threshold`` or is not finite."""
+    return outlier_scores(x2d) > threshold
+
+
+def outlier_count(x: torch.Tensor, threshold: float = 3.0, channels: int = 0) -> torch.Tensor:
+    """:func:`count_outlier_channels` as a 0-d int64 tensor on ``x``'s device (no sync)."""
+    if not x.is_floating_point() or x.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=x.device)
+    c = channels or x.shape[-1]
+    return outlier_mask(x.contiguous().view(-1, c), threshold).sum()
 
 
 def count_outlier_channels(x: torch.Tensor, threshold: float = 3.0, channels: int = 0) -> int:
-    """Number of outlier channels of ``x`` ([-1, channels] view; last dim when 0)."""
-    if not x.is_floating_point() or x.numel() == 0:
-        return 0
-    c = channels or x.shape[-1]
-    return int(outlier_mask(x.contiguous().view(-1, c), threshold).sum())
+    """Number of outlier channels of ``x`` ([-1, channels] view; last dim when 0); a host read
+    of :func:`outlier_count`."""
+    return int(outlier_count(x, threshold, channels))
 
 
 @dataclass(frozen=True)
@@ -130,13 +154,17 @@ class OutlierCodec(Codec):
             x2d, bits=c.bits, group_size=c.group_size, symmetric=c.symmetric,
             paper_scale=c.paper_scale, keep_cols=keep, backend=c.backend,
         )  # fmt: skip
-        tensors = quantized_payload(q)
         reason = quantized_problem(x2d, 0, c.max_range, rows, q)
         if reason is not None:
             return self.fallback(x, reason)
+        return self._packed(x, x2d, q, idx)
+
+    def _packed(self, x, x2d, q, idx) -> Packed:
+        c = self.config
+        tensors = quantized_payload(q)
         if idx.numel():
             tensors["outlier_idx"] = idx.to(torch.int32)
-            tensors["outlier_val"] = x2d[:, idx]  # [rows, k], original dtype
+            tensors["outlier_val"] = x2d.index_select(1, idx)  # [rows, k], original dtype
         meta = {
             "numel": q.numel,
             "bits": c.bits,
@@ -145,6 +173,38 @@ class OutlierCodec(Codec):
             "n_outliers": int(idx.numel()),
         }
         return Packed(tensors, tuple(x.shape), x.dtype, x.device, meta)
+
+    def calibrate(self, packed: Packed, state: dict) -> None:
+        if "n_outliers" in packed.meta:
+            state["capacity"] = max(state.get("capacity", 0), packed.meta["n_outliers"])
+
+    def encode_deferred(self, x: torch.Tensor, state: dict) -> Deferred:
+        c = self.config
+        if c.nonfinite == "raise" or x.numel() == 0:
+            return Deferred(self.encode(x))
+        check_input(self, x)
+        x2d = rows_view(self, x, c.channels)
+        rows = row_stats(x2d, 0, c.max_range)
+        scores = outlier_scores(x2d)
+        count = (scores > c.threshold).sum()
+        k = min(state.get("capacity", 0), x2d.shape[1])
+        keep = None
+        idx = scores.new_zeros(0, dtype=torch.int64)
+        if k:
+            idx = torch.topk(scores, k, sorted=False).indices.sort().values
+            keep = torch.ones(x2d.shape[1], dtype=torch.bool, device=x.device).index_fill(0, idx, 0)
+        q = quantize(
+            x2d, bits=c.bits, group_size=c.group_size, symmetric=c.symmetric,
+            paper_scale=c.paper_scale, keep_cols=keep, backend=c.backend,
+        )  # fmt: skip
+        stats, problem = verdict(rows, q, c.max_range)
+
+        def explain(values: list[float]) -> str | None:
+            if values[0] > state.get("capacity", 0):
+                state["capacity"] = int(values[0])  # outliers beyond it were quantized
+            return problem(values[1:])
+
+        return Deferred(self._packed(x, x2d, q, idx), [count.view(1), *stats], explain)
 
     def decode(self, packed: Packed) -> torch.Tensor:
         if (y := exact_value(packed)) is not None:

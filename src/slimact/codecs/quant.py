@@ -11,19 +11,20 @@ Cost per element of an fp32 tensor (4 bytes): INT4 with groups of 128 stores 0.5
 write, decode one small read and one write, against a recomputation that re-runs the op.
 
 Non-finite values (NaN, ±inf) never become finite garbage. With ``nonfinite="exact"`` (the
-default) they are excluded from the scales, and their flat positions and original values are
-stored beside the codes (a sparse exact path) and written back on decode. With
-``nonfinite="raise"`` the encode fails, and ``CodecPolicy`` adds the site name to the error.
-Detecting them costs nothing extra on the ref path and one small device-to-host read (a sync) on
-CUDA. Non-float tensors are rejected with a ``TypeError``; the ``int4`` strategy never sends them.
+default) they are coded in band (``slimact.ops.quant``: a marked group's reserved codes decode to
+exactly NaN / -inf / +inf, the other values of the group stay within their bound), so the payload
+has the same fixed size whatever the data and nothing is read on the host. With
+``nonfinite="raise"`` the encode fails (a host read, so a sync on a GPU), and ``CodecPolicy`` adds
+the site name to the error. Non-float tensors are rejected with a ``TypeError``; the ``int4``
+strategy never sends them.
 
 Extreme finite values are stored exactly (``codecs.base.exact_packed``, reported per site by the
 saving policy), never quantized into a wrong finite gradient. :func:`row_stats` checks, in one
-extra read of the tensor (row norms of the ``[rows, C]`` view), read with the scale check below in
-one sync:
+extra read of the tensor (row norms of the ``[rows, C]`` view, non-finite values counted as 0),
+read with the scale check below in one sync:
 
-* magnitude: values whose squares overflow float32 (|x| ≳ 1e18 per row) — the kernels' fp32
-  arithmetic (asymmetric ``max − min``, the dequantized products) is no longer trustworthy;
+* magnitude: values whose squares overflow float32 (|x| ≳ 1e18 per row) — the model is in a
+  regime where the kernels' fp32 arithmetic is close to its limits;
 * dynamic range: a row (token) whose norm is more than ``max_range`` (256) times the median
   nonzero row's (the median of at most 256 evenly spaced rows). Each group keeps ~3 bits (INT4) relative to its own max, which is within the
   codec's contract, but such a tensor means the model is in a regime where gradients amplify
@@ -34,10 +35,22 @@ one sync:
 
 After quantizing, a scale or offset that is not finite, or a nonzero scale below the kernels'
 floor (1e-30: such a group would decode to zeros, outside ``|x − x^| <= S/2``), also falls back.
+
+**Without a sync** (:meth:`QuantCodec.encode_deferred`, what the saving policy calls for a site
+whose earlier saves were clean): the same statistics are the verdict (:func:`verdict`: the row
+norms and scale bounds, no extra kernel), which the policy copies to the host and reads after
+the step without waiting for the device (``slimact.ops.deferred``). The payload is the coded
+tensor whatever the verdict: within the codec's bound, NaN/inf exact in band, magnitudes up to
+float32's max safe (``ops.quant``); only a group whose values are all below 7e-30 loses its
+precision (absolute error below 1.4e-29). A verdict that finds a problem is reported for the
+site, which is checked on the host (and stored exactly while the problem lasts) from its next
+save on.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +58,7 @@ import torch
 from slimact.codecs.base import (
     Codec,
     CodecConfig,
+    Deferred,
     Packed,
     codec_name,
     exact_value,
@@ -77,8 +91,10 @@ def row_stats(x: torch.Tensor, channels: int, max_range: float | None) -> torch.
     when there is nothing to check.
 
     One pass computing the row norms of the ``[rows, C]`` view (``C = channels``, or the last
-    dimension); :func:`stats_ok` reads them on the host. Sorting on the device for the median is
-    what made a first version slow (a full ``nanmedian`` of 8192 rows: 0.3 ms on an H100).
+    dimension; NaN/inf count as 0: the codecs keep them exactly on their own path);
+    :func:`stats_ok` reads them on the host, :func:`stats_bad` decides on the device. Sorting on
+    the device for the median is what made a first version slow (a full ``nanmedian`` of 8192
+    rows: 0.3 ms on an H100); the sample is at most 257 values.
     """
     if max_range is None or x.numel() == 0 or not x.is_floating_point():
         return None
@@ -88,14 +104,13 @@ def row_stats(x: torch.Tensor, channels: int, max_range: float | None) -> torch.
 
 def row_stats_ref(rows: torch.Tensor) -> torch.Tensor:
     """:func:`row_stats` of an ``[R, C]`` view: ``[max row norm, every (R // 256)-th norm]``."""
-    rn = _row_norms(rows)
+    rn = _row_norms(torch.where(torch.isfinite(rows), rows, 0.0))
     return torch.cat([rn.max().view(1), rn[:: max(1, rn.numel() // _MEDIAN_SAMPLE)]])
 
 
 def stats_ok(stats: torch.Tensor, max_range: float) -> bool:
     """Host side of :func:`row_stats`: False for overflowing norms and for a max beyond
-    ``max_range`` times the sampled rows' median nonzero norm (also for non-finite values, which
-    :func:`range_problem` then clears). An all-zero tensor is fine."""
+    ``max_range`` times the sampled rows' median nonzero norm. An all-zero tensor is fine."""
     top, sample = stats[0], stats[1:]
     sample = sample[sample > 0]
     if not bool(torch.isfinite(top)):
@@ -103,6 +118,18 @@ def stats_ok(stats: torch.Tensor, max_range: float) -> bool:
     if sample.numel() == 0:
         return True
     return bool(top <= max_range * sample.median())
+
+
+def stats_bad(stats: torch.Tensor, max_range: float) -> torch.Tensor:
+    """Device side of :func:`stats_ok` (its negation, a 0-d bool), without a sync: the median of
+    the positive sampled norms is read from a sort with the others moved to the end (the lower
+    middle, as ``torch.median``)."""
+    top, sample = stats[0], stats[1:]
+    pos = sample > 0
+    n = pos.sum()
+    ordered = torch.where(pos, sample, float("inf")).sort().values
+    median = ordered.gather(0, ((n - 1).clamp_min(0) // 2).view(1))[0]
+    return ~torch.isfinite(top) | ((n > 0) & (top > max_range * median))
 
 
 def range_problem(x: torch.Tensor, channels: int, max_range: float | None) -> str | None:
@@ -123,13 +150,12 @@ def _rows(x: torch.Tensor, channels: int) -> torch.Tensor:
 
 def _range_reason(rows: torch.Tensor, max_range: float) -> str | None:
     finite = torch.isfinite(rows)
-    rn = _row_norms(torch.where(finite, rows, 0.0))
-    stats = torch.cat([rn.max().view(1), rn[:: max(1, rn.numel() // _MEDIAN_SAMPLE)]]).cpu()
+    stats = row_stats_ref(rows).cpu()
     if not bool(torch.isfinite(stats[0])):
         amax = float(torch.where(finite, rows, 0.0).abs().amax())
         return f"|x| up to {amax:.3g}: its squares overflow float32"
     if stats_ok(stats, max_range):
-        return None  # only non-finite values made the quick check fail
+        return None
     top, sample = stats[0], stats[1:]
     med = sample[sample > 0].median()
     return (
@@ -139,13 +165,15 @@ def _range_reason(rows: torch.Tensor, max_range: float) -> str | None:
 
 
 def scale_stats(q: Quantized) -> torch.Tensor | None:
-    """Device fp32 ``[min, max]`` of the nonzero scales (and max |offset|), no sync; None if empty.
+    """Device fp32 ``[min, max]`` of the nonzero scales' magnitudes (a marked group's scale is
+    negative, ``ops.quant``) and max |offset|, no sync; None if empty.
 
     :func:`scales_ok` reads them: outside [1e-30, float32 max], or with a NaN (which propagates),
     a group cannot decode within ``|x - x^| <= S/2``."""
     if q.scale.numel() == 0:
         return None
-    lo, hi = torch.aminmax(torch.where(q.scale == 0, 1.0, q.scale))
+    mag = q.scale.abs()
+    lo, hi = torch.aminmax(torch.where(mag == 0, 1.0, mag))
     parts = [lo.view(1), hi.view(1)]
     if q.offset is not None:
         parts.append(q.offset.abs().amax().view(1))
@@ -161,7 +189,8 @@ def scale_problem(q: Quantized) -> str | None:
     stats = scale_stats(q)
     if stats is None or scales_ok(stats.cpu()):
         return None
-    bad = ~torch.isfinite(q.scale) | ((q.scale > 0) & (q.scale < SCALE_FLOOR))
+    mag = q.scale.abs()
+    bad = ~torch.isfinite(mag) | ((mag > 0) & (mag < SCALE_FLOOR))
     if q.offset is not None:
         bad = bad | ~torch.isfinite(q.offset)
     return (
@@ -196,6 +225,43 @@ def quantized_problem(
     return None
 
 
+def verdict(
+    rows: torch.Tensor | None, q: Quantized, max_range: float | None
+) -> tuple[list[torch.Tensor], Callable[[list[float]], str | None]]:
+    """What :func:`quantized_problem` decides on the host, deferred: the device statistics it
+    reads (row norms, scales: no extra kernel) and the host function that decides on their
+    values once ``slimact.ops.deferred`` has copied them (plain Python, no tensor op)."""
+    scales = scale_stats(q)
+    parts = [t for t in (rows, scales) if t is not None]
+    n, has_scales = 0 if rows is None else rows.numel(), scales is not None
+
+    def explain(values: list[float]) -> str | None:
+        if n and not stats_ok_values(values[:n], max_range):
+            return (
+                f"a row's norm beyond max_range={max_range:g} times the median row's, or "
+                f"squares overflowing float32"
+            )
+        if has_scales and not scales_ok_values(values[n:]):
+            return f"group scale(s) outside float32's usable range (nonzero below {SCALE_FLOOR:g})"
+        return None
+
+    return parts, explain
+
+
+def stats_ok_values(values: list[float], max_range: float) -> bool:
+    """:func:`stats_ok` on host values."""
+    top = values[0]
+    sample = sorted(v for v in values[1:] if v > 0)
+    if not math.isfinite(top):
+        return False
+    return not sample or top <= max_range * sample[(len(sample) - 1) // 2]
+
+
+def scales_ok_values(values: list[float]) -> bool:
+    """:func:`scales_ok` on host values (NaN compares false: not ok)."""
+    return values[0] >= SCALE_FLOOR and all(v <= _F32_MAX for v in values[1:])
+
+
 def check_common(cfg: CodecConfig, bits: int, nonfinite: str, backend: str) -> None:
     name = type(cfg).__name__
     if bits not in (4, 8):
@@ -223,26 +289,17 @@ def check_input(codec: Codec, x: torch.Tensor) -> None:
         )
 
 
-def nonfinite_payload(
-    codec: Codec, x: torch.Tensor, counts: torch.Tensor, mode: str
-) -> dict[str, torch.Tensor]:
-    """Exact positions and values of NaN/inf in ``x`` (empty dict when there are none)."""
-    if counts.numel() == 0 or not bool(counts.any()):
-        return {}
-    flat = x.reshape(-1)
-    idx = (~torch.isfinite(flat)).nonzero().view(-1)
-    if mode == "raise":
+def refuse_nonfinite(codec: Codec, x: torch.Tensor, counts: torch.Tensor, mode: str) -> None:
+    """``nonfinite="raise"``: fail on NaN/inf (a host read of the counts: a sync on a GPU, in
+    this opt-in mode only). ``"exact"`` keeps them in band and reads nothing."""
+    if mode != "raise" or counts.numel() == 0:
+        return
+    n = int(counts.sum())
+    if n:
         raise ValueError(
-            f"codec {codec_name(codec.config)!r}: {idx.numel()} non-finite value(s) (NaN/inf) in "
+            f"codec {codec_name(codec.config)!r}: {n} non-finite value(s) (NaN/inf) in "
             f"a tensor of shape {tuple(x.shape)}; nonfinite='raise' (use 'exact' to keep them)"
         )
-    return {"nf_idx": idx, "nf_val": flat[idx].clone()}
-
-
-def restore_nonfinite(y_flat: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    if "nf_idx" in tensors:
-        y_flat[tensors["nf_idx"]] = tensors["nf_val"].to(y_flat.dtype)
-    return y_flat
 
 
 def quantized_from(packed: Packed) -> Quantized:
@@ -281,7 +338,7 @@ class QuantConfig(CodecConfig):
 class QuantCodec(Codec):
     config: QuantConfig
 
-    def encode(self, x: torch.Tensor) -> Packed:
+    def _quantize(self, x: torch.Tensor):
         check_input(self, x)
         c = self.config
         rows = row_stats(x, 0, c.max_range)
@@ -289,19 +346,26 @@ class QuantCodec(Codec):
             x, bits=c.bits, group_size=c.group_size, symmetric=c.symmetric,
             paper_scale=c.paper_scale, backend=c.backend,
         )  # fmt: skip
-        tensors = quantized_payload(q)
-        tensors.update(nonfinite_payload(self, x, q.nonfinite, c.nonfinite))
-        reason = quantized_problem(x, 0, c.max_range, rows, q)
-        if reason is not None:
-            return self.fallback(x, reason)
+        refuse_nonfinite(self, x, q.nonfinite, c.nonfinite)
         meta = {"numel": q.numel, "bits": c.bits, "group_size": c.group_size}
-        return Packed(tensors, tuple(x.shape), x.dtype, x.device, meta)
+        return rows, q, Packed(quantized_payload(q), tuple(x.shape), x.dtype, x.device, meta)
+
+    def encode(self, x: torch.Tensor) -> Packed:
+        rows, q, packed = self._quantize(x)
+        reason = quantized_problem(x, 0, self.config.max_range, rows, q)
+        return self.fallback(x, reason) if reason is not None else packed
+
+    def encode_deferred(self, x: torch.Tensor, state: dict) -> Deferred:
+        if self.config.nonfinite == "raise":
+            return Deferred(self.encode(x))
+        rows, q, packed = self._quantize(x)
+        return Deferred(packed, *verdict(rows, q, self.config.max_range))
 
     def decode(self, packed: Packed) -> torch.Tensor:
         if (y := exact_value(packed)) is not None:
             return y
         y = dequantize(quantized_from(packed), dtype=packed.dtype, backend=self.config.backend)
-        return restore_nonfinite(y, packed.tensors).view(packed.shape)
+        return y.view(packed.shape)
 
 
 @dataclass(frozen=True)
@@ -346,29 +410,43 @@ def rows_view(codec: Codec, x: torch.Tensor, channels: int) -> torch.Tensor:
 class ChannelQuantCodec(Codec):
     config: ChannelQuantConfig
 
-    def encode(self, x: torch.Tensor) -> Packed:
+    def _quantize(self, x: torch.Tensor):
+        """(x2d, row stats, Quantized, payload); x2d None for an empty tensor (nothing to
+        check)."""
         check_input(self, x)
         c = self.config
         if x.numel() == 0:
             q = quantize(x, bits=c.bits, group_size=2, backend="ref")
             meta = {"numel": 0, "bits": c.bits, "group_size": 2}
-            return Packed(quantized_payload(q), tuple(x.shape), x.dtype, x.device, meta)
+            return None, None, q, Packed(quantized_payload(q), tuple(x.shape), x.dtype, x.device,
+                                         meta)  # fmt: skip
         x2d = channel_view(self, x, c.channels)
         rows = row_stats(x2d, 0, c.max_range)
         q = quantize_channelwise(x2d, bits=c.bits, paper_scale=c.paper_scale, backend=c.backend)
-        tensors = quantized_payload(q)
-        tensors.update(nonfinite_payload(self, x, q.nonfinite, c.nonfinite))
-        reason = quantized_problem(x2d, 0, c.max_range, rows, q)
-        if reason is not None:
-            return self.fallback(x, reason)
+        refuse_nonfinite(self, x, q.nonfinite, c.nonfinite)
         meta = {"numel": q.numel, "bits": c.bits, "group_size": 0, "channels": q.channels}
-        return Packed(tensors, tuple(x.shape), x.dtype, x.device, meta)
+        return x2d, rows, q, Packed(quantized_payload(q), tuple(x.shape), x.dtype, x.device, meta)
+
+    def encode(self, x: torch.Tensor) -> Packed:
+        x2d, rows, q, packed = self._quantize(x)
+        if x2d is None:
+            return packed
+        reason = quantized_problem(x2d, 0, self.config.max_range, rows, q)
+        return self.fallback(x, reason) if reason is not None else packed
+
+    def encode_deferred(self, x: torch.Tensor, state: dict) -> Deferred:
+        if self.config.nonfinite == "raise":
+            return Deferred(self.encode(x))
+        x2d, rows, q, packed = self._quantize(x)
+        if x2d is None:
+            return Deferred(packed)
+        return Deferred(packed, *verdict(rows, q, self.config.max_range))
 
     def decode(self, packed: Packed) -> torch.Tensor:
         if (y := exact_value(packed)) is not None:
             return y
         y = dequantize(quantized_from(packed), dtype=packed.dtype, backend=self.config.backend)
-        return restore_nonfinite(y, packed.tensors).view(packed.shape)
+        return y.view(packed.shape)
 
 
 register_codec("int4", QuantConfig(), QuantCodec)

@@ -16,10 +16,20 @@ know every op's saving rule.
 
 ``install_policy(model, policy)`` enters the router and the policy around the root module's
 forward, so saves inside checkpointed regions stay under the checkpoint's own hooks.
+
+No device-to-host sync per step: a site's first save is encoded with the codec's checks read on
+the host (``Codec.encode``: it may store the tensor exactly, and the policy reports that at
+once); once a site's save was clean, its later saves use ``Codec.encode_deferred``, whose
+verdicts the policy collects in a ``slimact.ops.deferred.DeferredChecks``, copies to the host in
+one non-blocking copy when the forward ends (``end``) and reads at the start of a later forward
+(``reset``), once the device has produced them. A verdict reporting a problem is counted in
+``late[site][reason]`` with one ``RuntimeWarning`` per site, and the site is checked on the host
+again from its next save on.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Callable
@@ -30,6 +40,7 @@ import torch.nn as nn
 
 from slimact import actions, sites
 from slimact.codecs.base import Codec, Packed, codec_label
+from slimact.ops.deferred import DeferredChecks
 from slimact.patching import override_forward
 from slimact.registry import AppliedChange
 
@@ -169,13 +180,22 @@ class CodecPolicy:
     already counted that site's encoded bytes.
     """
 
-    def __init__(self, assign: Assign) -> None:
+    def __init__(self, assign: Assign, carry: CodecPolicy | None = None) -> None:
+        """``carry``: a policy this one replaces (a new plan): its sites' states (the ones whose
+        codec instance is unchanged stay deferred), its pending verdicts and its reports."""
         self.assign = assign
         self._cache: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
         self._raw: dict[tuple, weakref.ref] = {}  # storages an earlier site kept as they are
         self.fallbacks: dict[str, dict[str, int]] = {}  # site -> reason -> count (all forwards)
         self._prev: tuple | None = None  # the last encoded save: (prefix, site, stored, t, order)
         self._exact_next: tuple[str, str] | None = None  # (prefix, site) of a fallback just made
+        self.deferred = True  # False: every save is checked on the host (a sync per encode)
+        self.checks = DeferredChecks()
+        self.late: dict[str, dict[str, int]] = {}  # site -> reason -> count, found after a step
+        self._sites: dict[str, tuple[weakref.ref, dict]] = {}  # site -> (its codec, its state)
+        if carry is not None:
+            self.checks, self._sites = carry.checks, carry._sites
+            self.fallbacks, self.late = carry.fallbacks, carry.late
 
     def _report_fallback(self, site: str, reason: str) -> None:
         counts = self.__dict__.setdefault("fallbacks", {}).setdefault(site, {})
@@ -187,14 +207,65 @@ class CodecPolicy:
             )
         counts[reason] = counts.get(reason, 0) + 1
 
+    def _late(self, site: str, state: dict, explain, values: list[float]) -> None:
+        """A deferred verdict of ``site`` read on the host (see the module docstring)."""
+        reason = explain(values) if explain is not None else None
+        if reason is None:
+            return
+        state["clean"] = False  # the next save of the site is checked on the host
+        counts = self.late.setdefault(site, {})
+        if not counts:
+            warnings.warn(
+                f"site {site}: {reason}; found on the device after its step, which stored it "
+                f"through its codec (within the codec's error bound); checked on the host from "
+                f"its next save on",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        counts[reason] = counts.get(reason, 0) + 1
+
+    def _encode(self, site: str, codec: Codec, x: torch.Tensor) -> Packed:
+        """Checked on the host for a site's first save (and after a problem), else deferred."""
+        sites_ = self.__dict__.setdefault("_sites", {})
+        entry = sites_.get(site)
+        if entry is None or entry[0]() is not codec:
+            entry = sites_[site] = (weakref.ref(codec), {})
+        state = entry[1]
+        if self.__dict__.get("deferred", True) and state.get("clean"):
+            d = codec.encode_deferred(x, state)
+            if d.verdict is not None:
+                checks = self.__dict__.setdefault("checks", DeferredChecks())
+                checks.add(d.verdict, functools.partial(self._late, site, state, d.explain))
+            return d.packed
+        packed = codec.encode(x)
+        state["clean"] = "fallback" not in packed.meta
+        if state["clean"]:
+            codec.calibrate(packed, state)
+        return packed
+
     def reset(self) -> None:
+        """Start of a forward: forget the last forward's payloads, read the verdicts the device
+        has produced since (never waiting for it)."""
         self._cache.clear()
         self._raw.clear()
         self._prev = self._exact_next = None
+        self.__dict__.setdefault("checks", DeferredChecks()).poll()
+
+    def end(self) -> None:
+        """End of a forward: start copying its verdicts to the host (one non-blocking copy)."""
+        self.__dict__.setdefault("checks", DeferredChecks()).launch()
+
+    def wait(self) -> None:
+        """Read every pending verdict now (a sync: for reports, not for training steps)."""
+        self.__dict__.setdefault("checks", DeferredChecks()).wait()
 
     def __getstate__(self) -> dict:
-        """Copies and pickles start with empty per-forward caches (weak references do not copy)."""
-        return {**self.__dict__, "_cache": {}, "_raw": {}, "_prev": None, "_exact_next": None}
+        """Copies and pickles start with empty per-forward caches (weak references do not copy)
+        and no site states (a copy's codecs are other objects)."""
+        return {
+            **self.__dict__, "_cache": {}, "_raw": {}, "_prev": None, "_exact_next": None,
+            "_sites": {},
+        }  # fmt: skip
 
     def _exact_sibling(self, prev: tuple | None, prefix: str, site: str) -> None:
         """``prev``, the save just before ``site``, if the same op made it: store it exactly."""
@@ -273,7 +344,7 @@ class CodecPolicy:
                 )
             else:
                 with exact(x.device):
-                    packed = codec.encode(x)
+                    packed = self._encode(site, codec, x)
             stored = CodecStored(codec, packed, perm)
         except (ValueError, TypeError) as e:
             raise type(e)(f"site {site}: {e}") from e
@@ -301,7 +372,11 @@ def _policy_forward(inner: Callable, model: nn.Module, policy: Callable, *args, 
     with sites.tracking(model), sites.policy(policy):
         if hasattr(policy, "reset"):
             policy.reset()
-        return inner(*args, **kwargs)
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            if hasattr(policy, "end"):
+                policy.end()
 
 
 def install_policy(model: nn.Module, policy: Callable) -> AppliedChange:

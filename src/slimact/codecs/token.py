@@ -13,8 +13,8 @@ leave it out), and it runs the plain-PyTorch path (``slimact.ops.quant.quantize_
 group of ``C`` values, any ``C``) on every device. Bytes: ``ceil(n/2)`` for the codes plus 4 per
 token.
 
-The project's rules hold as in ``slimact.codecs.quant``: NaN/inf are kept exactly beside the
-codes, and a tensor whose range the fp32 arithmetic cannot represent faithfully (squares that
+The project's rules hold as in ``slimact.codecs.quant``: NaN/inf are kept exactly, in band
+(``slimact.ops.quant``), a deferred encode reads nothing on the host, and a tensor whose range the fp32 arithmetic cannot represent faithfully (squares that
 overflow float32, a row more than ``max_range`` times the median row) is stored exactly
 (``Codec.fallback``, reported per site by the saving policy).
 """
@@ -25,19 +25,26 @@ from dataclasses import dataclass
 
 import torch
 
-from slimact.codecs.base import Codec, CodecConfig, Packed, exact_value, register_codec
+from slimact.codecs.base import (
+    Codec,
+    CodecConfig,
+    Deferred,
+    Packed,
+    exact_value,
+    register_codec,
+)
 from slimact.codecs.quant import (
     DEFAULT_MAX_RANGE,
     check_common,
     check_input,
     check_max_range,
-    nonfinite_payload,
     quantized_from,
     quantized_payload,
     quantized_problem,
-    restore_nonfinite,
+    refuse_nonfinite,
     row_stats,
     rows_view,
+    verdict,
 )
 from slimact.ops.quant import dequantize_ref, quantize_ref
 
@@ -68,26 +75,32 @@ class TokenQuantConfig(CodecConfig):
 class TokenQuantCodec(Codec):
     config: TokenQuantConfig
 
-    def encode(self, x: torch.Tensor) -> Packed:
+    def _quantize(self, x: torch.Tensor):
         check_input(self, x)
         c = self.config
         x2d = rows_view(self, x, c.channels)
         width = max(1, x2d.shape[1])
         rows = row_stats(x2d, 0, c.max_range)
         q = quantize_ref(x2d, c.bits, width, True, c.paper_scale)
-        tensors = quantized_payload(q)
-        tensors.update(nonfinite_payload(self, x, q.nonfinite, c.nonfinite))
-        reason = quantized_problem(x2d, 0, c.max_range, rows, q)
-        if reason is not None:
-            return self.fallback(x, reason)
+        refuse_nonfinite(self, x, q.nonfinite, c.nonfinite)
         meta = {"numel": q.numel, "bits": c.bits, "group_size": width}
-        return Packed(tensors, tuple(x.shape), x.dtype, x.device, meta)
+        return x2d, rows, q, Packed(quantized_payload(q), tuple(x.shape), x.dtype, x.device, meta)
+
+    def encode(self, x: torch.Tensor) -> Packed:
+        x2d, rows, q, packed = self._quantize(x)
+        reason = quantized_problem(x2d, 0, self.config.max_range, rows, q)
+        return self.fallback(x, reason) if reason is not None else packed
+
+    def encode_deferred(self, x: torch.Tensor, state: dict) -> Deferred:
+        if self.config.nonfinite == "raise":
+            return Deferred(self.encode(x))
+        _, rows, q, packed = self._quantize(x)
+        return Deferred(packed, *verdict(rows, q, self.config.max_range))
 
     def decode(self, packed: Packed) -> torch.Tensor:
         if (y := exact_value(packed)) is not None:
             return y
-        y = dequantize_ref(quantized_from(packed), dtype=packed.dtype)
-        return restore_nonfinite(y, packed.tensors).view(packed.shape)
+        return dequantize_ref(quantized_from(packed), dtype=packed.dtype).view(packed.shape)
 
 
 # baselines (see the module docstring): labels name them (``codec:int4-token``), the planner not

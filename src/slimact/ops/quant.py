@@ -18,8 +18,16 @@ of ``n`` values takes exactly ``ceil(n/2)`` bytes plus 4 bytes per group for ``S
 *Channel-wise* mode (Q/K/V in adacc.txt) uses one symmetric scale per column of an ``[R, C]`` view
 (the max over all rows), so it needs no transpose: the scale is broadcast along rows.
 
-Non-finite values never reach a scale: they are replaced by 0 inside the kernel and counted per
-group (``nonfinite``), so the codec can keep them exactly (see ``slimact.codecs.quant``).
+Non-finite values are stored exactly, in band, at no extra cost: they never reach a scale (they
+count as 0 there) and are counted per group (``nonfinite``). A group (or channel) holding any is
+*marked*: its stored scale has its sign bit set (scales are otherwise >= +0), its finite values
+use a divisor one step (symmetric) or two steps (asymmetric) smaller, ``2^(b-1)-2`` / ``2^b-4``
+(6 / 12 for INT4, so within ``|x - x^| <= |S|/2`` still), which frees three codes: biased code 0
+is NaN, 1 is -inf and ``2^b-1`` is +inf. Unmarked groups are coded exactly as before, so the
+payload has a fixed size whatever the data, and nothing is read on the host to build it.
+Magnitudes up to float32's max are safe too: an asymmetric group whose ``max - min`` (or
+``max + min``) overflows takes its scale (offset) from the halves, and decoded values are clamped
+to the output dtype's finite range, so a finite input never decodes to ±inf.
 ``keep_cols`` zeroes whole columns before quantization (the outlier channels of
 ``slimact.codecs.outlier``), fused into the same pass.
 
@@ -91,6 +99,40 @@ def divisor(bits: int, symmetric: bool, paper_scale: bool = False) -> float:
 def _limits(bits: int) -> tuple[int, int, int]:
     half = 1 << (bits - 1)
     return -half, half - 1, half  # lo, hi, bias
+
+
+def marked_divisor(bits: int, symmetric: bool) -> float:
+    """The divisor of a group or channel that holds non-finite values (module docstring): its
+    finite codes stay within biased ``[2, 2^b - 2]``, leaving 0, 1 and ``2^b - 1`` free."""
+    return float((1 << (bits - 1)) - 2 if symmetric else (1 << bits) - 4)
+
+
+def reserved_codes(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """The biased code of each non-finite value of ``x``: NaN 0, -inf 1, +inf ``2^b - 1``."""
+    return torch.where(x > 0, (1 << bits) - 1, torch.where(x < 0, 1, 0))
+
+
+def _codes(v, marked, bad, x, bits):
+    """Rounded, clamped, biased uint8 codes of the scaled values ``v``; in marked groups the
+    finite codes keep clear of the reserved ones, and ``bad`` values take theirs."""
+    lo, hi, bias = _limits(bits)
+    lo_t = torch.where(marked, float(lo + 2), float(lo))
+    hi_t = torch.where(marked, float(hi - 1), float(hi))
+    r = torch.minimum(torch.maximum(torch.floor(v + 0.5), lo_t), hi_t) + bias
+    return torch.where(bad, reserved_codes(x, bits).to(r.dtype), r).to(torch.uint8)
+
+
+def _decoded(code, u, scale, bits, dtype):
+    """Values of biased codes ``u`` (``code`` = u - bias, already multiplied out and offset by
+    the caller) in ``dtype``: clamped to its finite range, the reserved codes of marked groups
+    (sign bit of ``scale`` set) restored to NaN / -inf / +inf."""
+    big = torch.finfo(dtype).max
+    y = code.clamp(-big, big)
+    marked = torch.signbit(scale)
+    nan = torch.full((), float("nan"), dtype=y.dtype, device=y.device)
+    special = torch.where(u == 0, nan, torch.where(u == 1, -float("inf"), float("inf")))
+    is_special = marked & ((u == 0) | (u == 1) | (u == (1 << bits) - 1))
+    return torch.where(is_special, special, y)
 
 
 def _pack(u: torch.Tensor, n: int, bits: int) -> torch.Tensor:
@@ -181,27 +223,30 @@ def quantize_codes_ref(
     6 ms, against about 60 ms for the eager ref, one thread; the counts use :func:`count_true`)."""
     n, gs = x.numel(), group_size
     groups = -(-n // gs)
-    lo, hi, bias = _limits(bits)
-    xf = x.reshape(-1).float()
-    finite = torch.isfinite(xf)
-    xf = torch.where(finite, xf, 0.0)
+    xo = x.reshape(-1).float()
+    finite = torch.isfinite(xo)
+    xf = torch.where(finite, xo, 0.0)
     pad = groups * gs - n
     if keep_cols is not None and keep_cols.numel() % gs == 0:
         # rows of whole groups, [rows, C / gs, gs]: the column mask broadcasts over rows, and
         # every op below keeps that shape (compiled, its inner loop is one vectorized group)
         shape = (-1, keep_cols.numel() // gs, gs)
         xp = xf.view(shape).masked_fill(~keep_cols.view(shape[1:]), 0.0)
-        bad = ~finite.view(shape)
+        bad, xo = ~finite.view(shape), xo.view(shape)
     else:
         if keep_cols is not None:
             xf = xf.view(-1, keep_cols.numel()).masked_fill(~keep_cols, 0.0).view(-1)
         # no pad, no copy: compiled, a pad of symbolic size turns every load into index math
         xp = (F.pad(xf, (0, pad)) if pad else xf).view(groups, gs)
         bad = (F.pad(~finite, (0, pad)) if pad else ~finite).view(groups, gs)
-    nonfinite = count_true(bad, -1).reshape(-1)
-    div = divisor(bits, symmetric, paper_scale)
+        xo = (F.pad(xo, (0, pad)) if pad else xo).view(groups, gs)
+    nonfinite = count_true(bad, -1)
+    marked = nonfinite > 0
+    div = torch.where(
+        marked, marked_divisor(bits, symmetric), divisor(bits, symmetric, paper_scale)
+    )
     if symmetric:
-        scale, offset = _div(xp.abs().amax(-1), div), None
+        scale, offset = xp.abs().amax(-1) / div, None
         v = xp * _inverse(scale)[..., None]
     else:
         if pad:
@@ -212,12 +257,14 @@ def quantize_codes_ref(
             mn = xp.masked_fill(~valid, float("inf")).amin(-1)
         else:
             mx, mn = xp.amax(-1), xp.amin(-1)
-        offset = (mx + mn) * 0.5
-        scale = _div(mx - mn, div)
+        total, span = mx + mn, mx - mn  # either overflows only for |x| near float32's max
+        offset = torch.where(torch.isinf(total), mx * 0.5 + mn * 0.5, total * 0.5)
+        scale = torch.where(torch.isinf(span), mx / div - mn / div, span / div)
         v = (xp - offset[..., None]) * _inverse(scale)[..., None]
         offset = offset.reshape(-1)
-    u = (torch.floor(v + 0.5).clamp_(lo, hi) + bias).to(torch.uint8).reshape(-1)
-    return u, scale.reshape(-1), offset, nonfinite
+    u = _codes(v, marked[..., None], bad, xo, bits).reshape(-1)
+    scale = torch.where(marked, -scale, scale)  # the mark: the sign bit (also of a zero scale)
+    return u, scale.reshape(-1), offset, nonfinite.reshape(-1)
 
 
 def count_true(mask: torch.Tensor, dim: int) -> torch.Tensor:
@@ -230,13 +277,10 @@ def count_true(mask: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.where(mask, ones, 0.0).sum(dim).to(torch.int32)
 
 
-def _div(a: torch.Tensor, d: float) -> torch.Tensor:
-    """``a / d`` correctly rounded, as the kernels' ``div_rn``: CUDA divides a tensor by a Python
-    scalar as a multiplication by its reciprocal, which can be one ulp off."""
-    return a / torch.full_like(a, d)
-
-
 def _inverse(scale: torch.Tensor) -> torch.Tensor:
+    """1/scale of unsigned scales (0 for 0), the way the kernels compute it. Divisions here are
+    by tensors, never by Python scalars: CUDA divides a tensor by a scalar as a multiplication by
+    its reciprocal, which can be one ulp off the kernels' ``div_rn``."""
     return torch.where(scale > 0, 1.0 / scale.clamp_min(_TINY), 0.0)
 
 
@@ -268,24 +312,33 @@ def dequantize_codes_ref(
     n = u.numel()
     code = u.float() - _limits(bits)[2]
     if channels:
-        return (code.view(-1, channels) * scale).view(-1).to(dtype)
+        u2 = u.view(-1, channels)
+        y = code.view(-1, channels) * scale.abs()
+        return _decoded(y, u2, scale, bits, dtype).view(-1).to(dtype)
     groups, gs = scale.numel(), group_size
-    cp = F.pad(code, (0, groups * gs - n)).view(groups, gs)
-    y = cp * scale[:, None]
+    pad = groups * gs - n
+    cp = F.pad(code, (0, pad)).view(groups, gs)
+    up = F.pad(u, (0, pad)).view(groups, gs)
+    y = cp * scale.abs()[:, None]
     if offset is not None:
         y = y + offset[:, None]
-    return y.view(-1)[:n].to(dtype)
+    return _decoded(y, up, scale[:, None], bits, dtype).view(-1)[:n].to(dtype)
 
 
 def channel_scale(x2d: torch.Tensor, bits: int = 4, paper_scale: bool = False):
-    """Per-column symmetric scales of an [R, C] view and the per-column non-finite counts
+    """Per-column symmetric scales of an [R, C] view (signed: a column holding non-finite
+    values is marked, see the module docstring) and the per-column non-finite counts
     (branch-free, so inductor compiles it whole: the finite mask is fused into the reduction)."""
     finite = torch.isfinite(x2d)
     if x2d.numel():
         amax = torch.where(finite, x2d, 0).abs().amax(0).float()
     else:
         amax = x2d.new_zeros(x2d.shape[1]).float()
-    return _div(amax, divisor(bits, True, paper_scale)), count_true(~finite, 0)
+    counts = count_true(~finite, 0)
+    marked = counts > 0
+    div = torch.where(marked, marked_divisor(bits, True), divisor(bits, True, paper_scale))
+    scale = amax / div
+    return torch.where(marked, -scale, scale), counts
 
 
 def quantize_channelwise_ref(
@@ -306,12 +359,11 @@ def quantize_channelwise_codes_ref(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Unpacked biased codes, scale, counts: what the CPU path compiles."""
     n = x2d.numel()
-    lo, hi, bias = _limits(bits)
     scale, counts = channel_scale(x2d, bits, paper_scale)
-    xf = x2d.float()
-    xf = torch.where(torch.isfinite(xf), xf, 0.0)
-    v = xf * _inverse(scale)
-    u = (torch.floor(v + 0.5).clamp_(lo, hi) + bias).to(torch.uint8).view(-1)
+    xo = x2d.float()
+    finite = torch.isfinite(xo)
+    v = torch.where(finite, xo, 0.0) * _inverse(scale.abs())
+    u = _codes(v, torch.signbit(scale), ~finite, xo, bits).view(-1)
     u = F.pad(u, (0, n % 2))
     return u, scale, counts
 
@@ -344,8 +396,9 @@ def quantize_triton(
     if groups:
         quant_kernel[(groups,)](
             x, keep, scale, codes, scale, offset if offset is not None else scale, nonfinite,
-            n, c, divisor(bits, symmetric, paper_scale), BLOCK=gs, BITS=bits, SYM=symmetric,
-            HAS_KEEP=keep_cols is not None, PER_CHANNEL=False, LO=lo, HI=hi, BIAS=bias,
+            n, c, divisor(bits, symmetric, paper_scale), marked_divisor(bits, symmetric),
+            BLOCK=gs, BITS=bits, SYM=symmetric, HAS_KEEP=keep_cols is not None,
+            PER_CHANNEL=False, LO=lo, HI=hi, BIAS=bias,
         )  # fmt: skip
     return Quantized(codes, scale, offset, nonfinite, n, bits, gs)
 
@@ -358,14 +411,14 @@ def quantize_channelwise_triton(
     n, c = x2d.numel(), x2d.shape[1]
     lo, hi, bias = _limits(bits)
     scale, counts = channel_scale(x2d, bits, paper_scale)
-    inv = _inverse(scale)
+    inv = _inverse(scale.abs())
     x = x2d.contiguous().view(-1)
     codes = torch.empty((n + 1) // 2 if bits == 4 else n, dtype=torch.uint8, device=x.device)
     if n:
         grid = (-(-n // _CHANNEL_BLOCK),)
         quant_kernel[grid](
-            x, inv, inv, codes, inv, inv, counts, n, c, 1.0, BLOCK=_CHANNEL_BLOCK, BITS=bits,
-            SYM=True, HAS_KEEP=False, PER_CHANNEL=True, LO=lo, HI=hi, BIAS=bias,
+            x, inv, inv, codes, scale, inv, counts, n, c, 1.0, 1.0, BLOCK=_CHANNEL_BLOCK,
+            BITS=bits, SYM=True, HAS_KEEP=False, PER_CHANNEL=True, LO=lo, HI=hi, BIAS=bias,
         )  # fmt: skip
     return Quantized(codes, scale, None, counts, n, bits, 0, channels=c)
 
@@ -379,8 +432,9 @@ def dequantize_triton(q: Quantized, dtype: torch.dtype = torch.float32) -> torch
         return y
     block = q.group_size or _CHANNEL_BLOCK
     offset = q.offset if q.offset is not None else q.scale
+    ymax = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
     dequant_kernel[(-(-n // block),)](
-        q.codes, q.scale, offset, y, n, max(q.channels, 1), BLOCK=block, BITS=q.bits,
+        q.codes, q.scale, offset, y, n, max(q.channels, 1), ymax, BLOCK=block, BITS=q.bits,
         SYM=q.offset is None, PER_CHANNEL=q.channels > 0, BIAS=_limits(q.bits)[2],
     )  # fmt: skip
     return y

@@ -3,8 +3,9 @@ per group (or per ``BLOCK`` values in channel-wise mode).
 
 ``quant_kernel`` reads a group as ``[BLOCK/2, 2]`` pairs, so INT4 packing (even element in the low
 nibble) is a row reduction; it zeroes non-finite values and ``keep`` columns, writes the group's
-fp32 scale (and offset, asymmetric) and its count of non-finite values, then the biased codes.
-``dequant_kernel`` is its inverse. ``quant.py`` launches them (``quantize_triton`` & co.) and
+fp32 scale (and offset, asymmetric) and its count of non-finite values, then the biased codes;
+a group holding non-finite values is marked (the sign bit of its scale, a smaller divisor, the
+reserved codes: ``quant.py``'s docstring). ``dequant_kernel`` is its inverse. ``quant.py`` launches them (``quantize_triton`` & co.) and
 holds the ``*_ref`` twins they match bit for bit.
 
 ``triton`` is optional (``slimact[gpu]``): it is imported, and the kernels defined, on the first
@@ -23,7 +24,7 @@ def kernels():
     import triton.language as tl
 
     @triton.jit
-    def quant_kernel(X, KEEP, INV, Q, S, OFF, NF, N, C, div,
+    def quant_kernel(X, KEEP, INV, Q, S, OFF, NF, N, C, div, divm,
                      BLOCK: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
                      HAS_KEEP: tl.constexpr, PER_CHANNEL: tl.constexpr,
                      LO: tl.constexpr, HI: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
@@ -34,31 +35,44 @@ def kernels():
         cols = tl.arange(0, 2)
         offs = pid * BLOCK + rows[:, None] * 2 + cols[None, :]  # [BLOCK/2, 2]
         mask = offs < N
-        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        finite = (x == x) & (tl.abs(x) != float("inf"))
-        x = tl.where(finite, x, 0.0)
+        xo = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        finite = (xo == xo) & (tl.abs(xo) != float("inf"))
+        x = tl.where(finite, xo, 0.0)
         if HAS_KEEP:
             keep = tl.load(KEEP + offs % C, mask=mask, other=0)
             x = tl.where(keep != 0, x, 0.0)
         if PER_CHANNEL:
+            sc = tl.load(S + offs % C, mask=mask, other=0.0)  # signed: the column's mark
+            marked = sc.to(tl.int32, bitcast=True) < 0
             v = x * tl.load(INV + offs % C, mask=mask, other=0.0)
         else:
+            nbad = tl.sum(tl.sum((mask & (finite == 0)).to(tl.int32), axis=1), axis=0)
+            tl.store(NF + pid, nbad)
+            marked = nbad > 0
+            d = tl.where(marked, divm, div)
             if SYM:
-                scale = tl.div_rn(tl.max(tl.max(tl.abs(x), axis=1), axis=0), div)
+                scale = tl.div_rn(tl.max(tl.max(tl.abs(x), axis=1), axis=0), d)
                 off = 0.0
             else:
                 mx = tl.max(tl.max(tl.where(mask, x, -float("inf")), axis=1), axis=0)
                 mn = tl.min(tl.min(tl.where(mask, x, float("inf")), axis=1), axis=0)
-                off = (mx + mn) * 0.5
-                scale = tl.div_rn(mx - mn, div)
+                total = mx + mn
+                span = mx - mn
+                off = tl.where(tl.abs(total) == float("inf"), mx * 0.5 + mn * 0.5, total * 0.5)
+                scale = tl.where(
+                    tl.abs(span) == float("inf"),
+                    tl.div_rn(mx, d) - tl.div_rn(mn, d),
+                    tl.div_rn(span, d),
+                )
                 tl.store(OFF + pid, off)
-            tl.store(S + pid, scale)
-            nbad = tl.sum(tl.sum((mask & (finite == 0)).to(tl.int32), axis=1), axis=0)
-            tl.store(NF + pid, nbad)
+            tl.store(S + pid, tl.where(marked, -scale, scale))
             inv = tl.where(scale > 0, tl.div_rn(1.0, tl.maximum(scale, 1e-30)), 0.0)
             v = (x - off) * inv
-        r = tl.minimum(tl.maximum(tl.floor(v + 0.5), LO), HI)
-        u = r.to(tl.int32) + BIAS
+        lo = tl.where(marked, LO + 2, LO).to(tl.float32)
+        hi = tl.where(marked, HI - 1, HI).to(tl.float32)
+        r = tl.minimum(tl.maximum(tl.floor(v + 0.5), lo), hi)
+        special = tl.where(xo > 0, (1 << BITS) - 1, tl.where(xo < 0, 1, 0))
+        u = tl.where(finite, r.to(tl.int32) + BIAS, special)
         if BITS == 4:
             byte = tl.sum(u * tl.where(cols == 0, 1, 16)[None, :], axis=1)  # lo | hi << 4
             bmask = (pid * BLOCK + rows * 2) < N
@@ -67,7 +81,7 @@ def kernels():
             tl.store(Q + offs, u.to(tl.uint8), mask=mask)
 
     @triton.jit
-    def dequant_kernel(Q, S, OFF, Y, N, C,
+    def dequant_kernel(Q, S, OFF, Y, N, C, ymax,
                        BLOCK: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
                        PER_CHANNEL: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
         pid = tl.program_id(0)
@@ -83,11 +97,18 @@ def kernels():
             u = tl.load(Q + offs, mask=mask, other=0).to(tl.int32)
         code = (u - BIAS).to(tl.float32)
         if PER_CHANNEL:
-            y = code * tl.load(S + offs % C, mask=mask, other=0.0)
+            sc = tl.load(S + offs % C, mask=mask, other=0.0)
+            y = code * tl.abs(sc)
         else:
-            y = code * tl.load(S + pid)
+            sc = tl.load(S + pid)
+            y = code * tl.abs(sc)
             if not SYM:
                 y = y + tl.load(OFF + pid)
+        y = tl.minimum(tl.maximum(y, -ymax), ymax)
+        marked = sc.to(tl.int32, bitcast=True) < 0
+        y = tl.where(marked & (u == 0), float("nan"), y)
+        y = tl.where(marked & (u == 1), -float("inf"), y)
+        y = tl.where(marked & (u == (1 << BITS) - 1), float("inf"), y)
         tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
     return quant_kernel, dequant_kernel

@@ -186,7 +186,7 @@ class PlanRuntime:
                     self.assign.codecs[key] = codec
             if old.rules == plan.rules:
                 self.assign.rule_codecs = old.rule_codecs
-        self.policy = CodecPolicy(self.assign)
+        self.policy = CodecPolicy(self.assign, carry=self.policy)
         detail = f"{len(self.assign.table)} site(s) through codecs"
         for rule in plan.rules:
             detail += f"; rule {rule.describe()}"
@@ -282,6 +282,8 @@ class PlanRuntime:
             stack = self._stacks.pop()
             if stack is not None:
                 stack.close()
+                if self.policy is not None:
+                    self.policy.end()  # its verdicts start for the host (``codecs.saving``)
         if self._parked and self._parked.pop():
             return loss_output(self.model, output)
         return None
