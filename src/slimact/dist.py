@@ -192,11 +192,11 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------- PRAC
-def _synced_update(codec, orig, x2d: torch.Tensor, t: int, *args, **kwargs) -> None:
+def _synced_update(codec, orig, x2d: torch.Tensor, t: int, *args, **kwargs):
     before = (codec.q1_step, codec.q2_step)
-    orig(x2d, t, *args, **kwargs)
+    out = orig(x2d, t, *args, **kwargs)
     if (codec.q1_step, codec.q2_step) == before or not dist.is_initialized():
-        return
+        return out
     q1 = codec.q1.contiguous()
     dist.broadcast(q1, src=0)
     codec.q1 = q1
@@ -208,11 +208,14 @@ def _synced_update(codec, orig, x2d: torch.Tensor, t: int, *args, **kwargs) -> N
         q2 = codec.q2.contiguous()
         dist.broadcast(q2, src=0)
         codec._set_q2(q2)
+    return out
 
 
 def _sync_codec(codec) -> None:
-    if "_update" not in codec.__dict__:
-        codec._update = functools.partial(_synced_update, codec, codec._update)
+    # both update paths: the checked encode's and the deferred one's (``codecs.prac``)
+    for name in ("_update", "_update_deferred"):
+        if name not in codec.__dict__:
+            setattr(codec, name, functools.partial(_synced_update, codec, getattr(codec, name)))
 
 
 def sync_prac(model: nn.Module) -> bool:

@@ -44,11 +44,22 @@ basis update fails (SVD/QR not converging, a non-finite basis) or whose projecti
 update is then retried on the next encode; the saving policy reports the site and the reason.
 Large finite X (max |x| >= 2^20) is scaled by a power of two before the basis is computed (the
 singular vectors do not change, exactly), so XᵀX cannot overflow.
+
+**Without a sync** (:meth:`PracCodec.encode_deferred`, what the saving policy calls once a
+site's saves were clean): the checks above become a device verdict (non-finite X, the range
+check, a non-finite new Q1, a non-finite Z) read after the step (``slimact.ops.deferred``). The
+payload is Z whatever the verdict: a row of X holding NaN/inf decodes to a non-finite row (NaN
+in gives NaN out, never a finite wrong value), and a new Q1 is taken on the device only where it
+is usable (``torch.where``: X finite and within range, Q1 finite; else the previous Q1 stays, and
+the update is retried at the next encode once the verdict is read). The power-of-two scaling is
+decided on the device too, Q2's seed is derived from the site's seed and its encode count (no
+draw read back from a tensor), and host draws reach the device by non-blocking copies. What
+still waits for the device: a Q1 update's SVD (every ``t1`` steps) checks its own convergence on
+a GPU (``torch.linalg.svd``).
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,7 +67,7 @@ from typing import Any
 
 import torch
 
-from slimact.codecs.base import Codec, CodecConfig, Packed, exact_value, register_codec
+from slimact.codecs.base import Codec, CodecConfig, Deferred, Packed, exact_value, register_codec
 from slimact.codecs.prac_ref import (  # noqa: F401  (re-exported: the public names)
     Q2_MODES,
     SVD_METHODS,
@@ -75,7 +86,14 @@ from slimact.codecs.prac_ref import (  # noqa: F401  (re-exported: the public na
     site_seed,
     validate_rank_pair,
 )
-from slimact.codecs.quant import DEFAULT_MAX_RANGE, check_max_range, range_problem
+from slimact.codecs.quant import (
+    DEFAULT_MAX_RANGE,
+    check_max_range,
+    range_problem,
+    row_stats,
+    stats_bad,
+    stats_ok_values,
+)
 
 
 @dataclass(frozen=True)
@@ -222,8 +240,8 @@ class PracCodec(Codec):
             self.basis = {"p": torch.cat([self.q1, q2], dim=1).contiguous()}
 
     def _new_q2(self) -> int | torch.Tensor:
-        if self.regenerates:
-            return int(torch.randint(0, 2**62, (1,), generator=self.gen))
+        if self.regenerates:  # a fresh seed per encode, read from no tensor
+            return site_seed(self.config.seed, f"{self.name}|q2|{self.calls}")
         if self.r2:
             return random_complement_ref(self.q1, self.n, self.r2, self.gen)
         return torch.zeros(self.n, 0, device=self.q1.device)
@@ -232,17 +250,21 @@ class PracCodec(Codec):
     def _q1_due(self, t: int) -> bool:
         return self.q1 is None or self.q1_pending or (t % self.config.t1 == 0 and t != self.q1_step)
 
-    def _principal_basis(self, x2d: torch.Tensor) -> torch.Tensor:
-        """Q1 of x2d; raises ``torch.linalg.LinAlgError`` if it fails or comes out non-finite."""
+    def _principal_basis(self, x2d: torch.Tensor, check: bool = True) -> torch.Tensor:
+        """Q1 of x2d; raises ``torch.linalg.LinAlgError`` if it fails or (``check``: a host
+        read) comes out non-finite."""
         cfg = self.config
-        amax = float(x2d.abs().amax()) if x2d.numel() else 0.0
-        if amax >= 2.0**20:  # a power of two: the singular vectors are exactly those of x2d
-            x2d = x2d.float() * 2.0 ** -math.frexp(amax)[1]
+        if x2d.numel():  # max |x| >= 2^20: scaled by a power of two, decided on the device
+            amax = x2d.abs().amax().float()
+            scale = torch.where(
+                amax >= 2.0**20, torch.ldexp(torch.ones_like(amax), -torch.frexp(amax)[1]), 1.0
+            )
+            x2d = x2d.float() * scale  # the singular vectors are exactly those of x2d
         if cfg.svd == "exact":
             q1 = principal_basis_ref(x2d, self.r1)
         else:
             q1 = randomized_basis_ref(x2d, self.r1, self.gen, cfg.niter, cfg.oversample)
-        if not bool(torch.isfinite(q1).all()):
+        if check and not bool(torch.isfinite(q1).all()):
             raise torch.linalg.LinAlgError("the principal basis came out non-finite")
         return q1
 
@@ -279,8 +301,37 @@ class PracCodec(Codec):
             self.q2_step = t
             self.updates["q2"] += 1
 
+    def _update_deferred(self, x2d: torch.Tensor, t: int) -> torch.Tensor | None:
+        """:meth:`_update` without a host read: a due Q1 is taken where X is usable (finite,
+        within range: decided on the device) and the new basis is finite, else the previous one
+        stays. Returns the 0-d bool "the Q1 update was not taken" (None: none was due)."""
+        cfg = self.config
+        skipped = None
+        changed = False
+        if self._q1_due(t) and self.r1:
+            rows = row_stats(x2d, 0, cfg.max_range)
+            usable = torch.isfinite(x2d).all()
+            if rows is not None:
+                usable = usable & ~stats_bad(rows, cfg.max_range)
+            # an unusable X is replaced by zeros: the solvers never see NaN/inf (which they
+            # may refuse with an error, a host read), and the result is not taken anyway
+            new = self._principal_basis(torch.where(usable, x2d, 0.0), check=False)
+            ok = usable & torch.isfinite(new).all()
+            self.q1 = torch.where(ok, new, self.q1)
+            skipped = ~ok
+            self.q1_pending = False
+            self.updates["q1"] += 1
+            self.q1_step, changed = t, True
+        if not self.basis or changed or (t % cfg.t2 == 0 and t != self.q2_step):
+            self._set_q2(self._new_q2())
+            self.q2_step = t
+            self.updates["q2"] += 1
+        return skipped
+
     # -- Codec interface -------------------------------------------------------------------------
-    def encode(self, x: torch.Tensor) -> Packed:
+    def _prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(x as tokens x n, the step t): checks the shape, sets the ranks up, moves restored
+        state to x's device, counts the encode."""
         if not x.is_floating_point() or x.dim() < 1:
             raise ValueError(
                 f"PRAC site {self.name}: needs a floating tensor with a feature dimension, "
@@ -302,6 +353,10 @@ class PracCodec(Codec):
             self.basis = {k: v.to(x.device) for k, v in self.basis.items()}
             if "q1" in self.basis:
                 self.basis["q1"] = self.q1
+        return x2d, t
+
+    def encode(self, x: torch.Tensor) -> Packed:
+        x2d, t = self._prepare(x)
         finite = bool(torch.isfinite(x2d).all())
         reason = range_problem(x2d, 0, self.config.max_range) if finite else None
         if reason is not None:  # no update from rows the subspaces cannot carry: retried next time
@@ -320,6 +375,48 @@ class PracCodec(Codec):
             return self.fallback(x, "the projection Z = XP overflows its dtype")
         meta = {"r1": self.r1, "r2": self.r2, "k": self.k, "step": t, "seed": self.q2_seed}
         return Packed({"z": z, **self.basis}, tuple(x.shape), x.dtype, x.device, meta)
+
+    def encode_deferred(self, x: torch.Tensor, state: dict) -> Deferred:
+        """:meth:`encode` without a host read (see the module docstring); the checked encode
+        where there is no basis to fall back on yet, or a skipped update to retry."""
+        if self.q1 is None or self.q1_pending or not x.is_floating_point() or x.dim() < 1:
+            return Deferred(self.encode(x))
+        x2d, t = self._prepare(x)
+        try:
+            skipped = self._update_deferred(x2d, t)
+        except torch.linalg.LinAlgError as e:
+            self.updates["q1_failed"] = self.updates.get("q1_failed", 0) + 1
+            self.q1_pending = True
+            return Deferred(
+                self.fallback(x, f"principal-subspace update failed ({e})".replace("\n", " "))
+            )
+        z = prac_encode_ref(x2d, self.p, self.r1, self.k)
+        meta = {"r1": self.r1, "r2": self.r2, "k": self.k, "step": t, "seed": self.q2_seed}
+        packed = Packed({"z": z, **self.basis}, tuple(x.shape), x.dtype, x.device, meta)
+        # the verdict: [X finite, Z finite, Q1 update skipped (0 when none was due), row stats]
+        flags = [torch.isfinite(x2d).all(), torch.isfinite(z).all()]
+        flags.append(skipped if skipped is not None else torch.zeros_like(flags[0]))
+        rows = row_stats(x2d, 0, self.config.max_range)
+        verdict = [torch.stack(flags), *([rows] if rows is not None else [])]
+        return Deferred(packed, verdict, self._explain)
+
+    def _explain(self, values: list[float]) -> str | None:
+        """The host's reading of a deferred verdict: a skipped Q1 update is retried at the next
+        encode; a reason for what the payload could not carry faithfully."""
+        finite, z_finite, skipped = values[:3]
+        if skipped:
+            self.q1_pending = True
+            self.updates["q1_skipped"] += 1
+        if not finite:
+            return "non-finite values (NaN/inf): their rows decoded as non-finite"
+        if len(values) > 3 and not stats_ok_values(values[3:], self.config.max_range):
+            return (
+                f"a row's norm beyond max_range={self.config.max_range:g} times the median "
+                f"row's, or squares overflowing float32"
+            )
+        if not z_finite:
+            return "the projection Z = XP overflowed its dtype"
+        return None
 
     def decode(self, packed: Packed) -> torch.Tensor:
         if (y := exact_value(packed)) is not None:

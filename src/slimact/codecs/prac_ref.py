@@ -77,7 +77,7 @@ def randomized_basis_ref(
     q = min(r1 + oversample, n, t)
     if q < r1:
         return principal_basis_ref(x, r1)
-    omega = torch.randn(n, q, generator=gen).to(x.device)
+    omega = to_device(torch.randn(n, q, generator=gen), x.device)
     basis, _ = torch.linalg.qr(x.T @ (x @ omega))  # n × q, spans the top right-singular space
     for _ in range(niter):
         basis, _ = torch.linalg.qr(x.T @ (x @ basis))
@@ -92,7 +92,7 @@ def random_complement_ref(
 
     ``batch`` draws that many independent bases at once, shape (*batch, n, r2).
     """
-    return complement_of_ref(q1, torch.randn(*batch, n, r2, generator=gen).to(q1.device))
+    return complement_of_ref(q1, to_device(torch.randn(*batch, n, r2, generator=gen), q1.device))
 
 
 def complement_of_ref(q1: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -103,8 +103,14 @@ def complement_of_ref(q1: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return s.contiguous()
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host draw (``t``, freshly made: nothing writes it again) on ``device``, without waiting
+    for the device: a blocking host-to-device copy synchronizes the stream first."""
+    return t.to(device, non_blocking=True)
+
+
 def _draw(seed: int, n: int, r2: int, device: torch.device) -> torch.Tensor:
-    return torch.randn(n, r2, generator=torch.Generator().manual_seed(seed)).to(device)
+    return to_device(torch.randn(n, r2, generator=torch.Generator().manual_seed(seed)), device)
 
 
 def complement_factors_ref(

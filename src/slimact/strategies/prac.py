@@ -229,6 +229,9 @@ class PracPolicy:
         if torch.is_grad_enabled():
             self.state.forwards += 1
 
+    def end(self) -> None:
+        self.inner.end()
+
     def _assign(self, site: str, t: torch.Tensor) -> PracCodec | None:
         self._assigned = True
         owner = self._raw.get(self._storage(t))
