@@ -4,20 +4,27 @@
 ``InvLayerNorm`` replace slimact's (or Hugging Face LLaMA's) RMSNorm and ``nn.LayerNorm`` with the
 same parameters and state_dict keys. The norms re-check that ``y / w`` is safe whenever the weight
 changes (cached on the weight's version counter) and count the calls that fell back to saving x
-in ``fallbacks`` (the reason is in ``fallback_reason``).
+in ``fallbacks`` (the reason is in ``fallback_reason``). A new version of weights that were
+invertible (an optimizer step) is checked on the device and read at a later call, without a
+sync (``NormInvertibility``; ``slimact.ops.inv_norm`` says what the backward does meanwhile).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 
+from slimact.ops.deferred import DeferredChecks
 from slimact.ops.inv_act import BF16_MODES, inv_act, inv_gelu, inv_silu, pick_variant
 from slimact.ops.inv_norm import (
     DEFAULT_MAX_BIAS_RATIO,
     inv_layer_norm,
     inv_rms_norm,
     invertible,
+    invertible_reason,
+    invertible_stats,
 )
 
 __all__ = [
@@ -83,7 +90,13 @@ class InvSiLU(nn.Module):
 
 
 class NormInvertibility:
-    """Caches :func:`invertible` per (weight, bias) version; counts fallbacks."""
+    """Caches :func:`invertible` per (weight, bias) version; counts fallbacks.
+
+    The first check of a weight (and any while it is not invertible, or after its storage or the
+    dtype changed) reads :func:`invertible` on the host. A new version of an invertible weight
+    (an optimizer step) is checked on the device instead (``invertible_stats``), its verdict
+    copied to the host without waiting and read at a later call (``ops.deferred``); meanwhile the
+    weight counts as invertible (the backward's guard: ``ops.inv_norm.guarded``)."""
 
     def __init__(self, max_bias_ratio: float = DEFAULT_MAX_BIAS_RATIO) -> None:
         self.max_bias_ratio = max_bias_ratio
@@ -91,18 +104,38 @@ class NormInvertibility:
         self.reason: str | None = None
         self.fallbacks = 0
         self.last_dtype: torch.dtype | None = None
+        self._checks = DeferredChecks()
 
     def __getstate__(self) -> dict:
         """A copy's weights live elsewhere: the cache key (data pointers) must not carry over."""
-        return {**self.__dict__, "_key": None}
+        return {**self.__dict__, "_key": None, "_checks": DeferredChecks()}
+
+    def _late(self, dtype: torch.dtype, values: list[float]) -> None:
+        reason = invertible_reason(values, dtype, self.max_bias_ratio)
+        if reason is not None and self.reason is None:
+            self.reason = reason
 
     def check(self, weight, bias, dtype) -> bool:
         self.last_dtype = dtype
+        checks = self.__dict__.setdefault("_checks", DeferredChecks())
+        checks.poll()  # verdicts on earlier versions, as far as the device has produced them
         key = tuple(
             (t.data_ptr(), t._version) if t is not None else None for t in (weight, bias)
         ) + (dtype,)
         if key != self._key:
-            self.reason = invertible(weight, bias, dtype, self.max_bias_ratio)
+            new_version = (
+                self._key is not None
+                and self.reason is None
+                and weight is not None
+                and [k[0] if k else None for k in self._key[:2]]
+                == [k[0] if k else None for k in key[:2]]
+                and self._key[2] == dtype
+            )
+            if new_version:
+                checks.add(invertible_stats(weight, bias), functools.partial(self._late, dtype))
+                checks.launch()
+            else:
+                self.reason = invertible(weight, bias, dtype, self.max_bias_ratio)
             self._key = key
         if self.reason is not None and torch.is_grad_enabled():
             self.fallbacks += 1

@@ -21,8 +21,14 @@ below the dtype's normal range, so the weight must satisfy ``|w| ≥ √tiny(dty
 fp32/bf16, 7.8e-3 for fp16) and be finite; ``w = 0`` loses ``x̂`` outright (yet ``dx`` and ``dw``
 need it). A bias adds absolute error ``ε·|b|/|w|``, so LayerNorm also needs
 ``|b|/|w| ≤ max_bias_ratio``. :func:`invertible` checks this on every call (d values; one host
-sync on GPU, cached per weight version by the modules) and otherwise the op runs the ordinary
-autograd formula under the site role ``inv_*_fallback`` (the meter shows it per site).
+read, a sync on GPU) and otherwise the op runs the ordinary autograd formula under the site role
+``inv_*_fallback`` (the meter shows it per site). The modules (``slimact.modules.inv_act``)
+check on the host once, then each new version of the weights (an optimizer step) on the device
+(:func:`invertible_stats`), read at a later call without waiting for the device
+(``slimact.ops.deferred``), so a training step does not sync. Until that verdict is read the
+weight is taken as invertible still; should it no longer be, the backward divides by NaN where
+``|w|`` is below the floor or not finite (:func:`guarded`): NaN out, never a wrong finite value,
+and the next call takes the fallback.
 """
 
 from __future__ import annotations
@@ -50,28 +56,56 @@ def weight_floor(dtype: torch.dtype) -> float:
     return math.sqrt(torch.finfo(dtype).tiny)
 
 
+def invertible_stats(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Device float64 ``[all |w| finite, min |w|, max |b|/|w|]`` (no sync; the ratio 0 without
+    a bias): what :func:`invertible_reason` reads."""
+    with torch.no_grad():
+        w = weight.detach().abs().float()
+        one = torch.ones((), dtype=torch.float32, device=w.device)
+        finite = torch.isfinite(w).all().float() if w.numel() else one
+        wmin = w.amin() if w.numel() else one
+        ratio = torch.zeros_like(one)
+        if bias is not None and bias.numel():
+            ratio = (bias.detach().abs().float() / w).amax()
+        return torch.stack([finite, wmin, ratio]).double()
+
+
+def invertible_reason(
+    values: list[float], dtype: torch.dtype, max_bias_ratio: float = DEFAULT_MAX_BIAS_RATIO
+) -> str | None:
+    """None if x̂ can be recovered from y, given :func:`invertible_stats`' values; otherwise the
+    reason (for the per-site report)."""
+    finite, wmin, ratio = values
+    if not finite:
+        return "weight has non-finite entries"
+    floor = weight_floor(dtype if dtype != torch.float64 else torch.float64)
+    if wmin < floor:
+        return f"min |weight| = {wmin:.3g} < {floor:.3g} ({dtype}): y / w would lose x̂"
+    if not math.isfinite(ratio) or ratio > max_bias_ratio:
+        return f"max |bias|/|weight| = {ratio:.3g} > {max_bias_ratio}: (y-b)/w too lossy"
+    return None
+
+
 def invertible(
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     dtype: torch.dtype,
     max_bias_ratio: float = DEFAULT_MAX_BIAS_RATIO,
 ) -> str | None:
-    """None if x̂ can be recovered from y; otherwise the reason (for the per-site report)."""
+    """None if x̂ can be recovered from y; otherwise the reason (for the per-site report). One
+    host read of :func:`invertible_stats` (a sync on a GPU)."""
     if weight is None:
         return None
-    with torch.no_grad():
-        w = weight.detach().abs().float()
-        if not bool(torch.isfinite(w).all()):
-            return "weight has non-finite entries"
-        floor = weight_floor(dtype if dtype != torch.float64 else torch.float64)
-        wmin = float(w.min()) if w.numel() else 1.0
-        if wmin < floor:
-            return f"min |weight| = {wmin:.3g} < {floor:.3g} ({dtype}): y / w would lose x̂"
-        if bias is not None and bias.numel():
-            ratio = float((bias.detach().abs().float() / w).max())
-            if not math.isfinite(ratio) or ratio > max_bias_ratio:
-                return f"max |bias|/|weight| = {ratio:.3g} > {max_bias_ratio}: (y-b)/w too lossy"
-    return None
+    return invertible_reason(invertible_stats(weight, bias).tolist(), dtype, max_bias_ratio)
+
+
+def guarded(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``w`` with NaN where ``y / w`` cannot recover x̂ (below the floor, or not finite):
+    a backward that divides by it gives NaN there, never a wrong finite value. The identity on a
+    weight :func:`invertible` accepts."""
+    wf = w.float()
+    ok = (wf.abs() >= weight_floor(dtype)) & torch.isfinite(wf)
+    return torch.where(ok, wf, float("nan"))
 
 
 # ----------------------------------------------------------------------------- RMSNorm
@@ -114,7 +148,7 @@ class InvRMSNormFunction(torch.autograd.Function):
         y, rstd, *w = ctx.saved_tensors
         w = w[0] if w else None
         yf, dyf = y.float(), dy.float()
-        xhat = yf if w is None else yf / w.float()  # (..., d)
+        xhat = yf if w is None else yf / guarded(w, ctx.x_dtype)  # (..., d)
         g = dyf if w is None else dyf * w.float()  # dL/dx̂ (..., d)
         dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
         dw = None
@@ -168,7 +202,7 @@ class InvLayerNormFunction(torch.autograd.Function):
         yf, dyf = y.float(), dy.float()
         xhat = yf - b.float() if b is not None else yf
         if w is not None:
-            xhat = xhat / w.float()
+            xhat = xhat / guarded(w, ctx.x_dtype)
         g = dyf * w.float() if w is not None else dyf
         dx = rstd * (g - g.mean(dims, keepdim=True) - xhat * (g * xhat).mean(dims, keepdim=True))
         lead = tuple(range(y.dim() - ctx.k))
