@@ -121,8 +121,10 @@ def test_role_recognition_is_structural():
     assert role_of("a:mul#0", torch.randn(4, 16, 64)) is None  # no grad: a constant (RoPE)
     assert role_of("a.norm:rsqrt#0", torch.randn(4, 16, 1, requires_grad=True)) is None
     assert role_of("a:dropout#0", torch.rand(8, 8) > 0.5) == "mask"
-    assert role_of("a:inv_silu#1", torch.tensor([0, 1, 1], dtype=torch.uint8)) == "mask"
-    assert role_of("a:inv_silu#1", torch.tensor([0, 7, 255], dtype=torch.uint8)) is None
+    assert role_of("a:mask_op#0", torch.tensor([0, 1, 1], dtype=torch.uint8)) == "mask"
+    assert role_of("a:mask_op#0", torch.tensor([0, 7, 255], dtype=torch.uint8)) is None
+    # an inverted op's packed sign bits are no mask, whatever the bytes (nothing is read)
+    assert role_of("a:inv_silu#1", torch.tensor([0, 1, 1], dtype=torch.uint8)) is None
     assert role_of("a:embedding#0", torch.arange(10)) is None
 
 

@@ -69,11 +69,15 @@ def parse_site(site: str) -> tuple[str, str, int]:
 
 def role_of(site: str, t: torch.Tensor, min_numel: int = 1024) -> str | None:
     """The role of a saved tensor (``act``/``qkv``/``scores``/``mask``) or None to keep it."""
+    _, op, k = parse_site(site)
     if not t.is_floating_point():
-        if t.dtype == torch.bool or (t.dtype == torch.uint8 and is_binary(t)):
+        # an inverted op's uint8 save is its packed sign bits (8 per byte), never a 0/1 mask:
+        # left as it is without reading it (the read would be a device-to-host sync)
+        if t.dtype == torch.bool or (
+            t.dtype == torch.uint8 and not op.startswith("inv_") and is_binary(t)
+        ):
             return "mask"
         return None
-    _, op, k = parse_site(site)
     if not t.requires_grad and op in MASK_OPS and t.numel() >= min_numel:
         return "mask" if two_valued(t) is not None else None  # CPU dropout noise {0, 1/(1-p)}
     if not t.requires_grad or t.numel() < min_numel or t.dim() == 0 or t.shape[-1] == 1:

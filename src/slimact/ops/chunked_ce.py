@@ -253,9 +253,15 @@ def chunked_linear_cross_entropy(
             f"hidden, weight and bias must share a dtype, got {hidden.dtype}, {weight.dtype}"
         )
     if not torch.compiler.is_compiling() and targets.device.type == "cpu":
-        bad = (targets != ignore_index) & ((targets < 0) | (targets >= weight.shape[0]))
-        if bool(bad.any()):
-            raise IndexError(f"targets out of range [0, {weight.shape[0]}) (and not ignore_index)")
+        # the bounds check of an index op (no host read of the targets; on CUDA, gather's
+        # device-side assert is the check)
+        idx = torch.where(targets == ignore_index, 0, targets).reshape(-1)
+        try:
+            torch.index_select(weight.detach()[:, 0], 0, idx)
+        except IndexError as e:
+            raise IndexError(
+                f"targets out of range [0, {weight.shape[0]}) (and not ignore_index)"
+            ) from e
     chunk = chunk_size or default_chunk_size(weight.shape[0])
     args = (int(ignore_index), float(label_smoothing), reduction, chunk, mode, backend)
     with torch.autocast(dev, enabled=False):
