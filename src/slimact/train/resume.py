@@ -36,9 +36,9 @@ from slimact.models import build_model
 from slimact.planner.adaptive import PlanEvolver, budget_check_of
 from slimact.planner.apply import runtime_of
 from slimact.planner.compiled import CompiledPlan
+from slimact.planner.plan import Plan, Profile
 from slimact.state import peek
 from slimact.strategies.compiled_auto import install_plan
-from slimact.planner.plan import Plan, Profile
 from slimact.train.checkpoint import (
     CheckpointError,
     checkpoint_dirs,
