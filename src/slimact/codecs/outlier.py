@@ -24,12 +24,14 @@ row) store the whole tensor exactly, as in ``slimact.codecs.quant`` (``row_stats
 
 **Without a sync** (:meth:`OutlierCodec.encode_deferred`): how many channels are outliers is
 data, and a payload sized by it needs the count on the host. A deferred encode therefore stores
-a fixed number of exact channels, the site's *capacity* (the most outliers its checked encodes
-found, kept in the site's state), chosen as the top-``capacity`` Z-scores on the device
-(``torch.topk``; channels below the threshold among them are stored exactly too, at the same
-cost). Its verdict carries the range and scale checks of ``slimact.codecs.quant`` and the
-outlier count: more outliers than the capacity (they were quantized with the rest, within the
-codec's bound) raise the site's capacity from its next save on.
+a fixed number of channels exactly, the site's *capacity* (the most outliers its checked encodes
+found, kept in the site's state): the top-``capacity`` Z-scores (``torch.topk``, on the device)
+with a flag each for "is an outlier". Only the flagged ones are zeroed before quantizing and
+written back on decode, so while the count is within the capacity the decoded tensor is the
+checked encode's, bit for bit (a resumed run, which starts with checked encodes, trains the
+same). Its verdict carries the range and scale checks of ``slimact.codecs.quant`` and the
+outlier count: more outliers than the capacity (the ones left out were quantized with the rest,
+within the codec's bound) raise the site's capacity from its next save on.
 """
 
 from __future__ import annotations
@@ -186,17 +188,22 @@ class OutlierCodec(Codec):
         x2d = rows_view(self, x, c.channels)
         rows = row_stats(x2d, 0, c.max_range)
         scores = outlier_scores(x2d)
-        count = (scores > c.threshold).sum()
+        outlier = scores > c.threshold
+        count = outlier.sum()
         k = min(state.get("capacity", 0), x2d.shape[1])
-        keep = None
+        keep = flags = None
         idx = scores.new_zeros(0, dtype=torch.int64)
-        if k:
+        if k:  # the top-k scores: every outlier while the count is within the capacity
             idx = torch.topk(scores, k, sorted=False).indices.sort().values
-            keep = torch.ones(x2d.shape[1], dtype=torch.bool, device=x.device).index_fill(0, idx, 0)
+            flags = outlier.index_select(0, idx)
+            keep = ~torch.zeros_like(outlier).index_fill(0, idx, True) | ~outlier
         q = quantize(
             x2d, bits=c.bits, group_size=c.group_size, symmetric=c.symmetric,
             paper_scale=c.paper_scale, keep_cols=keep, backend=c.backend,
         )  # fmt: skip
+        packed = self._packed(x, x2d, q, idx)
+        if flags is not None:
+            packed.tensors["outlier_flag"] = flags  # which stored channels are outliers
         stats, problem = verdict(rows, q, c.max_range)
 
         def explain(values: list[float]) -> str | None:
@@ -204,7 +211,7 @@ class OutlierCodec(Codec):
                 state["capacity"] = int(values[0])  # outliers beyond it were quantized
             return problem(values[1:])
 
-        return Deferred(self._packed(x, x2d, q, idx), [count.view(1), *stats], explain)
+        return Deferred(packed, [count.view(1), *stats], explain)
 
     def decode(self, packed: Packed) -> torch.Tensor:
         if (y := exact_value(packed)) is not None:
@@ -215,7 +222,10 @@ class OutlierCodec(Codec):
         t = packed.tensors
         if "outlier_idx" in t:
             y2d = y.view(-1, packed.meta["channels"])
-            y2d.index_copy_(1, t["outlier_idx"].long(), t["outlier_val"].to(y.dtype))
+            idx, val = t["outlier_idx"].long(), t["outlier_val"].to(y.dtype)
+            if "outlier_flag" in t:  # a deferred encode's: the others stay as decoded
+                val = torch.where(t["outlier_flag"], val, y2d.index_select(1, idx))
+            y2d.index_copy_(1, idx, val)
         return y.view(packed.shape)
 
 

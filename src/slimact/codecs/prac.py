@@ -52,8 +52,8 @@ payload is Z whatever the verdict: a row of X holding NaN/inf decodes to a non-f
 in gives NaN out, never a finite wrong value), and a new Q1 is taken on the device only where it
 is usable (``torch.where``: X finite and within range, Q1 finite; else the previous Q1 stays, and
 the update is retried at the next encode once the verdict is read). The power-of-two scaling is
-decided on the device too, Q2's seed is derived from the site's seed and its encode count (no
-draw read back from a tensor), and host draws reach the device by non-blocking copies. What
+decided on the device too, Q2's seed is a draw of the codec's host generator (a host read, no
+device involved), and host draws reach the device by non-blocking copies. What
 still waits for the device: a Q1 update's SVD (every ``t1`` steps) checks its own convergence on
 a GPU (``torch.linalg.svd``).
 """
@@ -94,6 +94,7 @@ from slimact.codecs.quant import (
     stats_bad,
     stats_ok_values,
 )
+from slimact.ops.deferred import host_values
 
 
 @dataclass(frozen=True)
@@ -240,8 +241,8 @@ class PracCodec(Codec):
             self.basis = {"p": torch.cat([self.q1, q2], dim=1).contiguous()}
 
     def _new_q2(self) -> int | torch.Tensor:
-        if self.regenerates:  # a fresh seed per encode, read from no tensor
-            return site_seed(self.config.seed, f"{self.name}|q2|{self.calls}")
+        if self.regenerates:  # a draw of the host generator: no device involved
+            return host_values(torch.randint(0, 2**62, (1,), generator=self.gen))[0]
         if self.r2:
             return random_complement_ref(self.q1, self.n, self.r2, self.gen)
         return torch.zeros(self.n, 0, device=self.q1.device)

@@ -192,7 +192,7 @@ class CodecPolicy:
         self.deferred = True  # False: every save is checked on the host (a sync per encode)
         self.checks = DeferredChecks()
         self.late: dict[str, dict[str, int]] = {}  # site -> reason -> count, found after a step
-        self._sites: dict[str, tuple[weakref.ref, dict]] = {}  # site -> (its codec, its state)
+        self._sites: dict[str, tuple[weakref.ref | None, dict]] = {}  # site -> (codec, state)
         if carry is not None:
             self.checks, self._sites = carry.checks, carry._sites
             self.fallbacks, self.late = carry.fallbacks, carry.late
@@ -228,8 +228,10 @@ class CodecPolicy:
         """Checked on the host for a site's first save (and after a problem), else deferred."""
         sites_ = self.__dict__.setdefault("_sites", {})
         entry = sites_.get(site)
-        if entry is None or entry[0]() is not codec:
+        if entry is None or (entry[0] is not None and entry[0]() is not codec):
             entry = sites_[site] = (weakref.ref(codec), {})
+        elif entry[0] is None:  # a state loaded from a checkpoint: this codec's from now on
+            entry = sites_[site] = (weakref.ref(codec), entry[1])
         state = entry[1]
         if self.__dict__.get("deferred", True) and state.get("clean"):
             d = codec.encode_deferred(x, state)
@@ -258,6 +260,20 @@ class CodecPolicy:
     def wait(self) -> None:
         """Read every pending verdict now (a sync: for reports, not for training steps)."""
         self.__dict__.setdefault("checks", DeferredChecks()).wait()
+
+    def site_state_dict(self) -> dict[str, dict]:
+        """The sites' states (deferred or checked, an outlier site's capacity), after reading
+        every pending verdict (a sync: checkpoints are rare), so that a run resumed from them
+        encodes as the uninterrupted run does."""
+        self.wait()
+        return {site: dict(state) for site, (_, state) in self.__dict__.get("_sites", {}).items()}
+
+    def load_site_state_dict(self, states: dict[str, dict]) -> None:
+        """Restore :meth:`site_state_dict`; each state goes to the codec of its site's next
+        save."""
+        sites_ = self.__dict__.setdefault("_sites", {})
+        for site, state in states.items():
+            sites_[site] = (None, dict(state))
 
     def __getstate__(self) -> dict:
         """Copies and pickles start with empty per-forward caches (weak references do not copy)

@@ -108,6 +108,14 @@ class DeferredChecks:
             _deliver(batch)
 
 
+def host_values(t: torch.Tensor) -> list:
+    """The values of a tensor that lives on the host by construction (a draw from a CPU
+    ``torch.Generator``): a read of host memory, no sync. Refuses a tensor on a device."""
+    if t.device.type != "cpu":
+        raise ValueError(f"host_values reads host tensors; this one is on {t.device}")
+    return t.tolist()
+
+
 def _deliver(batch: _Batch) -> None:
     # the copy has finished (event completed, or a CPU tensor): a read of host memory
     values = batch.host.tolist()

@@ -67,7 +67,9 @@ def invertible_stats(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.T
         ratio = torch.zeros_like(one)
         if bias is not None and bias.numel():
             ratio = (bias.detach().abs().float() / w).amax()
-        return torch.stack([finite, wmin, ratio]).double()
+        stats = torch.stack([finite, wmin, ratio]).double()
+        # a sharded weight (FSDP2's DTensor): the statistics of the whole weight, every rank
+        return stats.full_tensor() if hasattr(stats, "full_tensor") else stats
 
 
 def invertible_reason(

@@ -116,6 +116,27 @@ class PlanAssign:
         return None
 
 
+class PolicySites:
+    """The runtime's codec-policy site states as checkpointable strategy state
+    (``ModelState.stateful["codec-sites"]``: ``CodecPolicy.site_state_dict``), so that a resumed
+    run stores each site as the uninterrupted run does (deferred or checked, outlier
+    capacities). Loaded before a plan is installed (a lazy plan's checkpoint), they wait for it."""
+
+    def __init__(self, runtime: PlanRuntime) -> None:
+        self.runtime = runtime
+        self.pending: dict[str, dict] = {}
+
+    def state_dict(self) -> dict[str, dict]:
+        policy = self.runtime.policy
+        return policy.site_state_dict() if policy is not None else dict(self.pending)
+
+    def load_state_dict(self, states: dict[str, dict]) -> None:
+        if self.runtime.policy is not None:
+            self.runtime.policy.load_site_state_dict(states)
+        else:
+            self.pending = dict(states)
+
+
 class PlanRuntime:
     """Installs a plan on ``model`` and swaps it for another on demand (see module docstring)."""
 
@@ -140,6 +161,7 @@ class PlanRuntime:
             model.register_forward_hook(self._post, always_call=True),
         ]
         state_of(model).runtime = self
+        self.sites = state_of(model).stateful["codec-sites"] = PolicySites(self)
 
     # -- plans --------------------------------------------------------------------------------
     def set_plan(self, plan: Plan, filter_fn: Callable[[nn.Module, str], bool] | None = None):
@@ -187,6 +209,9 @@ class PlanRuntime:
             if old.rules == plan.rules:
                 self.assign.rule_codecs = old.rule_codecs
         self.policy = CodecPolicy(self.assign, carry=self.policy)
+        if self.sites.pending:
+            self.policy.load_site_state_dict(self.sites.pending)
+            self.sites.pending = {}
         detail = f"{len(self.assign.table)} site(s) through codecs"
         for rule in plan.rules:
             detail += f"; rule {rule.describe()}"
@@ -225,6 +250,7 @@ class PlanRuntime:
         for h in self._hooks:
             h.remove()
         state_of(self.model).runtime = None
+        state_of(self.model).stateful.pop("codec-sites", None)
         prune(self.model)
         self.plan = self.assign = self.policy = None
 
