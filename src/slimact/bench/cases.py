@@ -8,6 +8,13 @@ steps, and its :class:`BenchPoint` list). Every config is a frozen dataclass val
 Points: a strategy spec as ``slimact.apply`` takes it (``"invact+int4"``, ``"auto@25%"``), or an
 anchor (plain PyTorch, see :mod:`slimact.bench.anchors`) written ``"anchor:<name>"``.
 
+A case times its points either all together after measuring them (``timing="rounds"``) or each
+against ``none`` right after it is measured (``timing="pairs"``: a run cut short still has every
+finished point's step time, and only ``none``'s model stays alive). ``point_timeout_s`` limits
+each point, ``Suite.time_budget_s`` the whole run (:mod:`slimact.bench.deadline`), and
+:class:`MaxBatchSpec` asks for the largest batch of some points under a memory cap after the
+table (:mod:`slimact.bench.maxbatch`).
+
 A case normally runs on the byte corpus (257-token vocabulary). With ``vocab_size`` set it runs at
 that vocabulary on random token ids (memory and speed do not depend on the ids; the loss curve
 then only checks that every point trains alike), and is labelled ``"<model> (V=<vocab>)"``: the
@@ -18,11 +25,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from slimact.bench.maxbatch import parse_cap
 from slimact.models import get_spec, model_names
 from slimact.registry import compiled_spec
 from slimact.strategies import resolve
 
-ANCHORS = ("torch-checkpoint", "compile-budget", "save-on-cpu")
+ANCHORS = ("torch-checkpoint", "compile-budget", "compile-block", "save-on-cpu")
+BUDGET_ANCHORS = {"compile-budget": (0.0, False), "compile-block": (0.0, True)}  # (low, low ok)
+TIMING_MODES = ("rounds", "pairs")
+DTYPES = ("float32", "bfloat16")
 HF_MODELS = ("hf-bert-base",)  # transformers.BertForMaskedLM(BertConfig()), random weights
 DEVICES = ("cpu", "cuda")
 MASK_TOKEN_ID = 103  # BERT's [MASK]
@@ -45,10 +56,11 @@ class BenchPoint:
                     f"unknown anchor {self.anchor!r}; valid anchors: "
                     + ", ".join(ANCHOR_PREFIX + a for a in ANCHORS)
                 )
-            if at and (base != "compile-budget" or not _fraction(arg)):
+            if at and (base not in BUDGET_ANCHORS or not _fraction(arg, *BUDGET_ANCHORS[base])):
                 raise ValueError(
-                    f"anchor {self.anchor!r}: only compile-budget takes '@<budget>', a number "
-                    "in (0, 1] (e.g. anchor:compile-budget@0.25)"
+                    f"anchor {self.anchor!r}: only compile-budget and compile-block take "
+                    "'@<budget>', a number in (0, 1] for compile-budget, [0, 1] for "
+                    "compile-block (e.g. anchor:compile-budget@0.25, anchor:compile-block@0)"
                 )
         else:
             resolve(self.name)  # unknown strategy names fail here, listing the valid ones
@@ -66,11 +78,12 @@ class BenchPoint:
         return "anchor" if self.is_anchor else "strategy"
 
 
-def _fraction(text: str) -> bool:
+def _fraction(text: str, low: float = 0.0, low_ok: bool = False) -> bool:
     try:
-        return 0 < float(text) <= 1
+        v = float(text)
     except ValueError:
         return False
+    return (low <= v if low_ok else low < v) and v <= 1
 
 
 def _max_seq(model: str) -> int:
@@ -80,8 +93,57 @@ def _max_seq(model: str) -> int:
 
 
 @dataclass(frozen=True)
+class MaxBatchSpec:
+    """The largest batch of some points of a case under a memory cap, measured after its table.
+
+    ``points``: names of the case's points; ``cap``: a memory size ('40GiB'); ``probes``: peak
+    measurements per point at most (each a batch predicted from the peaks measured so far, see
+    :func:`slimact.bench.maxbatch.predicted_search`); ``limit``: the largest batch tried;
+    ``include_static``: the cap holds the weights and AdamW's two moments too;
+    ``reserve_s``: seconds of the suite's time budget held back for this phase."""
+
+    points: tuple[str, ...]
+    cap: str | int = "40GiB"
+    probes: int = 3
+    limit: int = 4096
+    include_static: bool = True
+    reserve_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "points", tuple(self.points))
+        if not self.points or not all(isinstance(p, str) and p for p in self.points):
+            raise ValueError(f"MaxBatchSpec.points must name points, got {self.points!r}")
+        parse_cap(self.cap)  # a bad cap fails here, saying what a cap looks like
+        for name in ("probes", "limit"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"MaxBatchSpec.{name} must be an int >= 1, got {v!r}")
+        if not self.reserve_s >= 0:
+            raise ValueError(f"MaxBatchSpec.reserve_s must be >= 0, got {self.reserve_s!r}")
+
+    @property
+    def cap_bytes(self) -> int:
+        return parse_cap(self.cap)
+
+    def config(self) -> dict:
+        return {
+            "points": list(self.points),
+            "cap": self.cap,
+            "cap_bytes": self.cap_bytes,
+            "probes": self.probes,
+            "limit": self.limit,
+            "include_static": self.include_static,
+            "reserve_s": self.reserve_s,
+        }
+
+
+@dataclass(frozen=True)
 class ModelCase:
-    """One model, its batch shape, and the points measured on it (``none`` first, always)."""
+    """One model, its batch shape, and the points measured on it (``none`` first, always).
+
+    ``train_steps=0``: no training run (no loss curve, no ``loss@N``); ``timing``: 'rounds' or
+    'pairs' (module docstring); ``point_timeout_s``: each point's limit in seconds (None: none);
+    ``maxbatch``: a :class:`MaxBatchSpec` over some of its points (None: no max-batch phase)."""
 
     model: str
     points: tuple[BenchPoint, ...]
@@ -93,6 +155,9 @@ class ModelCase:
     eval_batches: int = 4
     lr: float = 3e-3
     vocab_size: int | None = None  # None: the byte tokenizer's 257 tokens and the corpus
+    timing: str = "rounds"
+    point_timeout_s: float | None = None
+    maxbatch: MaxBatchSpec | None = None
 
     def __post_init__(self) -> None:
         valid = [*model_names(), *HF_MODELS]
@@ -109,10 +174,14 @@ class ModelCase:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"model case {self.model!r}: duplicate points {dup}")
-        for name in ("batch", "timing_steps", "train_steps", "eval_batches"):
+        for name in ("batch", "timing_steps", "eval_batches"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if not isinstance(self.train_steps, int) or self.train_steps < 0:
+            raise ValueError(
+                f"train_steps must be an int >= 0 (0: no training run), got {self.train_steps!r}"
+            )
         if not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
         max_seq = _max_seq(self.model)
@@ -129,6 +198,22 @@ class ModelCase:
             raise ValueError(
                 f"vocab_size of {self.model!r} must exceed its [MASK] id {MASK_TOKEN_ID}, got {v}"
             )
+        if self.timing not in TIMING_MODES:
+            raise ValueError(
+                f"timing must be one of {', '.join(TIMING_MODES)}, got {self.timing!r}"
+            )
+        t = self.point_timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
+            raise ValueError(f"point_timeout_s must be a number > 0 or None, got {t!r}")
+        if self.maxbatch is not None:
+            if not isinstance(self.maxbatch, MaxBatchSpec):
+                raise ValueError(f"maxbatch must be a MaxBatchSpec or None, got {self.maxbatch!r}")
+            bad = [p for p in self.maxbatch.points if p not in names]
+            if bad:
+                raise ValueError(
+                    f"model case {self.model!r}: max-batch points {bad} are not among its "
+                    f"points ({', '.join(names)})"
+                )
 
     @property
     def label(self) -> str:
@@ -152,6 +237,10 @@ class Suite:
     seed: int = 0
     compile_budget: float = 0.5  # torch._functorch.config.activation_memory_budget
     expected_minutes: float | None = None
+    dtype: str = "float32"  # the weights' dtype ("bfloat16": the model cast, no autocast)
+    compile_backend: str = "inductor"  # torch.compile's backend for the compiling anchors
+    time_budget_s: float | None = None  # the whole run; later points are not started past it
+    summary: bool = False  # also write <suite>.summary.md (tables.summary_table) as it goes
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -169,6 +258,15 @@ class Suite:
             raise ValueError("bf16=True needs device 'cuda' (CPU runs are fp32)")
         if not 0 < self.compile_budget <= 1:
             raise ValueError(f"compile_budget must be in (0, 1], got {self.compile_budget!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.bf16 and self.dtype != "float32":
+            raise ValueError("bf16=True (autocast) needs float32 weights; give one of the two")
+        if not isinstance(self.compile_backend, str) or not self.compile_backend:
+            raise ValueError(f"compile_backend must name a backend, got {self.compile_backend!r}")
+        t = self.time_budget_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
+            raise ValueError(f"time_budget_s must be a number > 0 or None, got {t!r}")
 
     def config(self) -> dict:
         """A JSON-able description of the suite (what the results file records)."""
@@ -180,6 +278,10 @@ class Suite:
             "seed": self.seed,
             "compile_budget": self.compile_budget,
             "expected_minutes": self.expected_minutes,
+            "dtype": self.dtype,
+            "compile_backend": self.compile_backend,
+            "time_budget_s": self.time_budget_s,
+            "summary": self.summary,
             "cases": [
                 {
                     "case": c.label,
@@ -193,6 +295,9 @@ class Suite:
                     "train_steps": c.train_steps,
                     "eval_batches": c.eval_batches,
                     "lr": c.lr,
+                    "timing": c.timing,
+                    "point_timeout_s": c.point_timeout_s,
+                    "maxbatch": c.maxbatch.config() if c.maxbatch else None,
                 }
                 for c in self.cases
             ],
@@ -222,7 +327,14 @@ class Suite:
                     f"{', '.join(known_pts)}"
                 )
             keep = {"none", *points}
-            cases = [replace(c, points=tuple(p for p in c.points if p.name in keep)) for c in cases]
+            cases = [
+                replace(
+                    c,
+                    points=tuple(p for p in c.points if p.name in keep),
+                    maxbatch=_keep_maxbatch(c.maxbatch, lambda n: n if n in keep else None),
+                )
+                for c in cases
+            ]
             cases = [c for c in cases if len(c.points) > 1]
             if not cases:
                 raise ValueError(f"no model of suite {self.name!r} has the points {points}")
@@ -245,10 +357,74 @@ class Suite:
                     continue
                 if name not in names:
                     names.append(name)
-            cases.append(replace(c, points=tuple(names)))
+            mb = _keep_maxbatch(
+                c.maxbatch, lambda n, names=names: n if n in names else _compiled_name(n, names)
+            )
+            cases.append(replace(c, points=tuple(names), maxbatch=mb))
         note = "; compiled forms (--compile)"
         if dropped:
             note += f"; left out (no compiled form): {', '.join(sorted(dropped))}"
         return replace(
             self, name=f"{self.name}-compiled", description=self.description + note, cases=cases
         )
+
+    def override(
+        self,
+        model: str | None = None,
+        device: str | None = None,
+        batch: int | None = None,
+        seq: int | None = None,
+        dtype: str | None = None,
+        vocab_size: int | None = None,
+        compile_backend: str | None = None,
+        time_budget_s: float | None = None,
+        timing_steps: int | None = None,
+    ) -> Suite:
+        """This suite with its cases' model, batch shape or timing rounds and its device, dtype,
+        compile backend or time budget replaced (None: kept), e.g. the ``gpu`` suite's points on
+        ``llama-tiny`` on a CPU. Moving a suite off CUDA drops its bf16 autocast. A model is
+        replaced only in a one-case suite (two cases would get one label)."""
+        if model is not None and len(self.cases) != 1:
+            raise ValueError(
+                f"a model override needs a one-case suite; suite {self.name!r} has "
+                f"{len(self.cases)} cases (select one with --only-models first)"
+            )
+        case_kw = {
+            k: v
+            for k, v in dict(
+                model=model, batch=batch, seq=seq, vocab_size=vocab_size, timing_steps=timing_steps
+            ).items()
+            if v is not None
+        }
+        suite_kw = {
+            k: v
+            for k, v in dict(
+                device=device,
+                dtype=dtype,
+                compile_backend=compile_backend,
+                time_budget_s=time_budget_s,
+            ).items()
+            if v is not None
+        }
+        if device is not None and device != "cuda":
+            suite_kw["bf16"] = False
+        return replace(self, cases=tuple(replace(c, **case_kw) for c in self.cases), **suite_kw)
+
+
+def _keep_maxbatch(spec: MaxBatchSpec | None, rename) -> MaxBatchSpec | None:
+    """``spec`` with its points renamed by ``rename`` (None: dropped); None if none is left."""
+    if spec is None:
+        return None
+    points = tuple(dict.fromkeys(n for n in (rename(p) for p in spec.points) if n is not None))
+    return replace(spec, points=points) if points else None
+
+
+def _compiled_name(name: str, names: list[str]) -> str | None:
+    """The compiled form of point ``name`` if the compiled suite has it (else None)."""
+    if name.startswith(ANCHOR_PREFIX):
+        return name if name in names else None
+    try:
+        spec = compiled_spec(name)
+    except ValueError:
+        return None
+    return spec if spec in names else None

@@ -18,6 +18,13 @@ a fresh copy of the model with the strategy applied (``auto`` plans for that bat
 step; that is not the training step's peak).
 
     slimact maxbatch --model llama-20m --seq 256 --cap 2GiB --strategies none,recompute,int4,auto@25%
+
+Where every probe costs seconds (a GPU lent for minutes; a compiled point compiles once more at
+its first new batch size), :func:`predicted_search` finds the batch in a few probes instead: the
+peak grows about linearly with the batch, so the next probe is where a line through the peaks
+measured so far (one of them the case's own batch, measured for the table) meets the cap;
+``slimact bench`` uses it on each point's prepared model (:func:`peak_at`), so a planned point
+keeps the plan it made at the case's batch.
 """
 
 from __future__ import annotations
@@ -145,6 +152,123 @@ def search(fits: Callable[[int], bool], start: int = 1, limit: int = 4096) -> tu
         else:
             bad = mid
     return good, False
+
+
+@dataclass
+class Bracket:
+    """What :func:`predicted_search` found: the largest batch measured to fit (0: none did),
+    the smallest measured not to (None: none missed), and every probe as (batch, peak or None
+    where it ran out of memory)."""
+
+    fits: int = 0
+    misses: int | None = None
+    probes: list[tuple[int, int | None]] = field(default_factory=list)
+    limit: int = 4096
+
+    @property
+    def exact(self) -> bool:
+        """The largest fitting batch is known: the next batch up was measured not to fit, or
+        the fitting one is the limit."""
+        return self.fits >= self.limit or (self.misses is not None and self.misses - self.fits == 1)
+
+
+def predicted_search(
+    measure: Callable[[int], int | None],
+    known: list[tuple[int, int]],
+    budget: int,
+    probes: int = 3,
+    limit: int = 4096,
+    intercept: int = 0,
+    bracket: Bracket | None = None,
+    max_growth: int = 8,
+) -> Bracket:
+    """The largest batch ``b`` in [1, ``limit``] whose peak ``measure(b)`` (None: out of memory)
+    is at most ``budget``, in at most ``probes`` calls of ``measure``.
+
+    ``known``: (batch, peak) pairs already measured. Each probe is the batch where a line
+    through the two largest measured batches' peaks reaches ``budget`` (through one pair and
+    ``intercept``, the peak's part that does not grow with the batch, e.g. the gradients, when
+    only one is known), kept strictly between the largest fitting and the smallest missing
+    batch, so a good prediction ends in two probes (it fits, the next batch does not). A probe
+    is at most ``max_growth`` times the largest batch measured so far: a peak measured at a
+    small batch is mostly what does not grow with it, and a line through it alone can predict a
+    batch a hundred times larger, whose step would take as long as a hundred steps.
+    ``bracket`` (optional) is filled as probes come in, so a caller interrupted midway keeps
+    what was measured."""
+    out = bracket if bracket is not None else Bracket()
+    out.limit = limit
+    pts = sorted({b: p for b, p in known}.items())
+    for b, p in pts:
+        if p <= budget:
+            out.fits = max(out.fits, b)
+        elif out.misses is None or b < out.misses:
+            out.misses = b
+    for _ in range(probes):
+        top = limit if out.misses is None else out.misses - 1
+        if out.fits >= top:
+            break
+        if len(pts) >= 2:
+            (b1, p1), (b2, p2) = pts[-2], pts[-1]
+            slope = (p2 - p1) / (b2 - b1) if b2 != b1 else 0.0
+            base = p2 - slope * b2
+        elif pts:
+            b2, p2 = pts[-1]
+            slope, base = (p2 - intercept) / b2, float(intercept)
+        else:
+            slope, base = 0.0, 0.0
+        guess = int((budget - base) // slope) if slope > 0 else top
+        largest = max((b for b, _ in pts), default=out.fits) or 1
+        b = min(max(guess, out.fits + 1), top, max_growth * largest)
+        peak = measure(b)
+        out.probes.append((b, peak))
+        if peak is not None and peak <= budget:
+            out.fits = b
+        else:
+            out.misses = b if out.misses is None else min(out.misses, b)
+        if peak is not None:
+            pts = sorted({**dict(pts), b: peak}.items())
+    return out
+
+
+def peak_at(
+    model: nn.Module,
+    forward: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+    batch: int,
+    seq: int,
+    vocab: int,
+    device: torch.device | str,
+    seed: int = 0,
+    warmup: int = 1,
+) -> int | None:
+    """Peak of one forward+backward of ``model`` (as prepared: its strategy or plan kept) at
+    ``batch x seq`` random tokens, after ``warmup`` unmeasured steps (a compiled block compiles
+    at a new batch size there); None where CUDA ran out of memory."""
+    gen = torch.Generator().manual_seed(seed + batch)
+    x = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        forward(model, x, x).backward()
+
+    try:
+        for _ in range(warmup):
+            step()
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        return step_peak(step, device)
+    except torch.cuda.OutOfMemoryError:
+        return None
+    finally:
+        model.zero_grad(set_to_none=True)
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def grad_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters' gradients (part of a step's peak that does not grow with the
+    batch)."""
+    params = {id(p): p for p in model.parameters() if p.requires_grad}.values()
+    return sum(p.numel() * p.element_size() for p in params)
 
 
 def static_bytes(model: nn.Module) -> int:

@@ -22,6 +22,7 @@ from pathlib import Path
 from slimact.bench import document, plots
 from slimact.bench.tables import (  # noqa: F401  (model_table, pareto_front: public here too)
     MIB,
+    PEAK_DECIDES,
     anchor_lines,
     by_case,
     findings,
@@ -120,6 +121,14 @@ def _machine(meta: dict) -> str:
     )
 
 
+def _dtype_note(suite: dict) -> str:
+    dtype, backend = suite.get("dtype"), suite.get("compile_backend")
+    parts = [f"weights {dtype}"] if dtype and dtype != "float32" else []
+    if backend and backend != "inductor":
+        parts.append(f"compile backend {backend}")
+    return "".join(f", {p}" for p in parts)
+
+
 def plot_names(suite: str, case: str) -> dict[str, str]:
     """PNG names of one case: ``bench_<suite>_<case slug>_<kind>.png`` (``llama-20m (V=32000)``
     -> ``llama-20m_V_32000``)."""
@@ -139,6 +148,13 @@ def _timing_line(c: dict, timing: dict | None) -> str:
         return "?" if v is None else f"{v:.2f}"
 
     failed = f", {len(timing['failed'])} failed" if timing.get("failed") else ""
+    if timing.get("mode") == "pairs":
+        return (
+            f"step time: each point against `none` right after it was measured, "
+            f"{timing.get('rounds')} interleaved rounds after {timing.get('warmup')} warm-up "
+            f"({len(timing.get('points', []))} points timed{failed}), 1-min load average "
+            f"{load(timing.get('load_before'))} -> {load(timing.get('load_after'))}"
+        )
     return (
         f"step time: {timing.get('rounds')} interleaved rounds of {len(timing.get('points', []))} "
         f"points after {timing.get('warmup')} warm-up{failed}, 1-min load average "
@@ -147,20 +163,35 @@ def _timing_line(c: dict, timing: dict | None) -> str:
 
 
 def _case_section(
-    suite: str, label: str, pts: list[dict], c: dict, timing: dict | None, plot_dir: Path | None
+    suite: str,
+    label: str,
+    pts: list[dict],
+    c: dict,
+    timing: dict | None,
+    plot_dir: Path | None,
+    cuda: bool = False,
 ) -> list[str]:
     steps = c.get("train_steps")
     params = next((p.get("params") for p in pts if p.get("params")), None)
     vocab = c.get("vocab_size")
+    training = f"{steps} training steps (lr {c.get('lr')})" if steps else "no training run"
     lines = [
         "",
         f"### {label}",
         "",
         f"{'' if params is None else f'{params:,} parameters; '}"
         f"{f'vocabulary {vocab:,}, random token ids; ' if vocab else ''}batch {c.get('batch')} x "
-        f"seq {c.get('seq')}; {_timing_line(c, timing)}; {steps} training steps "
-        f"(lr {c.get('lr')}).",
+        f"seq {c.get('seq')}; {_timing_line(c, timing)}; {training}.",
     ]
+    if cuda:
+        lines += ["", f"On CUDA the table leads with the peak: {PEAK_DECIDES}."]
+        mb = c.get("maxbatch")
+        if mb:
+            lines.append(
+                f"Max batch: the largest batch at seq {c.get('seq')} whose weights, AdamW "
+                f"moments and step peak fit {mb.get('cap')}, found in at most "
+                f"{mb.get('probes')} measured probes per point (≥: a lower bound)."
+            )
     base = next((p for p in measured(pts) if p["point"] == "none"), None)
     if base is not None and base.get("head_share") is not None:
         lines += [
@@ -168,7 +199,7 @@ def _case_section(
             f"The loss head (output projection and loss) holds {base['head_share']:.1%} of "
             f"`none`'s saved bytes ({base['head_saved_bytes'] / MIB:,.2f} MiB).",
         ]
-    lines += ["", model_table(pts, steps)]
+    lines += ["", model_table(pts, steps, lead_with_peak=cuda)]
     ok, fast = measured(pts), timed(pts)
     front = pareto_front([(p["saved_bytes"], p["step_time_s"]) for p in fast])
     if plot_dir is not None and ok:
@@ -196,7 +227,7 @@ def _case_section(
     al = anchor_lines(pts)
     if al:
         lines += ["", "Against the anchors:", ""] + [f"- {x}" for x in al]
-    fs = findings(pts)
+    fs = findings(pts, by_peak=cuda)
     lines += ["", "Where it falls short:", ""] + ([f"- {x}" for x in fs] or ["- nothing flagged."])
     return lines
 
@@ -213,7 +244,8 @@ def render_suite(name: str, result: dict, plot_dir: Path | None) -> str:
         f"{meta.get('start')}, wall {'' if wall is None else f'{wall / 60:.1f} min'}"
         f"{'' if meta.get('complete') else ' (**incomplete run**)'}; data: {meta.get('data')}.",
         f"- Suite: {meta['suite'].get('description')}; seed {meta['suite'].get('seed')}, "
-        f"compile budget {meta['suite'].get('compile_budget')}.",
+        f"compile budget {meta['suite'].get('compile_budget')}"
+        f"{_dtype_note(meta['suite'])}.",
     ]
     if meta.get("load_avg_start") or meta.get("load_avg_end"):
         when = [
@@ -241,7 +273,15 @@ def render_suite(name: str, result: dict, plot_dir: Path | None) -> str:
     cases = {c.get("case") or c["model"]: c for c in meta["suite"]["cases"]}
     timings = meta.get("timing") or {}
     for label, pts in by_case(result["points"]).items():
-        lines += _case_section(name, label, pts, cases.get(label, {}), timings.get(label), plot_dir)
+        lines += _case_section(
+            name,
+            label,
+            pts,
+            cases.get(label, {}),
+            timings.get(label),
+            plot_dir,
+            cuda=meta["suite"].get("device") == "cuda",
+        )
     return "\n".join(lines)
 
 

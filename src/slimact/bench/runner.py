@@ -1,7 +1,8 @@
 """Run one suite in one process and write its results JSON.
 
 Every model case runs in two phases, all points from the same seed on the same batch
-(``Data.batch``) with the same forward (and autocast context):
+(``Data.batch``) with the same forward (and autocast context), each on a copy of one model built
+once per case in the suite's dtype (``float32``, or ``bfloat16`` weights):
 
 **Phase 1, one point after another** (baseline ``none`` first):
 
@@ -13,7 +14,7 @@ Every model case runs in two phases, all points from the same seed on the same b
 2. the peak over one more step (``slimact.peak.step_peak``: live bytes above those at its start;
    CPU from the profiler's memory events, CUDA from the allocator): ``peak_bytes``, and
    ``peak_ratio`` against the baseline. That step is never timed;
-3. a short training run: ``train_steps`` AdamW steps (``slimact.train.make_optimizer``,
+3. unless ``train_steps`` is 0, a short training run: ``train_steps`` AdamW steps (``slimact.train.make_optimizer``,
    ``WarmupCosine``, clipping 0.5) on the embedded corpus (``slimact.data``: byte tokens,
    ``BatchLoader`` from the suite's seed, so every point sees the same batches) or, for a case
    with ``vocab_size``, on random ids from a seeded generator; giving the loss curve and the
@@ -27,16 +28,30 @@ anchor keeps its prepared forward) for
 interleaved rounds after ``warmup`` (``slimact.timing.interleaved``, baseline first in each
 round), giving ``step_time_s`` (median), ``step_time_ratio`` (median of per-round ratios against
 ``none``) with its spread, and tokens/s; the case's load average before and after the rounds goes
-to ``meta.timing``. Then the anchors are undone and the models freed.
+to ``meta.timing``. Then the anchors are undone and the models freed. A case with
+``timing="pairs"`` times each point against ``none`` right after its phase 1 instead
+(``timing_phase.PairTiming``) and frees its model then.
+
+**Max batch** (a case with ``maxbatch``): the largest batch of some points under a memory cap,
+on their prepared models, in a few probes predicted from the peak already measured
+(:func:`max_batch_phase`); ``max_batch`` in their records, the probes in ``meta.maxbatch``.
+
+**Time limits** (:mod:`slimact.bench.deadline`): each point but the baseline runs under
+``point_timeout_s`` cut to what is left of the suite's ``time_budget_s`` (less the max-batch
+phase's reserve); a point past it is recorded as timed out, points past the budget as not run.
+A whole-model compile (``compile-budget``) has its saved bytes read off the autograd graph on a
+call without the meter (``anchors.graph_saved_bytes``), so it is compiled once.
 
 A point that cannot run (``cola-m`` on a non-CoLA model, a strategy failing on a model) is recorded
 with ``skipped`` = the exception message, never dropped, and is not in the timing rounds. The JSON
 is rewritten after every point and after each case's timing, so an interrupted run leaves what it
-measured (``meta.complete`` is false until the end).
+measured (``meta.complete`` is false until the end); a suite with ``summary`` also rewrites
+``<suite>.summary.md``, the peak-first table of ``tables.summary_table``.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -49,12 +64,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._dynamo
+import torch.nn as nn
 
 from slimact import sites
 from slimact.bench import anchors
 from slimact.bench.case_data import Data, build, loss_fn, train_point
 from slimact.bench.cases import BenchPoint, ModelCase, Suite
-from slimact.bench.timing_phase import Live, release, time_case
+from slimact.bench.deadline import Deadline, PointTimeout, planner_threads, time_limit
+from slimact.bench.maxbatch import Bracket, grad_bytes, peak_at, predicted_search, static_bytes
+from slimact.bench.tables import summary_table
+from slimact.bench.timing_phase import BASELINE, Live, PairTiming, release, time_case
 from slimact.compare import grad_cosine, grads_of, measured_step, train_step_fn
 from slimact.data import load_data
 from slimact.envinfo import machine_info
@@ -118,6 +138,20 @@ def _ratio(value: float | None, base: float | None) -> float | None:
     return None if value is None or not base else value / base
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def case_model(case: ModelCase, suite: Suite, device: torch.device) -> nn.Module:
+    """The case's model from the suite's seed, on ``device``, in the suite's dtype: built once
+    per case and deep-copied for every point (a 350M-parameter model takes seconds to build)."""
+    model = build(case.model, device, suite.seed, case.vocab_size)
+    return model.to(_DTYPES[suite.dtype])
+
+
+def _graph_breaks() -> int:
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
 def measure_point(
     case: ModelCase,
     point_name: str,
@@ -126,9 +160,13 @@ def measure_point(
     baseline: dict | None,
     base_grads: dict[str, torch.Tensor] | None,
     log: Log,
+    source: nn.Module | None = None,
 ) -> tuple[dict, dict[str, torch.Tensor] | None, Live | None]:
     """Phase 1 of one (case, point): its record, the baseline's gradients (for the baseline
-    only), and the prepared model kept for the timing rounds (None when skipped)."""
+    only), and the prepared model kept for the timing rounds (None when skipped). ``source``:
+    the case's model (:func:`case_model`), copied for this point (None: built here). A
+    :class:`~slimact.bench.deadline.PointTimeout` on the way is recorded as the point's
+    ``skipped`` reason."""
     point = BenchPoint(point_name)
     device = data.device
     rec: dict[str, Any] = {
@@ -141,13 +179,15 @@ def measure_point(
     }
     t_start = time.perf_counter()
     ac = _autocast(device, suite.bf16)
-    model = build(case.model, device, suite.seed, case.vocab_size)
+    model = copy.deepcopy(source) if source is not None else case_model(case, suite, device)
     rec["params"] = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     rec["vocab_size"] = int(model.config.vocab_size)
     prepared, grads, live = None, None, None
     try:
         if point.is_anchor:
-            prepared = anchors.prepare(point.anchor, model, loss_fn, device, suite.compile_budget)
+            prepared = anchors.prepare(
+                point.anchor, model, loss_fn, device, suite.compile_budget, suite.compile_backend
+            )
             forward, rec["note"] = prepared.forward, prepared.note
         else:
             apply(model, point.name)
@@ -164,25 +204,45 @@ def measure_point(
 
         x, y = data.batch
         seed_everything(suite.seed)
-        report, loss = measured_step(model, x, y, fwd)
-        grads = grads_of(model) if baseline is None else None
+        if prepared is not None and prepared.whole_graph:
+            breaks = _graph_breaks()
+            model.zero_grad(set_to_none=True)
+            out = fwd(model, x, y)
+            report, saved = None, anchors.graph_saved_bytes(out, model)
+            out.backward()
+            loss = float(out.detach().float())
+            del out
+            if _graph_breaks() > breaks:
+                rec["note"] += (
+                    f"; {_graph_breaks() - breaks} graph break(s): eager code between the "
+                    "compiled graphs saves bytes not counted here"
+                )
+        else:
+            report, loss = measured_step(model, x, y, fwd)
+            saved = int(report.total_bytes)
+        keep_on = device if device.type == "cuda" else "cpu"
+        grads = grads_of(model, keep_on) if baseline is None else None
         cosine = 1.0 if baseline is None else grad_cosine(base_grads, model)
-        saved, head = int(report.total_bytes), head_bytes(report)
+        head = head_bytes(report) if report is not None else None
         if prepared is not None and prepared.compiled:
             head = None  # the compiled graph's saves reach the meter unnamed
         if prepared is not None and not prepared.meter_sees_saves and device.type != "cuda":
             saved = int(baseline["saved_bytes"]) if baseline else saved
             head = baseline.get("head_saved_bytes") if baseline else head
         step = train_step_fn(model, x, y, fwd)
-        if prepared is not None and prepared.compiled:
+        if prepared is not None and prepared.compiled and not prepared.whole_graph:
             step()  # a call without the meter's hooks may recompile: not inside the peak
         model.zero_grad(set_to_none=True)  # the peak counts the step's gradients as its own
         peak = step_peak(step, device)
         model.zero_grad(set_to_none=True)
-        block, site_rows = _block_sites(report, sites.block_paths(model))
+        if report is not None:
+            block, site_rows = _block_sites(report, sites.block_paths(model))
+            block_bytes = int(report.block_bytes)
+        else:
+            block, site_rows, block_bytes = "", [], None
         rec.update(
             saved_bytes=saved,
-            block_saved_bytes=int(report.block_bytes),
+            block_saved_bytes=block_bytes,
             head_saved_bytes=head,
             head_share=_ratio(head, saved),
             first_loss=loss,
@@ -200,26 +260,26 @@ def measure_point(
         log(
             f"  {case.label:<22} {point.name:<26} saved {saved / 2**20:9.2f} MiB  "
             f"ratio {rec['ratio'] or 0:6.3f}  peak {peak / 2**20:9.2f} MiB  head {share}  "
-            f"cos {cosine:.5f}"
+            f"cos {cosine:.5f}  ({time.perf_counter() - t_start:.1f} s)"
         )
-        try:
-            rec["train"] = train_point(model, fwd, data, case, suite.seed)
-            log(
-                f"  {'':<22} {'':<26} loss@{case.train_steps} {rec['train']['val_loss']:.4f} "
-                f"(train {rec['train']['final_train_loss']:.4f})"
-            )
-            if rec["train"].get("plan_changes"):
-                rec["note"] = (rec["note"] + "; " if rec["note"] else "") + (
-                    f"plan re-solved {rec['train']['plan_changes']}x in training: bytes and peak "
-                    "are of the first plan, step time of the last"
-                )
-        except Exception as e:  # the measurement stands; the training failure is recorded
-            rec["train"] = {"error": f"{type(e).__name__}: {e}"}
-            log(f"  {'':<22} {'':<26} training failed: {e}")
+        if case.train_steps > 0:
+            _train(rec, model, fwd, data, case, suite, log)
         model.zero_grad(set_to_none=True)
-        live = Live(model, step, prepared.restore if prepared is not None else lambda: None)
+        live = Live(
+            model,
+            step,
+            prepared.restore if prepared is not None else lambda: None,
+            forward=fwd,
+        )
     except (KeyboardInterrupt, SystemExit):
         raise
+    except PointTimeout as e:
+        rec["skipped"] = f"timed out: {e}"
+        threads = planner_threads()
+        if threads:
+            rec["skipped"] += f" ({threads} planner thread(s) still running when abandoned)"
+        log(f"  {case.label:<22} {point.name:<26} {rec['skipped']}")
+        grads = None
     except Exception as e:
         rec["skipped"] = f"{type(e).__name__}: {e}".strip()
         rec["traceback_tail"] = traceback.format_exc().strip().splitlines()[-3:]
@@ -234,6 +294,113 @@ def measure_point(
                 torch.cuda.empty_cache()
     rec["wall_s"] = time.perf_counter() - t_start
     return rec, grads, live
+
+
+def _train(rec: dict, model, fwd, data: Data, case: ModelCase, suite: Suite, log: Log) -> None:
+    try:
+        rec["train"] = train_point(model, fwd, data, case, suite.seed)
+        log(
+            f"  {'':<22} {'':<26} loss@{case.train_steps} {rec['train']['val_loss']:.4f} "
+            f"(train {rec['train']['final_train_loss']:.4f})"
+        )
+        if rec["train"].get("plan_changes"):
+            rec["note"] = (rec["note"] + "; " if rec["note"] else "") + (
+                f"plan re-solved {rec['train']['plan_changes']}x in training: bytes and peak "
+                "are of the first plan, step time of the last"
+            )
+    except Exception as e:  # the measurement stands; the training failure is recorded
+        rec["train"] = {"error": f"{type(e).__name__}: {e}"}
+        log(f"  {'':<22} {'':<26} training failed: {e}")
+
+
+def not_run(case: ModelCase, point_name: str, why: str) -> dict:
+    """The record of a point the run did not start (the suite's time budget was spent)."""
+    point = BenchPoint(point_name)
+    return {
+        "model": case.model,
+        "case": case.label,
+        "point": point.name,
+        "kind": point.kind,
+        "skipped": why,
+        "note": "",
+        "wall_s": 0.0,
+    }
+
+
+# ----------------------------------------------------------------------------- max batch
+def max_batch_phase(
+    case: ModelCase,
+    live: dict[str, Live],
+    records: dict[str, dict],
+    data: Data,
+    suite: Suite,
+    deadline: Deadline,
+    log: Log,
+) -> dict:
+    """The largest batch of each of ``case.maxbatch.points`` under its cap, on the point's
+    prepared model (its strategy, anchor or compiled plan as measured for the table), in a
+    few probes (``slimact.bench.maxbatch.predicted_search``) from the peak already measured
+    at the case's batch. Fills ``max_batch`` / ``max_batch_exact`` of the records; returns
+    ``meta.maxbatch[<case>]``."""
+    spec = case.maxbatch
+    assert spec is not None
+    cap = spec.cap_bytes
+    out: dict[str, Any] = {**spec.config(), "seq": case.seq, "points": {}}
+    for name in spec.points:
+        kept, rec = live.get(name), records.get(name, {})
+        if kept is None or rec.get("peak_bytes") is None or kept.forward is None:
+            out["points"][name] = {"skipped": "the point did not run"}
+            continue
+        left = deadline.limit(case.point_timeout_s)
+        if left is not None and left <= 0:
+            out["points"][name] = {"skipped": "not run: the suite's time budget was spent"}
+            continue
+        t0 = time.perf_counter()
+        static = static_bytes(kept.model) if spec.include_static else 0
+        vocab = int(kept.model.config.vocab_size)
+        bracket, timed_out = Bracket(limit=spec.limit), None
+
+        def measure(b: int, kept: Live = kept, vocab: int = vocab) -> int | None:
+            return peak_at(kept.model, kept.forward, b, case.seq, vocab, data.device, suite.seed)
+
+        try:
+            with time_limit(left, f"max batch of {name}"):
+                predicted_search(
+                    measure,
+                    [(case.batch, int(rec["peak_bytes"]))],
+                    cap - static,
+                    spec.probes,
+                    spec.limit,
+                    intercept=grad_bytes(kept.model),
+                    bracket=bracket,
+                )
+        except PointTimeout as e:
+            timed_out = str(e)
+        except Exception as e:
+            timed_out = f"{type(e).__name__}: {e}".strip()
+        row = {
+            "max_batch": bracket.fits,
+            "exact": bracket.exact,
+            "smallest_miss": bracket.misses,
+            "probes": [[b, p] for b, p in bracket.probes],
+            "static_bytes": static,
+            "wall_s": time.perf_counter() - t0,
+        }
+        if timed_out:
+            row["stopped"] = timed_out
+        out["points"][name] = row
+        rec.update(max_batch=bracket.fits, max_batch_exact=bracket.exact)
+        bound = "" if bracket.exact else " (lower bound)"
+        log(
+            f"  {case.label:<22} {name:<26} max batch {bracket.fits}{bound} under "
+            f"{cap / 2**30:.1f} GiB in {len(bracket.probes)} probe(s), "
+            f"{row['wall_s']:.1f} s{'; ' + timed_out if timed_out else ''}"
+        )
+    base = (out["points"].get(BASELINE) or {}).get("max_batch")
+    for row in out["points"].values():
+        if "max_batch" in row:
+            row["ratio_to_none"] = row["max_batch"] / base if base else None
+    return out
 
 
 # ----------------------------------------------------------------------------- the suite
@@ -320,34 +487,93 @@ def run_suite(
         meta["gpu_total_bytes"] = torch.cuda.get_device_properties(device).total_memory
     result: dict[str, Any] = {"meta": meta, "points": []}
     splits = load_data(data) if byte_cases else None
-    log(f"slimact bench {suite.name}: {sum(len(c.points) for c in suite.cases)} points -> {path}")
+    deadline = Deadline(suite.time_budget_s)
+    budget = "" if suite.time_budget_s is None else f", time budget {suite.time_budget_s:.0f} s"
+    log(
+        f"slimact bench {suite.name}: {sum(len(c.points) for c in suite.cases)} points{budget} "
+        f"-> {path}"
+    )
+
+    def save() -> None:
+        meta["wall_s"] = time.perf_counter() - t0
+        _write(path, result)
+        if suite.summary:
+            _write_text(path.with_suffix(".summary.md"), summary_table(result))
+
     for case in suite.cases:
         case_data = Data(case, splits, suite.seed, device)
+        source = case_model(case, suite, device)
+        reserve = case.maxbatch.reserve_s if case.maxbatch else 0.0
+        keep = set(case.maxbatch.points) if case.maxbatch else set()
         baseline, base_grads = None, None
         live: dict[str, Live] = {}
         records: dict[str, dict] = {}
+        pairs: PairTiming | None = None
         try:
             for p in case.points:  # phase 1: one point after another
-                rec, grads, kept = measure_point(
-                    case, p.name, case_data, suite, baseline, base_grads, log
-                )
-                if baseline is None:
-                    if rec["skipped"]:
-                        raise RuntimeError(f"the baseline of {case.label} failed: {rec['skipped']}")
-                    baseline, base_grads = rec, grads
+                limit = deadline.limit(case.point_timeout_s, reserve)
+                if limit is not None and limit <= 0 and baseline is not None:
+                    rec = not_run(case, p.name, "not run: the suite's time budget was spent")
+                    records[p.name] = rec
+                    result["points"].append(rec)
+                    log(f"  {case.label:<22} {p.name:<26} {rec['skipped']}")
+                    save()
+                    continue
+                kept, rec = None, None
+                try:
+                    with time_limit(None if baseline is None else limit, f"point {p.name}"):
+                        rec, grads, kept = measure_point(
+                            case, p.name, case_data, suite, baseline, base_grads, log, source
+                        )
+                        records[p.name] = rec
+                        if baseline is None:
+                            if rec["skipped"]:
+                                raise RuntimeError(
+                                    f"the baseline of {case.label} failed: {rec['skipped']}"
+                                )
+                            baseline, base_grads = rec, grads
+                            if case.timing == "pairs":
+                                pairs = PairTiming(case, kept, records, log)
+                        elif pairs is not None and kept is not None:
+                            pairs.time(p.name, kept)
+                except PointTimeout as e:  # in its timing rounds (measure_point records its own)
+                    if rec is None:
+                        rec = records[p.name] = not_run(case, p.name, f"timed out: {e}")
+                    else:
+                        rec.update(timing_error=f"timed out: {e}", step_time_s=None)
+                    log(f"  {case.label:<22} {p.name:<26} timed out: {e}")
                 if kept is not None:
-                    live[p.name] = kept
-                records[p.name] = rec
+                    if pairs is None or p.name == BASELINE or p.name in keep:
+                        live[p.name] = kept
+                    else:
+                        release({p.name: kept}, device)
                 result["points"].append(rec)
-                meta["wall_s"] = time.perf_counter() - t0
-                _write(path, result)
+                save()
             base_grads = None
-            meta["timing"][case.label] = time_case(case, live, records, log)  # phase 2
+            if pairs is not None:  # phase 2 was done point by point
+                meta["timing"][case.label] = pairs.summary()
+            else:
+                meta["timing"][case.label] = time_case(case, live, records, log)
+            save()
+            if case.maxbatch is not None:
+                meta.setdefault("maxbatch", {})[case.label] = max_batch_phase(
+                    case, live, records, case_data, suite, deadline, log
+                )
         finally:
             release(live, device)
-        meta["wall_s"] = time.perf_counter() - t0
-        _write(path, result)
+            del source
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        save()
+        if suite.summary:
+            log(summary_table(result, case.label))
     meta.update(end=_now(), wall_s=time.perf_counter() - t0, complete=True, load_avg_end=_load())
-    _write(path, result)
+    save()
     log(f"wrote {path} ({meta['wall_s'] / 60:.1f} min)")
     return path
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

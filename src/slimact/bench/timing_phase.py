@@ -19,10 +19,16 @@ It returns the case-level record (``meta.timing[<case>]``): rounds, warm-up, the
 average before and after the rounds, their wall time, the points timed. A point whose step raises
 during the rounds is dropped (``timing_error`` in its record) and the rounds restart without it;
 if the baseline fails, no point gets a ratio.
+
+A case with ``timing="pairs"`` instead times each point right after phase 1 measured it, in
+rounds of its own against the baseline (:class:`PairTiming`: ``none, p | none, p | ...``), so
+a run cut short keeps every finished point's ratio and only the baseline's model stays alive.
+The baseline's ``step_time_s`` is then the median of its calls in all pairs.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from slimact.bench.cases import ModelCase
-from slimact.timing import interleaved
+from slimact.timing import RatioStats, interleaved
 
 Log = Callable[[str], None]
 BASELINE = "none"
@@ -44,6 +50,7 @@ class Live:
     model: nn.Module
     step: Callable[[], None]  # ``slimact.compare.train_step_fn``: zero_grad, forward, backward
     restore: Callable[[], None] = field(default=lambda: None)  # the anchor's undo, if any
+    forward: Callable[..., torch.Tensor] | None = None  # (model, x, y) -> loss: other batches
 
 
 class _PointFailed(Exception):
@@ -119,3 +126,66 @@ def release(live: dict[str, Live], device: torch.device) -> None:
     live.clear()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+class PairTiming:
+    """Timing by pairs (module docstring): :meth:`time` after each point, :meth:`summary` for
+    ``meta.timing[<case>]``."""
+
+    def __init__(self, case: ModelCase, base: Live, records: dict[str, dict], log: Log) -> None:
+        self.case, self.base, self.records, self.log = case, base, records, log
+        self.base_times: list[float] = []
+        self.timed: list[str] = []
+        self.failed: dict[str, str] = {}
+        self.loads: list[float | None] = []
+        self.wall_s = 0.0
+
+    def time(self, name: str, kept: Live) -> None:
+        """Rounds of (baseline, ``name``); fills the timing keys of both records."""
+        t0 = time.perf_counter()
+        steps = {BASELINE: _guarded(BASELINE, self.base), name: _guarded(name, kept)}
+        try:
+            timing = interleaved(steps, rounds=self.case.timing_steps, warmup=self.case.warmup)
+        except _PointFailed as e:
+            error = f"{type(e.error).__name__}: {e.error}".strip()
+            failed = name if e.name == name else BASELINE
+            self.failed[name] = error if failed == name else f"baseline failed: {error}"
+            self.records[name].update(
+                timing_error=self.failed[name], step_time_s=None, step_time_ratio=None
+            )
+            self.log(f"  {self.case.label:<22} {name:<26} timing failed: {error[:150]}")
+            return
+        finally:
+            self.wall_s += time.perf_counter() - t0
+        self.loads += [timing.load_before, timing.load_after]
+        self.timed.append(name)
+        s, ratio = timing.median_s(name), timing.ratio(name, BASELINE)
+        self.records[name].update(
+            step_time_s=s,
+            step_time_ratio=ratio.median,
+            step_time_ratio_spread=ratio.to_dict(),
+            tokens_per_s=self.case.tokens_per_step / s if s > 0 else None,
+            baseline_step_time_s=timing.median_s(BASELINE),
+        )
+        self.base_times += timing.times[BASELINE]
+        base = statistics.median(self.base_times)
+        self.records[BASELINE].update(
+            step_time_s=base,
+            step_time_ratio=1.0,
+            step_time_ratio_spread=RatioStats.of([1.0] * len(self.base_times)).to_dict(),
+            tokens_per_s=self.case.tokens_per_step / base if base > 0 else None,
+        )
+        self.log(f"  {self.case.label:<22} {name:<26} step {s:7.3f} s  ratio {ratio}")
+
+    def summary(self) -> dict:
+        return {
+            "case": self.case.label,
+            "mode": "pairs",
+            "rounds": self.case.timing_steps,
+            "warmup": self.case.warmup,
+            "points": [BASELINE, *self.timed] if self.timed else [],
+            "load_before": self.loads[0] if self.loads else None,
+            "load_after": self.loads[-1] if self.loads else None,
+            "wall_s": self.wall_s,
+            "failed": self.failed,
+        }
