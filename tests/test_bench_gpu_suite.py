@@ -247,7 +247,7 @@ def test_gpu_suite_every_point_on_cpu(tmp_path, one_thread):
         assert p["skipped"] is None, (name, p["skipped"])
         assert p["step_time_s"] > 0 and p["grad_cosine"] > 0.99, name
     auto10, auto25 = (pts[f"compiled-auto@{b}%{GPU_AUTO_GRID}"] for b in (10, 25))
-    assert auto10["saved_bytes"] < auto25["saved_bytes"] < pts["none"]["saved_bytes"]
+    assert auto10["saved_bytes"] <= auto25["saved_bytes"] < pts["none"]["saved_bytes"]
     mb = res["meta"]["maxbatch"]["llama-tiny (V=1000)"]["points"]
     assert all(row.get("max_batch", 0) > 0 for row in mb.values()), mb
     assert torch.get_num_threads() == 1

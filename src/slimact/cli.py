@@ -29,6 +29,7 @@ from slimact.bench import maxbatch
 from slimact.budget import add_budget_argument
 from slimact.cola import cli as cola_cli
 from slimact.compare import CompareConfig, compare
+from slimact.compiled.advice import compiled_rivals, documented_dominance, measured_dominance
 from slimact.models import count_params, get_spec, model_names
 from slimact.planner import cli as plan_cli
 from slimact.registry import add_compile_argument, cli_spec
@@ -80,6 +81,12 @@ def _add_memory(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--vocab", type=int, default=None, help="override the model's vocabulary size")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--compare-compiled",
+        action="store_true",
+        help="also measure the strategy's compile=True form and compiled-recompute in the same "
+        "rounds, and say which one dominates it here (more builds and compiles: slower)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -89,9 +96,10 @@ def _run_memory(args: argparse.Namespace) -> int:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     device = _device(args.device) if args.device else default_device()
+    cfg_spec = cli_spec(args.strategy, args.budget, args.compile)
     cfg = CompareConfig(
         model=args.model,
-        strategy=cli_spec(args.strategy, args.budget, args.compile),
+        strategy=cfg_spec,
         batch=args.batch,
         seq=args.seq,
         seed=args.seed,
@@ -100,30 +108,71 @@ def _run_memory(args: argparse.Namespace) -> int:
         device=device,
         dtype=args.dtype,
         vocab_size=args.vocab,
+        rivals=tuple(compiled_rivals(cfg_spec)) if args.compare_compiled else (),
     )
     res = compare(cfg)
+    res["advice"] = memory_advice(res)
     if args.json:
         print(json.dumps(res))
         return 0
-    print(
-        f"model {res['model']} ({res['params']:,} params), batch {res['batch']} x seq {res['seq']}"
-    )
-    print(f"{'':<22} {'baseline':>14} {res['strategy']:>14}")
-    print(
-        f"{'saved activations':<22} {fmt_bytes(res['baseline_saved_bytes']):>14} {fmt_bytes(res['saved_bytes']):>14}"
-    )
-    print(
-        f"{'peak over a step':<22} {fmt_bytes(res['baseline_peak_bytes']):>14} {fmt_bytes(res['peak_bytes']):>14}"
-    )
-    print(f"{'step time (s)':<22} {res['baseline_step_time_s']:>14.4f} {res['step_time_s']:>14.4f}")
-    print(f"{'loss':<22} {res['baseline_loss']:>14.5f} {res['loss']:>14.5f}")
+    print("\n".join(memory_lines(res)))
+    return 0
+
+
+def memory_advice(res: dict) -> str | None:
+    """``slimact memory``'s one-line warning when its strategy is dominated on this device: by a
+    rival measured in the run (``--compare-compiled``), else by the documented rule
+    (``slimact.compiled.advice``)."""
+    device_type = res["device"].split(":")[0]
+    rivals = [r for r in res.get("rivals", []) if "error" not in r]
+    if rivals:
+        how = {r["strategy"]: "--compile" for r in rivals}
+        return measured_dominance(res, rivals, device_type, how)
+    return documented_dominance(res["strategy"], device_type)
+
+
+def memory_lines(res: dict) -> list[str]:
+    """``slimact memory``'s table. On CUDA the peak leads (it decides whether a run fits)."""
+    cuda = res["device"].startswith("cuda")
+    names = [res["strategy"], *(r["strategy"] for r in res.get("rivals", []) if "error" not in r)]
+    rivals = {r["strategy"]: r for r in res.get("rivals", [])}
+
+    def row(label: str, base: str, key: str, fmt) -> str:
+        vals = [res[key], *(rivals[n].get(key) for n in names[1:])]
+        cells = "".join(f" {'-' if v is None else fmt(v):>18}" for v in vals)
+        return f"{label:<30} {fmt(res[base]):>18}{cells}"
+
+    def num(spec: str):
+        return lambda v: format(v, spec)
+
+    peak = row("peak over a step", "baseline_peak_bytes", "peak_bytes", fmt_bytes)
+    saved = row("saved activations", "baseline_saved_bytes", "saved_bytes", fmt_bytes)
+    lines = [
+        f"model {res['model']} ({res['params']:,} params), batch {res['batch']} x seq "
+        f"{res['seq']}, {res['dtype']} on {res['device']}",
+        f"{'':<30} {'baseline':>18}" + "".join(f" {n[:18]:>18}" for n in names),
+        *([peak, saved] if cuda else [saved, peak]),
+        row("step time (s)", "baseline_step_time_s", "step_time_s", num(".4f")),
+        row("loss", "baseline_loss", "loss", num(".5f")),
+    ]
     spread = res["step_time_ratio_spread"]
-    print(
+    lines.append(
         f"ratio {res['ratio']:.4f}   step-time ratio {res['step_time_ratio']:.3f} "
         f"[{spread['min']:.3f}-{spread['max']:.3f} over {spread['n']} interleaved rounds, "
         f"load {res['timing']['load_before']}]   grad_cosine {res['grad_cosine']:.6f}"
     )
-    return 0
+    if cuda and res.get("peak_ratio") is not None:
+        lines.insert(
+            2,
+            f"peak ratio {res['peak_ratio']:.3f}: on CUDA the peak (the allocator's maximum "
+            "over a step) is what decides whether a run fits",
+        )
+    for r in res.get("rivals", []):
+        if "error" in r:
+            lines.append(f"{r['strategy']}: not measured ({r['error'][:160]})")
+    if res.get("advice"):
+        lines.append(res["advice"])
+    return lines
 
 
 def _device(name: str) -> str:

@@ -39,6 +39,7 @@ class CompareConfig:
     device: str = "cpu"
     dtype: str = "float32"
     vocab_size: int | None = None
+    rivals: tuple[str, ...] = ()  # more strategies measured beside it (--compare-compiled)
 
     def __post_init__(self) -> None:
         if self.batch < 1:
@@ -52,6 +53,9 @@ class CompareConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         resolve(self.strategy)  # unknown names fail here, listing the valid ones
+        object.__setattr__(self, "rivals", tuple(self.rivals))
+        for r in self.rivals:
+            resolve(r)
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -164,6 +168,8 @@ def compare(cfg: CompareConfig) -> dict:
     Saved bytes and loss from each model's first step (meter), ``grad_cosine`` from those
     gradients, peak memory from one more step each (:mod:`slimact.peak`), then ``cfg.steps``
     interleaved timing rounds (baseline, strategy, baseline, ...; :mod:`slimact.timing`).
+    ``cfg.rivals`` are measured the same way and timed in the same rounds (``rivals``: one
+    record each, or its ``error``).
     """
     device = torch.device(cfg.device)
     dtype = _DTYPES[cfg.dtype]
@@ -190,9 +196,31 @@ def compare(cfg: CompareConfig) -> dict:
     report, loss = measured_step(strat, x, y)
     cosine = grad_cosine(base_grads, strat)
     steps = {"baseline": train_step_fn(base, x, y), "strategy": train_step_fn(strat, x, y)}
+    rivals = {}
+    for name in cfg.rivals:  # measured as the strategy is; one that fails is reported, not fatal
+        try:
+            m = apply(build(), name)
+            seed_everything(cfg.seed)
+            r_report, r_loss = measured_step(m, x, y)
+            rivals[name] = {"strategy": name, "saved_bytes": r_report.total_bytes,
+                            "grad_cosine": grad_cosine(base_grads, m), "loss": r_loss}  # fmt: skip
+            step = train_step_fn(m, x, y)
+            step()  # a compiled rival compiles again without the meter: not in its peak
+            steps[name] = step
+        except Exception as e:
+            rivals[name] = {"strategy": name, "error": f"{type(e).__name__}: {e}"}
     peaks = {k: step_peak(fn, device) for k, fn in steps.items()}
     timing = interleaved(steps, rounds=cfg.steps, warmup=cfg.warmup)
     ratio = timing.ratio("strategy", "baseline")
+    for name, rec in rivals.items():
+        if name in steps:
+            rec.update(
+                peak_bytes=peaks[name],
+                step_time_s=timing.median_s(name),
+                step_time_ratio=timing.ratio(name, "baseline").median,
+                ratio=rec["saved_bytes"] / base_report.total_bytes,
+                peak_ratio=peaks[name] / peaks["baseline"] if peaks["baseline"] else None,
+            )
     return {
         "model": cfg.model,
         "strategy": cfg.strategy,
@@ -221,5 +249,6 @@ def compare(cfg: CompareConfig) -> dict:
         "grad_cosine": cosine,
         "loss": loss,
         "baseline_loss": base_loss,
+        "rivals": list(rivals.values()),
         "torch": torch.__version__,
     }

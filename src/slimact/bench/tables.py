@@ -169,6 +169,25 @@ PEAK_DECIDES = (
 )
 
 
+def _dominated_note(p: dict, pts: list[dict]) -> str:
+    """``dominated by X``: the fastest measured point with no higher peak and a shorter step
+    (slimact's points only: an anchor is a reference, not a choice to warn about)."""
+    if p["kind"] != "strategy" or p["point"] == "none":
+        return ""
+    rivals = [
+        a
+        for a in measured(pts)
+        if a is not p
+        and _dominates(a, p, "peak_bytes")
+        and a["peak_bytes"] <= p["peak_bytes"]
+        and a["step_time_s"] < p["step_time_s"]
+    ]
+    if not rivals:
+        return ""
+    best = min(rivals, key=lambda a: a["step_time_s"])
+    return f"dominated here by `{best['point']}` (no higher peak, faster)"
+
+
 def summary_table(result: dict, case: str | None = None) -> str:
     """The issue-style table of a run, peak first: per case, each point against eager ``none``
     (peak, max batch, act bytes, step time, min per-parameter gradient cosine), skipped and
@@ -219,7 +238,7 @@ def summary_table(result: dict, case: str | None = None) -> str:
                 lines.append(f"| {name} |" + " |" * 8 + f" {why} |")
                 continue
             step = p.get("step_time_s")
-            note = p.get("timing_error") or ""
+            note = p.get("timing_error") or _dominated_note(p, pts)
             cells = [
                 name,
                 _f(p.get("peak_ratio"), ".3f"),

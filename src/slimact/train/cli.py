@@ -22,6 +22,7 @@ from rich.table import Table
 
 from slimact import dist as sdist
 from slimact.budget import add_budget_argument
+from slimact.compiled.advice import documented_dominance
 from slimact.registry import add_compile_argument, cli_spec
 from slimact.train.config import BASELINES, DEVICES, DIST_MODES, TrainConfig
 from slimact.train.loop import TrainResult, train
@@ -107,12 +108,23 @@ def _bytes(v: int | None) -> str:
     return "-" if v is None else fmt_bytes(v)
 
 
+def _on_cuda(result: TrainResult) -> bool:
+    return str(result.device).startswith("cuda")
+
+
 def summary_rows(result: TrainResult) -> list[tuple[str, str]]:
-    """The run: model, strategy, steps, tokens/s, losses, saved bytes, run dir."""
+    """The run: model, strategy, steps, tokens/s, losses, saved bytes, run dir. On CUDA the
+    first step's peak follows the strategy: it decides whether a run fits."""
     cfg = result.config
+    peak = (
+        [("peak over fwd+bwd (1st step)", _bytes(result.peak_bytes) + " (decides what fits)")]
+        if _on_cuda(result)
+        else []
+    )
     return [
         ("model", f"{cfg.model} ({result.params:,} params) on {result.device}"),
         ("strategy", cfg.strategy),
+        *peak,
         (
             "steps",
             f"{result.steps} / {cfg.steps}" + (" (interrupted)" if result.interrupted else ""),
@@ -141,19 +153,20 @@ def side_by_side_rows(result: TrainResult) -> list[tuple[str, str, str, str]]:
 
     r = base.step_time_ratio
     spread = "-" if r is None else f"{r.median:.3f}x [{r.min:.2f}-{r.max:.2f}, {r.n} rounds]"
+    saved = (
+        "saved activations (1st step)",
+        _bytes(base.saved_bytes),
+        _bytes(result.saved_bytes),
+        ratio(result.saved_bytes, base.saved_bytes),
+    )
+    peak = (
+        "peak over fwd+bwd (1st step)",
+        _bytes(base.peak_bytes),
+        _bytes(result.peak_bytes),
+        ratio(result.peak_bytes, base.peak_bytes),
+    )
     return [
-        (
-            "saved activations (1st step)",
-            _bytes(base.saved_bytes),
-            _bytes(result.saved_bytes),
-            ratio(result.saved_bytes, base.saved_bytes),
-        ),
-        (
-            "peak over fwd+bwd (1st step)",
-            _bytes(base.peak_bytes),
-            _bytes(result.peak_bytes),
-            ratio(result.peak_bytes, base.peak_bytes),
-        ),
+        *([peak, saved] if _on_cuda(result) else [saved, peak]),
         (
             "step time fwd+bwd (median)",
             _num(base.step_time_s, ".3f") + " s",
@@ -177,6 +190,12 @@ def side_by_side_rows(result: TrainResult) -> list[tuple[str, str, str, str]]:
     ]
 
 
+def summary_advice(result: TrainResult) -> str | None:
+    """One line when the run's strategy is documented as dominated on its device (eager codec
+    policies on CUDA: ``slimact.compiled.advice``)."""
+    return documented_dominance(result.config.strategy, str(result.device).split(":")[0])
+
+
 def print_summary(result: TrainResult, console: Console | None = None) -> None:
     console = console or Console()
     table = Table(title="slimact train", show_header=False)
@@ -185,8 +204,11 @@ def print_summary(result: TrainResult, console: Console | None = None) -> None:
     for k, v in summary_rows(result):
         table.add_row(k, v)
     console.print(table)
+    advice = summary_advice(result)
     rows = side_by_side_rows(result)
     if not rows:
+        if advice:
+            console.print(advice, markup=False, highlight=False, soft_wrap=True)
         return
     base = result.baseline
     assert base is not None
@@ -201,11 +223,15 @@ def print_summary(result: TrainResult, console: Console | None = None) -> None:
     for row in rows:
         side.add_row(*row)
     console.print(side)
+    peak_note = " On CUDA the peak decides whether a run fits." if _on_cuda(result) else ""
     console.print(
         "Saved activations: bytes autograd keeps for backward (unique storages, parameters "
-        "excluded). Peak: live memory above the weights over one forward+backward. Step-time "
-        "ratio: median of per-step ratios, strategy and baseline interleaved."
+        "excluded). Peak: live memory above the weights over one forward+backward."
+        f"{peak_note} Step-time ratio: median of per-step ratios, strategy and baseline "
+        "interleaved."
     )
+    if advice:
+        console.print(advice, markup=False, highlight=False, soft_wrap=True)
 
 
 def check_run_dir(run_dir: Path) -> None:
