@@ -2,7 +2,8 @@
 
     slimact bench quick                  # a few minutes on CPU; then bench.md + BENCHMARKS.md
     slimact bench full --threads 2       # about an hour on a 2-core CPU
-    slimact bench gpu                    # on a GPU (cuda, bf16 autocast)
+    slimact bench gpu                    # one lent GPU, <= 8 min: llama-350m bf16, the issue table
+    slimact bench gpu --time-budget 300 --no-report   # what is left of a device call
     slimact bench quick --only-models llama-20m --only-strategies invact,int4
     slimact bench quick --compile        # every strategy in its compiled form, beside the anchors
     slimact bench --report-only          # regenerate the report from existing JSON
@@ -58,6 +59,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data", default=None, help="a .txt/.jsonl file or folder instead of the corpus"
     )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds the run may take (the gpu suite's own: 450); points that would start past "
+        "it are recorded as not run, and the max-batch phase keeps its reserve",
+    )
     add_compile_argument(p)
 
 
@@ -84,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
             selection = {"models": args.only_models, "points": args.only_strategies}
         if args.compile:  # after the selection, which names the suite's own points
             suite = suite.compiled()
+        if args.time_budget is not None:
+            if not args.time_budget > 0:
+                raise ValueError(f"--time-budget must be > 0 seconds, got {args.time_budget}")
+            suite = suite.override(time_budget_s=args.time_budget)
         torch.set_num_threads(args.threads or os.cpu_count() or 1)
         command = "slimact bench " + " ".join(
             sys.argv[1:] if sys.argv[1:2] != ["bench"] else sys.argv[2:]
