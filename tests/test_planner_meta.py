@@ -201,7 +201,7 @@ def test_scaled_plan_applies_and_the_meter_agrees(codec):
     widths in one block (64 and 172 channels) exercises one codec per channel count."""
     prof = profile_scaled("llama-tiny", 4, 64, ScaledConfig(max_tokens=32, codecs=(codec,)))
     plan = solve_plan(
-        prof, "40%", codecs=(codec,), recompute=False, reform=False, max_grad_err=None
+        prof, "45%", codecs=(codec,), recompute=False, reform=False, max_grad_err=None
     )  # INT4 on llama-tiny is above the default gradient cap; the bytes are what is tested
     assert any(c == codec for lp in plan.layers for c, _ in lp.codecs)
     ids = _ids(257, 4, 64)

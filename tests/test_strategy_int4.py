@@ -43,12 +43,15 @@ def test_int4_roles_memory_and_gradients(name):
     base, base_loss, g0 = run(fresh(name), x)
     rep, loss, g = run(fresh(name), x, "int4")
     assert loss == base_loss  # forward is untouched: only what backward reads is compressed
-    assert rep.total_bytes / base.total_bytes < 0.4
+    assert rep.total_bytes / base.total_bytes < 0.5  # q and k exact: 0.45 on gpt2-tiny
     assert min_cosine(g0, g) > 0.98
     actions = {r.site: r.action for r in rep.sites}
     first = ("layers.0.", "h.0.")
     sdpa = [s for s in actions if "scaled_dot_product_attention" in s and s.startswith(first)]
-    assert [actions[s] for s in sdpa[:3]] == ["codec:int8-channel"] * 3  # q, k, v
+    # q, k exact (the backward recomputes the softmax from them), v INT8 per channel where it
+    # has a storage of its own (GPT-2's q, k and v are views of one c_attn output: all kept)
+    v = "keep" if name == "gpt2-tiny" else "codec:int8-channel"
+    assert [actions[s] for s in sdpa[:3]] == ["keep", "keep", v]
     assert all(actions[s] == "keep" for s in sdpa[3:])  # output, logsumexp
     assert actions[":cross_entropy#0"] == "keep"
     linear = [s for s in actions if s.endswith(":linear#0") and "attn" not in s]
@@ -178,17 +181,18 @@ def test_nonfinite_activations_come_back_nonfinite():
 # ----------------------------------------------------------------------------- plans of rules
 
 
-RULES = {
-    "int4": ("int4-outlier-g16", "int8-channel", "int4-asym/g16", "bits"),
-    "int4-plain": ("int4/g16", "int8-channel", "int4-asym/g16", "bits"),
+RULES = {  # per role, in ROLES' order: act, qk (None: kept exact), qkv, scores, mask
+    "int4": ("int4-outlier-g16", None, "int8-channel", "int4-asym/g16", "bits"),
+    "int4-plain": ("int4/g16", None, "int8-channel", "int4-asym/g16", "bits"),
     "int4-paper": (
         "int4-outlier/paper_scale=True",
+        "int4-channel/paper_scale=True",
         "int4-channel/paper_scale=True",
         "int4-asym/paper_scale=True",
         "bits",
     ),
-    "int8": ("int8", "int8-channel", "int8-asym", "bits"),
-    "int4-naive": ("int4-token", "int4-token", "int4-token", "bits"),
+    "int8": ("int8", None, "int8-channel", "int8-asym", "bits"),
+    "int4-naive": ("int4-token", "int4-token", "int4-token", "int4-token", "bits"),
 }
 
 

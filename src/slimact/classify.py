@@ -4,9 +4,14 @@ One place for the questions every strategy and the planner ask:
 
 * a **site** ``"<module path>:<op>#k"`` (``slimact.sites``) names the k-th tensor ``op`` saved
   inside a module; ``parse_site`` splits it, ``role_of(site, t)`` says what the tensor is for a
-  lossy codec: ``act`` (inputs of linears, norms, activations), ``qkv`` (attention operands),
+  lossy codec: ``act`` (inputs of linears, norms, activations), ``qk`` (fused SDPA's q and k),
+  ``qkv`` (other attention operands: SDPA's v, an unfused attention's matmul operands),
   ``scores`` (softmax outputs, [.., S, S] operands), ``mask`` (dropout masks, 0/1 tensors), or
-  None (keep exact: statistics, losses, ids, constants, tensors below ``min_numel``);
+  None (keep exact: statistics, losses, ids, constants, tensors below ``min_numel``). Fused
+  SDPA's q and k are a role of their own because its backward *recomputes* the probabilities
+  from them, ``P = exp(q k^T / sqrt(d) - lse)`` against the exact saved logsumexp: an error δ
+  in a logit multiplies its probability by ``e^δ``, and δ grows with the logits as training
+  sharpens attention (an unfused attention saves P itself; its q/k errors stay linear);
   ``site_role(site, t, min_numel, sdpa_out)`` is ``role_of`` with SDPA's output optionally an
   ``act`` tensor (adacc.txt's rules: the role a plan's ``SiteRule`` maps to a codec);
   ``hidden_channels(t)`` is the channel count of its memory-order view (per-channel codecs);
@@ -37,7 +42,7 @@ from slimact.ops.inv_act import act_ref
 from slimact.ops.inv_act_approx import KINDS
 from slimact.ops.inv_norm import rms_norm_ref
 
-ROLES = ("act", "qkv", "scores", "mask")
+ROLES = ("act", "qk", "qkv", "scores", "mask")
 ACT_OPS = frozenset(
     {
         "linear",
@@ -68,7 +73,8 @@ def parse_site(site: str) -> tuple[str, str, int]:
 
 
 def role_of(site: str, t: torch.Tensor, min_numel: int = 1024) -> str | None:
-    """The role of a saved tensor (``act``/``qkv``/``scores``/``mask``) or None to keep it."""
+    """The role of a saved tensor (``act``/``qk``/``qkv``/``scores``/``mask``, module docstring)
+    or None to keep it."""
     _, op, k = parse_site(site)
     if not t.is_floating_point():
         # an inverted op's uint8 save is its packed sign bits (8 per byte), never a 0/1 mask:
@@ -90,7 +96,8 @@ def role_of(site: str, t: torch.Tensor, min_numel: int = 1024) -> str | None:
         if t.dim() != 4:
             return "act" if op != "scaled_dot_product_attention" else None
         if op == "scaled_dot_product_attention":
-            return "qkv" if k < 3 else None  # q, k, v come first; output/logsumexp stay exact
+            # q, k, v come first; output/logsumexp stay exact
+            return "qk" if k < 2 else "qkv" if k == 2 else None
         return "scores" if t.shape[-1] == t.shape[-2] else "qkv"
     if op in ACT_OPS or "silu" in op or "gelu" in op:
         return "act"

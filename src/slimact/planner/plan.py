@@ -16,7 +16,7 @@ included), plus predicted bytes and added time. ``Plan`` is a ``StrategyConfig``
 ``slimact.apply(model, plan)`` applies it; ``Plan.site_actions()`` is the flat site -> action map.
 
 A plan may also carry **lazy rules** (``SiteRule``): a decision that needs the first save. A rule
-maps a saved tensor's role (``slimact.classify.site_role``: act / qkv / scores / mask, read from
+maps a saved tensor's role (``slimact.classify.site_role``: act / qk / qkv / scores / mask, read from
 the site name and the tensor) to a codec label (``int4-outlier-g16``, ``int4-asym/g16``); the
 runtime builds the codec on the first save of each role and channel count. The fixed-rule codec
 strategies (``int4``, ``int4-plain``, ``int4-paper``, ``int4-naive``, ``int8``) are plans with one
@@ -259,7 +259,7 @@ class SiteRule:
     codecs: tuple[tuple[str, str], ...] = ()
     min_numel: int = 1024
     sdpa_out: bool = False
-    sized: tuple[str, ...] = ("act", "qkv")
+    sized: tuple[str, ...] = ("act", "qk", "qkv")
 
     def __post_init__(self) -> None:  # tuples also when read from JSON lists
         object.__setattr__(self, "codecs", tuple((r, c) for r, c in self.codecs))

@@ -11,8 +11,13 @@ built on the role's first save, one instance per channel count:
 * ``act``: inputs of ``linear``, norms (``layer_norm``, RMSNorm's ``pow``/``mul``), ``gelu`` /
   ``silu`` (and InvAct's float saves), SwiGLU's ``mul`` operands -> ``int4-outlier-g16`` (channels
   with Z-score > 3 exact, the rest INT4 per group of 16).
-* ``qkv``: the first three saves of ``scaled_dot_product_attention`` (q, k, v), operands of an
-  unfused attention ``matmul`` -> ``int8-channel`` (one scale per hidden channel).
+* ``qk``: fused SDPA's q and k -> kept exact. Its backward recomputes the probabilities from
+  them against the exact saved logsumexp, so a logit error δ scales a probability by ``e^δ``,
+  and δ grows as training sharpens attention: harmless at init (INT8 channel-wise gives a
+  gradient cosine of 0.9996 on llama-20m), the main cause of ``int4``'s loss gap once trained
+  (BENCHMARKS.md, the quality section).
+* ``qkv``: SDPA's v, operands of an unfused attention ``matmul`` -> ``int8-channel`` (one scale
+  per hidden channel); their errors stay linear in backward.
 * ``scores``: ``softmax`` outputs and ``[.., S, S]`` matmul operands (unfused attention only;
   fused SDPA keeps no scores) -> ``int4-asym``.
 * ``mask``: bool tensors (dropout masks), uint8 tensors holding only 0/1, and the float dropout
@@ -28,8 +33,9 @@ gradient cosine over parameters; benchmarks/results/quant.md): fused SDPA's back
 two nearly cancel, so any error in ``O`` swamps ``dS``: quantizing ``O`` (shared with
 ``o_proj``'s input) gives cosine 0.86-0.88, whatever the grouping. The paper's unfused attention
 has no such term. So SDPA's output and logsumexp stay exact and ``o_proj`` shares them. INT4
-channel-wise Q/K/V (the paper's choice) gives 0.956, INT8 channel-wise 0.9996, so the default is
-INT8 for Q/K/V. Groups of 16 instead of 128 for ``act`` lift the cosine from 0.982 to 0.991 at
+channel-wise Q/K/V (the paper's choice) gives 0.956, INT8 channel-wise 0.9996 at init, so the
+default is INT8 for V; q and k stay exact, since INT8 for them is what costs a trained model
+its gradients (the ``qk`` role above). Groups of 16 instead of 128 for ``act`` lift the cosine from 0.982 to 0.991 at
 0.75 instead of 0.53 bytes per value. Ablations: ``int4-plain`` (adacc.txt "w/o outlier":
 per-group INT4 for ``act``) and ``int8`` (INT8 everywhere, groups of 128).
 
@@ -85,6 +91,7 @@ class Int4Config(StrategyConfig):
     """Codec name per role (see the module docstring), plus shared quantization knobs."""
 
     act: str = "int4-outlier-g16"
+    qk: str | None = None  # fused SDPA's q and k: kept exact (module docstring)
     qkv: str = "int8-channel"
     scores: str = "int4-asym"
     mask: str = "bits"
@@ -97,6 +104,8 @@ class Int4Config(StrategyConfig):
     def __post_init__(self) -> None:
         for role in ROLES:
             name = getattr(self, role)
+            if name is None and role == "qk":
+                continue  # kept exact
             if name not in codec_names():
                 raise ValueError(
                     f"Int4Config.{role}={name!r} is not a codec; valid: {', '.join(codec_names())}"
@@ -125,7 +134,8 @@ class Int4Config(StrategyConfig):
         return dataclasses.replace(cfg, **{k: v for k, v in over.items() if k in names})
 
     def rule(self) -> SiteRule:
-        codecs = tuple((role, exact_label(self.role_codec(role))) for role in ROLES)
+        kept = {role for role in ROLES if getattr(self, role) is None}
+        codecs = tuple((r, exact_label(self.role_codec(r))) for r in ROLES if r not in kept)
         return SiteRule(codecs, self.min_numel, self.sdpa_out)
 
     def plan(self) -> Plan:
@@ -133,7 +143,7 @@ class Int4Config(StrategyConfig):
         return Plan(rules=(self.rule(),), meta=(("strategy", self.name),))
 
     def describe(self) -> str:
-        return ", ".join(f"{r}={getattr(self, r)}" for r in ROLES)
+        return ", ".join(f"{r}={getattr(self, r) or 'exact'}" for r in ROLES)
 
 
 @dataclass(frozen=True)
@@ -160,8 +170,15 @@ class NaiveInt4Config(StrategyConfig):
         """Every float role per token (one scale per row of the tensor's hidden channels, SDPA's
         output included), masks as bits."""
         token = exact_label(TokenQuantConfig(self.bits, 0, self.paper_scale))
-        codecs = (("act", token), ("qkv", token), ("scores", token), ("mask", "bits"))
-        return SiteRule(codecs, self.min_numel, sdpa_out=True, sized=("act", "qkv", "scores"))
+        codecs = (
+            ("act", token),
+            ("qk", token),
+            ("qkv", token),
+            ("scores", token),
+            ("mask", "bits"),
+        )
+        sized = ("act", "qk", "qkv", "scores")
+        return SiteRule(codecs, self.min_numel, sdpa_out=True, sized=sized)
 
     def plan(self) -> Plan:
         return Plan(rules=(self.rule(),), meta=(("strategy", self.name),))
@@ -194,7 +211,7 @@ register_strategy(
     "int4",
     Int4Config(),
     apply_int4,
-    "Adacc layer-specific INT4: outlier-separated act inputs, channel-wise Q/K/V, bit masks",
+    "Adacc layer-specific INT4: outlier-separated act inputs, exact q/k, channel-wise INT8 v, bit masks",
 )
 register_strategy(
     "int4-plain",
@@ -205,7 +222,12 @@ register_strategy(
 register_strategy(
     "int4-paper",
     Int4Config(
-        act="int4-outlier", qkv="int4-channel", group_size=128, paper_scale=True, sdpa_out=True
+        act="int4-outlier",
+        qk="int4-channel",
+        qkv="int4-channel",
+        group_size=128,
+        paper_scale=True,
+        sdpa_out=True,
     ),
     apply_int4,
     "adacc.txt §3.2 as written: divisors 8/16, INT4 Q/K/V, SDPA output compressed, groups of 128",
@@ -221,5 +243,5 @@ register_strategy(
     "int8",
     Int4Config(act="int8", qkv="int8-channel", scores="int8-asym", group_size=128),
     apply_int4,
-    "layer-specific INT8 (same roles as int4)",
+    "layer-specific INT8 (same roles as int4: q/k exact)",
 )
