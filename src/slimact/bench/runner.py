@@ -79,6 +79,7 @@ from slimact.compare import grad_cosine, grads_of, measured_step, train_step_fn
 from slimact.data import load_data
 from slimact.envinfo import machine_info
 from slimact.peak import step_peak
+from slimact.registry import COMPILED_PREFIX
 from slimact.strategies import applied, apply
 from slimact.utils import seed_everything
 
@@ -146,6 +147,11 @@ def case_model(case: ModelCase, suite: Suite, device: torch.device) -> nn.Module
     per case and deep-copied for every point (a 350M-parameter model takes seconds to build)."""
     model = build(case.model, device, suite.seed, case.vocab_size)
     return model.to(_DTYPES[suite.dtype])
+
+
+def _compiles_blocks(spec: str) -> bool:
+    """Whether strategy ``spec`` compiles the blocks (a ``compiled-*`` part)."""
+    return any(p.strip().startswith(COMPILED_PREFIX) for p in spec.split("+"))
 
 
 def _graph_breaks() -> int:
@@ -232,6 +238,8 @@ def measure_point(
         step = train_step_fn(model, x, y, fwd)
         if prepared is not None and prepared.compiled and not prepared.whole_graph:
             step()  # a call without the meter's hooks may recompile: not inside the peak
+        elif prepared is None and _compiles_blocks(point.name):
+            step()  # compiled blocks too (dynamo guards on the meter's torch-function mode)
         model.zero_grad(set_to_none=True)  # the peak counts the step's gradients as its own
         peak = step_peak(step, device)
         model.zero_grad(set_to_none=True)
