@@ -24,16 +24,27 @@ after the step without waiting for the device (``slimact.ops.deferred``), report
 checks that site on the host again from its next save on. A codec whose payload is correct
 whatever the verdict (within its contract, non-finite values exact or NaN out) implements it;
 the default is the checked :meth:`Codec.encode`.
+
+Random draws (stochastic rounding, ``rounding="stochastic"`` of the INT4/INT8 codecs): a codec
+whose encode draws (:attr:`Codec.draws`) takes each encode's seed from :func:`draw_seed`, which
+the saving policy enters around the encode with a seed of the site's name and the site's count
+of such encodes (:func:`site_draw_seed`; the count lives in the site's state, which checkpoints
+carry, so a resumed run draws what the uninterrupted one did). Outside a policy (a direct
+``encode``, the planner's trial encodes) the codec counts its own encodes instead. No torch
+generator is involved: global RNG streams are untouched, and the seed is a host integer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 import types
 import typing
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -94,6 +105,36 @@ def storage_nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+ROUNDING = ("nearest", "stochastic")  # slimact.ops.quant.ROUNDING (this layer does not import ops)
+_SEED_MASK = (1 << 62) - 1
+_DRAW_SEED: ContextVar[int | None] = ContextVar("slimact_draw_seed", default=None)
+
+
+def check_rounding(cfg: CodecConfig, rounding: str) -> None:
+    if rounding not in ROUNDING:
+        raise ValueError(
+            f"{type(cfg).__name__}.rounding must be one of {ROUNDING} (round to nearest, or "
+            f"stochastic rounding: unbiased), got {rounding!r}"
+        )
+
+
+def site_draw_seed(key: str, count: int) -> int:
+    """The 62-bit seed of the ``count``-th random encode of ``key`` (a site's name): a hash of
+    both on the host (blake2b), so neighbouring counts give unrelated seeds."""
+    digest = hashlib.blake2b(f"{key}#{count}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _SEED_MASK
+
+
+@contextmanager
+def draw_seed(seed: int) -> Iterator[None]:
+    """Inside, a codec's random encode draws from ``seed`` (see the module docstring)."""
+    token = _DRAW_SEED.set(seed & _SEED_MASK)
+    try:
+        yield
+    finally:
+        _DRAW_SEED.reset(token)
+
+
 @dataclass(frozen=True)
 class CodecConfig:
     """Base of codec configs; subclasses are frozen dataclasses validated in ``__post_init__``."""
@@ -123,6 +164,22 @@ class Codec(ABC):
 
     @abstractmethod
     def decode(self, packed: Packed) -> torch.Tensor: ...
+
+    @property
+    def draws(self) -> bool:
+        """Does an encode draw random numbers (``rounding="stochastic"``)? Then each one takes
+        :meth:`next_seed`, and the saving policy gives it its site's seed."""
+        return getattr(self.config, "rounding", "nearest") == "stochastic"
+
+    def next_seed(self) -> int:
+        """The seed of this encode's draws: the caller's (:func:`draw_seed`), else one of this
+        codec's label and its own count of such encodes."""
+        seed = _DRAW_SEED.get()
+        if seed is not None:
+            return seed
+        count = self.__dict__.get("own_draws", 0)
+        self.own_draws = count + 1
+        return site_draw_seed(codec_label(self.config), count)
 
     def encode_deferred(self, x: torch.Tensor, state: dict) -> Deferred:
         """Encode without reading the device on the host (see the module docstring). ``state``
@@ -205,11 +262,13 @@ def codec_name(config: CodecConfig) -> str:
 # stores: left out of labels, so one site reads the same label in every step
 _UNLABELED = frozenset({"channels", "backend", "seed", "nonfinite", "max_range"})
 _SHORT = {"group_size": "g", "bits": "b"}
+_FLAGS = {"sr": ("rounding", "stochastic")}  # parameters written as one word
 
 
 def codec_label(config: CodecConfig) -> str:
     """``<name>[/<params>]``: the nearest registered name (``codec_name``) and the parameters
-    that differ from its defaults, e.g. ``prac/r1=0.5,r2=0.1`` or ``int4-outlier/g32``. A codec
+    that differ from its defaults, e.g. ``prac/r1=0.5,r2=0.1``, ``int4-outlier/g32`` or
+    ``int4-outlier-g16/sr`` (stochastic rounding; ``rounding=stochastic`` reads the same). A codec
     that is not registered (not a planner candidate) may name itself with a ``label`` property."""
     own = getattr(config, "label", None)
     if isinstance(own, str) and own:
@@ -223,7 +282,11 @@ def codec_label(config: CodecConfig) -> str:
         value = getattr(config, f.name)
         if f.name in _UNLABELED or value == getattr(default, f.name):
             continue
-        diffs.append(f"{_SHORT[f.name]}{value}" if f.name in _SHORT else f"{f.name}={value}")
+        flag = next((w for w, fv in _FLAGS.items() if fv == (f.name, value)), None)
+        if flag is not None:
+            diffs.append(flag)
+        else:
+            diffs.append(f"{_SHORT[f.name]}{value}" if f.name in _SHORT else f"{f.name}={value}")
     return f"{name}/{','.join(diffs)}" if diffs else name
 
 
@@ -233,7 +296,7 @@ def codec_config(label: str) -> CodecConfig:
     ``<name>[/<params>]``: the registered default of ``name`` with the comma-separated
     parameters replaced, each ``field=value`` (parsed by the field's annotated type: ``None``,
     ``True``/``False``, an int, a float, else the text) or a short form (``g32``: group_size,
-    ``b8``: bits). ``codec_config(codec_label(c)) == c`` for every config ``c`` whose unlabeled
+    ``b8``: bits, ``sr``: rounding=stochastic). ``codec_config(codec_label(c)) == c`` for every config ``c`` whose unlabeled
     fields (``channels``, ``backend``, ...) are at their defaults."""
     if not isinstance(label, str):
         raise ValueError(f"a codec label is a string like 'int4-outlier/g32', got {label!r}")
@@ -249,8 +312,11 @@ def codec_config(label: str) -> CodecConfig:
     over: dict[str, Any] = {}
     for part in params.split(","):
         key, eq, text = part.partition("=")
+        flag = _FLAGS.get(part) if not eq else None
         if not eq and part[:1] in short and _INT.fullmatch(part[1:]):
             key, text = short[part[:1]], part[1:]
+        if key not in names and flag is not None and flag[0] in names:
+            key, text = flag
         if key not in names or key in over:
             why = "twice" if key in over else f"not a field of {type(default).__name__}"
             raise ValueError(f"codec label {label!r}: parameter {part!r} is {why}")

@@ -19,6 +19,11 @@ those values take the exact path (``nonfinite="raise"`` refuses them instead; be
 encode's capacity they are coded in band, exactly, by ``slimact.ops.quant``). Z-scores use the
 finite sums only; with fewer than two channels, or ``std == 0``, there are no outliers.
 
+``rounding="stochastic"`` rounds the quantized channels stochastically (unbiased, see
+``slimact.codecs.quant``); the exact channels are exact either way. A deferred encode draws
+what the checked encode of the same seed draws (the draws depend on the seed and the element
+index only), so the two stay bit for bit alike while the count is within the capacity.
+
 Extreme finite values (squares overflowing float32, rows beyond ``max_range`` times the median
 row) store the whole tensor exactly, as in ``slimact.codecs.quant`` (``row_stats``).
 
@@ -58,6 +63,7 @@ from slimact.codecs.quant import (
     quantized_from,
     quantized_payload,
     quantized_problem,
+    rounding_args,
     row_stats,
     rows_view,
     verdict,
@@ -123,9 +129,10 @@ class OutlierConfig(CodecConfig):
     nonfinite: str = "exact"
     backend: str = "auto"
     max_range: float | None = DEFAULT_MAX_RANGE
+    rounding: str = "nearest"  # or "stochastic" (slimact.codecs.quant)
 
     def __post_init__(self) -> None:
-        check_common(self, self.bits, self.nonfinite, self.backend)
+        check_common(self, self.bits, self.nonfinite, self.backend, self.rounding)
         check_group_size(self, self.group_size)
         check_max_range(self, self.max_range)
         if not isinstance(self.threshold, (int, float)) or not self.threshold > 0:
@@ -154,7 +161,7 @@ class OutlierCodec(Codec):
         keep = ~out_mask if idx.numel() else None
         q = quantize(
             x2d, bits=c.bits, group_size=c.group_size, symmetric=c.symmetric,
-            paper_scale=c.paper_scale, keep_cols=keep, backend=c.backend,
+            paper_scale=c.paper_scale, keep_cols=keep, backend=c.backend, **rounding_args(self),
         )  # fmt: skip
         reason = quantized_problem(x2d, 0, c.max_range, rows, q)
         if reason is not None:
@@ -199,7 +206,7 @@ class OutlierCodec(Codec):
             keep = ~torch.zeros_like(outlier).index_fill(0, idx, True) | ~outlier
         q = quantize(
             x2d, bits=c.bits, group_size=c.group_size, symmetric=c.symmetric,
-            paper_scale=c.paper_scale, keep_cols=keep, backend=c.backend,
+            paper_scale=c.paper_scale, keep_cols=keep, backend=c.backend, **rounding_args(self),
         )  # fmt: skip
         packed = self._packed(x, x2d, q, idx)
         if flags is not None:

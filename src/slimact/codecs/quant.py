@@ -6,6 +6,19 @@ such as softmax probabilities. ``int4-channel`` is the Q/K/V scheme: one symmetr
 channel (a column of the ``[rows, channels]`` memory view), no transpose. Math, packing and error
 bound (``|x - x^| <= S/2`` per group with the default divisors) are in ``slimact.ops.quant``.
 
+``rounding="stochastic"`` (every codec here, ``codecs.outlier`` and ``codecs.token`` too): codes
+``floor(x / S + u)``, ``u ~ U[0, 1)``, instead of to nearest: an unbiased decode (``E[x^] = x``
+inside the code range) at ``|x - x^| < S`` per group, so a gradient through the decoded tensor is
+unbiased in a linear op, as PRAC's estimator is (prac.txt's argument), where round-to-nearest
+leaves a fixed, data-dependent error that the steps do not average out. Same payload, same
+bytes; the draws are a hash of a seed and the element index (``slimact.ops.quant``), the seed
+the encode's (``Codec.next_seed``: the saving policy's, of the site and its count of encodes),
+so a run is reproducible and a resumed run draws as the uninterrupted one. The price: a hash per
+value in the quantize pass, twice the per-value error bound, and twice the mean squared error
+of one decode for values spread evenly between codes (``S^2/6`` against ``S^2/12``): noise that
+averages out over steps in place of an error that does not. Measured in BENCHMARKS.md
+(stochastic rounding).
+
 Cost per element of an fp32 tensor (4 bytes): INT4 with groups of 128 stores 0.5 + 4/128 bytes
 (7.5x smaller), ``int4-asym`` 0.5 + 8/128, INT8 1 + 4/128; encode is one read and one small
 write, decode one small read and one write, against a recomputation that re-runs the op.
@@ -60,6 +73,7 @@ from slimact.codecs.base import (
     CodecConfig,
     Deferred,
     Packed,
+    check_rounding,
     codec_name,
     exact_value,
     register_codec,
@@ -262,8 +276,11 @@ def scales_ok_values(values: list[float]) -> bool:
     return values[0] >= SCALE_FLOOR and all(v <= _F32_MAX for v in values[1:])
 
 
-def check_common(cfg: CodecConfig, bits: int, nonfinite: str, backend: str) -> None:
+def check_common(
+    cfg: CodecConfig, bits: int, nonfinite: str, backend: str, rounding: str = "nearest"
+) -> None:
     name = type(cfg).__name__
+    check_rounding(cfg, rounding)
     if bits not in (4, 8):
         raise ValueError(f"{name}.bits must be 4 or 8, got {bits!r}")
     if nonfinite not in NONFINITE_MODES:
@@ -302,6 +319,14 @@ def refuse_nonfinite(codec: Codec, x: torch.Tensor, counts: torch.Tensor, mode: 
         )
 
 
+def rounding_args(codec: Codec) -> dict:
+    """``rounding`` and ``seed`` for ``slimact.ops.quant``: a fresh seed
+    (``Codec.next_seed``) per stochastic encode, none for round-to-nearest."""
+    if not codec.draws:
+        return {"rounding": "nearest", "seed": 0}
+    return {"rounding": "stochastic", "seed": codec.next_seed()}
+
+
 def quantized_from(packed: Packed) -> Quantized:
     t, m = packed.tensors, packed.meta
     return Quantized(
@@ -328,9 +353,10 @@ class QuantConfig(CodecConfig):
     nonfinite: str = "exact"
     backend: str = "auto"
     max_range: float | None = DEFAULT_MAX_RANGE  # see range_problem; None: no check
+    rounding: str = "nearest"  # or "stochastic": unbiased (module docstring)
 
     def __post_init__(self) -> None:
-        check_common(self, self.bits, self.nonfinite, self.backend)
+        check_common(self, self.bits, self.nonfinite, self.backend, self.rounding)
         check_group_size(self, self.group_size)
         check_max_range(self, self.max_range)
 
@@ -344,7 +370,7 @@ class QuantCodec(Codec):
         rows = row_stats(x, 0, c.max_range)
         q = quantize(
             x, bits=c.bits, group_size=c.group_size, symmetric=c.symmetric,
-            paper_scale=c.paper_scale, backend=c.backend,
+            paper_scale=c.paper_scale, backend=c.backend, **rounding_args(self),
         )  # fmt: skip
         refuse_nonfinite(self, x, q.nonfinite, c.nonfinite)
         meta = {"numel": q.numel, "bits": c.bits, "group_size": c.group_size}
@@ -381,9 +407,10 @@ class ChannelQuantConfig(CodecConfig):
     nonfinite: str = "exact"
     backend: str = "auto"
     max_range: float | None = DEFAULT_MAX_RANGE
+    rounding: str = "nearest"  # or "stochastic" (module docstring)
 
     def __post_init__(self) -> None:
-        check_common(self, self.bits, self.nonfinite, self.backend)
+        check_common(self, self.bits, self.nonfinite, self.backend, self.rounding)
         check_max_range(self, self.max_range)
         if not isinstance(self.channels, int) or self.channels < 0:
             raise ValueError(
@@ -422,7 +449,9 @@ class ChannelQuantCodec(Codec):
                                          meta)  # fmt: skip
         x2d = channel_view(self, x, c.channels)
         rows = row_stats(x2d, 0, c.max_range)
-        q = quantize_channelwise(x2d, bits=c.bits, paper_scale=c.paper_scale, backend=c.backend)
+        q = quantize_channelwise(
+            x2d, bits=c.bits, paper_scale=c.paper_scale, backend=c.backend, **rounding_args(self)
+        )
         refuse_nonfinite(self, x, q.nonfinite, c.nonfinite)
         meta = {"numel": q.numel, "bits": c.bits, "group_size": 0, "channels": q.channels}
         return x2d, rows, q, Packed(quantized_payload(q), tuple(x.shape), x.dtype, x.device, meta)

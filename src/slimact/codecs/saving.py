@@ -25,6 +25,11 @@ one non-blocking copy when the forward ends (``end``) and reads at the start of 
 (``reset``), once the device has produced them. A verdict reporting a problem is counted in
 ``late[site][reason]`` with one ``RuntimeWarning`` per site, and the site is checked on the host
 again from its next save on.
+
+A codec that draws random numbers (stochastic rounding, ``Codec.draws``) encodes under a seed of
+the site's name and the site's count of such encodes (``codecs.base.site_draw_seed``), kept in
+the site's state: checkpoints carry it (``site_state_dict``), and a site whose codec changes (a
+new plan) keeps counting, so no two of its encodes share draws.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import torch
 import torch.nn as nn
 
 from slimact import actions, sites
-from slimact.codecs.base import Codec, Packed, codec_label
+from slimact.codecs.base import Codec, Packed, codec_label, draw_seed, site_draw_seed
 from slimact.ops.deferred import DeferredChecks
 from slimact.patching import override_forward
 from slimact.registry import AppliedChange
@@ -229,10 +234,19 @@ class CodecPolicy:
         sites_ = self.__dict__.setdefault("_sites", {})
         entry = sites_.get(site)
         if entry is None or (entry[0] is not None and entry[0]() is not codec):
-            entry = sites_[site] = (weakref.ref(codec), {})
+            draws = {"draws": entry[1]["draws"]} if entry and "draws" in entry[1] else {}
+            entry = sites_[site] = (weakref.ref(codec), draws)
         elif entry[0] is None:  # a state loaded from a checkpoint: this codec's from now on
             entry = sites_[site] = (weakref.ref(codec), entry[1])
         state = entry[1]
+        if not getattr(codec, "draws", False):
+            return self._encode_in(site, codec, x, state)
+        count = state.get("draws", 0)
+        state["draws"] = count + 1
+        with draw_seed(site_draw_seed(site, count)):
+            return self._encode_in(site, codec, x, state)
+
+    def _encode_in(self, site: str, codec: Codec, x: torch.Tensor, state: dict) -> Packed:
         if self.__dict__.get("deferred", True) and state.get("clean"):
             d = codec.encode_deferred(x, state)
             if d.verdict is not None:

@@ -42,6 +42,7 @@ from slimact.codecs.quant import (
     quantized_payload,
     quantized_problem,
     refuse_nonfinite,
+    rounding_args,
     row_stats,
     rows_view,
     verdict,
@@ -58,9 +59,10 @@ class TokenQuantConfig(CodecConfig):
     paper_scale: bool = True  # adacc.txt's S = max|x| / 8 (INT4)
     nonfinite: str = "exact"
     max_range: float | None = DEFAULT_MAX_RANGE
+    rounding: str = "nearest"  # or "stochastic" (slimact.codecs.quant; the clipped max excepted)
 
     def __post_init__(self) -> None:
-        check_common(self, self.bits, self.nonfinite, "ref")
+        check_common(self, self.bits, self.nonfinite, "ref", self.rounding)
         check_max_range(self, self.max_range)
         if not isinstance(self.channels, int) or self.channels < 0:
             raise ValueError(
@@ -81,7 +83,7 @@ class TokenQuantCodec(Codec):
         x2d = rows_view(self, x, c.channels)
         width = max(1, x2d.shape[1])
         rows = row_stats(x2d, 0, c.max_range)
-        q = quantize_ref(x2d, c.bits, width, True, c.paper_scale)
+        q = quantize_ref(x2d, c.bits, width, True, c.paper_scale, **rounding_args(self))
         refuse_nonfinite(self, x, q.nonfinite, c.nonfinite)
         meta = {"numel": q.numel, "bits": c.bits, "group_size": width}
         return x2d, rows, q, Packed(quantized_payload(q), tuple(x.shape), x.dtype, x.device, meta)

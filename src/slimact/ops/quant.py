@@ -31,6 +31,22 @@ to the output dtype's finite range, so a finite input never decodes to ±inf.
 ``keep_cols`` zeroes whole columns before quantization (the outlier channels of
 ``slimact.codecs.outlier``), fused into the same pass.
 
+*Stochastic rounding* (``rounding="stochastic"``) replaces the ``+ 1/2`` by a uniform draw:
+``q = floor(v + u)``, ``u ~ U[0, 1)``, so ``q`` is ``floor(v)`` with probability ``1 - frac(v)`` and
+``floor(v) + 1`` otherwise: ``E[q] = v`` and ``E[x^] = x`` for every value inside the code range
+(unbiased), at ``|x - x^| < S`` (one step, against half a step for round-to-nearest). Every
+scaled value stays inside the range: symmetric groups already span ``[-div, div]``; asymmetric
+ones take the divisor ``2^b - 2`` (14 for INT4: ``(x - O) / S`` in ``[-7, 7]``; the nearest
+mode's 15 puts the maximum at 7.5, which rounds up to the missing code 8 half the time); marked
+groups keep theirs. ``paper_scale`` divisors put the group maximum on the clipped code 8 by
+design: that one value per group stays biased, as in nearest mode. The fp32 rounding of
+``v + u`` adds a bias of at most half an ulp of ``2^(b-1)``: 2^-21 of a step (INT4), 2^-17 (INT8).
+
+The draws are a counter-based hash of ``(seed, flat element index)`` (``ops.stochastic``), so a
+seed fixes every draw and the ref, the compiled CPU path and the Triton kernel produce the same
+codes bit for bit; nothing is drawn from a torch generator and no draw is stored. The caller
+chooses the seed (``slimact.codecs.base``: a site's name and its count of encodes).
+
 Every kernel has a ``*_ref`` plain-PyTorch twin producing bit-identical codes and scales. Triton
 runs on CUDA (``backend="auto"``) or anywhere with ``backend="triton"`` (on CPU that needs
 ``TRITON_INTERPRET=1``, which is how the tests run it); on CPU ``"auto"`` runs the refs compiled
@@ -49,8 +65,11 @@ import torch.nn.functional as F
 
 from slimact.ops import compiled_ref
 from slimact.ops.quant_triton import kernels
+from slimact.ops.stochastic import draws as _draws
+from slimact.ops.stochastic import seed_halves, seed_tensor
 
 BACKENDS = ("auto", "ref", "triton")
+ROUNDING = ("nearest", "stochastic")
 _TINY = 1e-30
 _CHANNEL_BLOCK = 1024
 
@@ -88,12 +107,27 @@ def _check_float(x: torch.Tensor) -> None:
         raise TypeError(f"quantization needs a floating-point tensor, got dtype {x.dtype}")
 
 
-def divisor(bits: int, symmetric: bool, paper_scale: bool = False) -> float:
-    """The ``div`` of the module docstring: 7/15 (INT4, default), 8/16 (INT4, paper)."""
+def _check_rounding(rounding: str) -> None:
+    if rounding not in ROUNDING:
+        raise ValueError(f"rounding must be one of {ROUNDING}, got {rounding!r}")
+
+
+def _check_seed(seed: int) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+
+
+def divisor(
+    bits: int, symmetric: bool, paper_scale: bool = False, stochastic: bool = False
+) -> float:
+    """The ``div`` of the module docstring: 7/15 (INT4, default), 8/16 (INT4, paper); asymmetric
+    stochastic rounding (not paper): 14, so the maximum's code stays in range."""
     levels = 1 << bits
     if symmetric:
         return float(levels // 2 if paper_scale else levels // 2 - 1)
-    return float(levels if paper_scale else levels - 1)
+    if paper_scale:
+        return float(levels)
+    return float(levels - 2 if stochastic else levels - 1)
 
 
 def _limits(bits: int) -> tuple[int, int, int]:
@@ -112,13 +146,15 @@ def reserved_codes(x: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(x > 0, (1 << bits) - 1, torch.where(x < 0, 1, 0))
 
 
-def _codes(v, marked, bad, x, bits):
-    """Rounded, clamped, biased uint8 codes of the scaled values ``v``; in marked groups the
-    finite codes keep clear of the reserved ones, and ``bad`` values take theirs."""
+def _codes(v, marked, bad, x, bits, u=None):
+    """Rounded, clamped, biased uint8 codes of the scaled values ``v`` (to nearest, or
+    ``floor(v + u)`` given draws ``u``); in marked groups the finite codes keep clear of the
+    reserved ones, and ``bad`` values take theirs."""
     lo, hi, bias = _limits(bits)
     lo_t = torch.where(marked, float(lo + 2), float(lo))
     hi_t = torch.where(marked, float(hi - 1), float(hi))
-    r = torch.minimum(torch.maximum(torch.floor(v + 0.5), lo_t), hi_t) + bias
+    r = torch.floor(v + 0.5) if u is None else torch.floor(v + u)
+    r = torch.minimum(torch.maximum(r, lo_t), hi_t) + bias
     return torch.where(bad, reserved_codes(x, bits).to(r.dtype), r).to(torch.uint8)
 
 
@@ -191,16 +227,23 @@ def quantize_ref(
     symmetric: bool = True,
     paper_scale: bool = False,
     keep_cols: torch.Tensor | None = None,
+    rounding: str = "nearest",
+    seed: int = 0,
 ) -> Quantized:
-    """Per-group quantize+pack in plain PyTorch (``keep_cols``: bool [C], False -> zeroed)."""
-    return _quantize(compiled_ref.eager, x, bits, group_size, symmetric, paper_scale, keep_cols)
+    """Per-group quantize+pack in plain PyTorch (``keep_cols``: bool [C], False -> zeroed;
+    ``seed``: the draws of ``rounding="stochastic"``, see the module docstring)."""
+    _check_rounding(rounding)
+    _check_seed(seed)
+    st = seed_tensor(seed) if rounding == "stochastic" else None
+    return _quantize(compiled_ref.eager, x, bits, group_size, symmetric, paper_scale, keep_cols,
+                     st)  # fmt: skip
 
 
-def _quantize(run, x, bits, group_size, symmetric, paper_scale, keep_cols) -> Quantized:
+def _quantize(run, x, bits, group_size, symmetric, paper_scale, keep_cols, seed) -> Quantized:
     """The codes by ``run`` (``compiled_ref.run``: compiled on CPU; ``.eager``: the ref), then
-    packed eagerly."""
+    packed eagerly. ``seed``: a :func:`seed_tensor` (stochastic rounding) or None (nearest)."""
     u, scale, offset, nonfinite = run(
-        quantize_codes_ref, x.reshape(-1), keep_cols, bits=bits, group_size=group_size,
+        quantize_codes_ref, x.reshape(-1), keep_cols, seed, bits=bits, group_size=group_size,
         symmetric=symmetric, paper_scale=paper_scale,
     )  # fmt: skip
     n = x.numel()
@@ -210,6 +253,7 @@ def _quantize(run, x, bits, group_size, symmetric, paper_scale, keep_cols) -> Qu
 def quantize_codes_ref(
     x: torch.Tensor,
     keep_cols: torch.Tensor | None,
+    seed: torch.Tensor | None = None,
     *,
     bits: int,
     group_size: int,
@@ -217,7 +261,8 @@ def quantize_codes_ref(
     paper_scale: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The unpacked biased codes (one uint8 per value, padded to whole groups), scale, offset,
-    non-finite counts: what the CPU path compiles (``ops.compiled_ref``). Packing neighbours
+    non-finite counts: what the CPU path compiles (``ops.compiled_ref``); ``seed`` (a 0-d int64
+    tensor) rounds stochastically with :func:`uniform_ref`'s draws. Packing neighbours
     into one byte is a strided access that inductor does not vectorize, so it stays an eager
     op after the compiled call (llama-20m's 2048 x 1376 in groups of 16: 11 ms in all, the codes
     6 ms, against about 60 ms for the eager ref, one thread; the counts use :func:`count_true`)."""
@@ -242,8 +287,9 @@ def quantize_codes_ref(
         xo = (F.pad(xo, (0, pad)) if pad else xo).view(groups, gs)
     nonfinite = count_true(bad, -1)
     marked = nonfinite > 0
+    stochastic = seed is not None
     div = torch.where(
-        marked, marked_divisor(bits, symmetric), divisor(bits, symmetric, paper_scale)
+        marked, marked_divisor(bits, symmetric), divisor(bits, symmetric, paper_scale, stochastic)
     )
     if symmetric:
         scale, offset = xp.abs().amax(-1) / div, None
@@ -262,7 +308,8 @@ def quantize_codes_ref(
         scale = torch.where(torch.isinf(span), mx / div - mn / div, span / div)
         v = (xp - offset[..., None]) * _inverse(scale)[..., None]
         offset = offset.reshape(-1)
-    u = _codes(v, marked[..., None], bad, xo, bits).reshape(-1)
+    draws = _draws(v, seed)
+    u = _codes(v, marked[..., None], bad, xo, bits, draws).reshape(-1)
     scale = torch.where(marked, -scale, scale)  # the mark: the sign bit (also of a zero scale)
     return u, scale.reshape(-1), offset, nonfinite.reshape(-1)
 
@@ -342,28 +389,38 @@ def channel_scale(x2d: torch.Tensor, bits: int = 4, paper_scale: bool = False):
 
 
 def quantize_channelwise_ref(
-    x2d: torch.Tensor, bits: int = 4, paper_scale: bool = False
+    x2d: torch.Tensor,
+    bits: int = 4,
+    paper_scale: bool = False,
+    rounding: str = "nearest",
+    seed: int = 0,
 ) -> Quantized:
     """Channel-wise symmetric quantize+pack of an [R, C] tensor in plain PyTorch."""
-    return _quantize_channelwise(compiled_ref.eager, x2d, bits, paper_scale)
+    _check_rounding(rounding)
+    _check_seed(seed)
+    st = seed_tensor(seed) if rounding == "stochastic" else None
+    return _quantize_channelwise(compiled_ref.eager, x2d, bits, paper_scale, st)
 
 
-def _quantize_channelwise(run, x2d: torch.Tensor, bits: int, paper_scale: bool) -> Quantized:
-    u, scale, counts = run(quantize_channelwise_codes_ref, x2d, bits=bits, paper_scale=paper_scale)
+def _quantize_channelwise(run, x2d, bits: int, paper_scale: bool, seed) -> Quantized:
+    u, scale, counts = run(
+        quantize_channelwise_codes_ref, x2d, seed, bits=bits, paper_scale=paper_scale
+    )
     n, c = x2d.numel(), x2d.shape[1]
     return Quantized(_pack(u, n, bits), scale, None, counts, n, bits, 0, channels=c)
 
 
 def quantize_channelwise_codes_ref(
-    x2d: torch.Tensor, *, bits: int, paper_scale: bool
+    x2d: torch.Tensor, seed: torch.Tensor | None = None, *, bits: int, paper_scale: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Unpacked biased codes, scale, counts: what the CPU path compiles."""
+    """Unpacked biased codes, scale, counts: what the CPU path compiles (``seed``: as
+    :func:`quantize_codes_ref`'s)."""
     n = x2d.numel()
     scale, counts = channel_scale(x2d, bits, paper_scale)
     xo = x2d.float()
     finite = torch.isfinite(xo)
     v = torch.where(finite, xo, 0.0) * _inverse(scale.abs())
-    u = _codes(v, torch.signbit(scale), ~finite, xo, bits).view(-1)
+    u = _codes(v, torch.signbit(scale), ~finite, xo, bits, _draws(v, seed)).view(-1)
     u = F.pad(u, (0, n % 2))
     return u, scale, counts
 
@@ -379,9 +436,13 @@ def quantize_triton(
     symmetric: bool = True,
     paper_scale: bool = False,
     keep_cols: torch.Tensor | None = None,
+    rounding: str = "nearest",
+    seed: int = 0,
 ) -> Quantized:
-    """Triton twin of :func:`quantize_ref` (same codes, scales and counts)."""
+    """Triton twin of :func:`quantize_ref` (same codes, scales and counts; the same draws)."""
     quant_kernel, _ = kernels()
+    stochastic = rounding == "stochastic"
+    s0, s1 = seed_halves(seed)
     x = x.contiguous().view(-1)
     n, gs = x.numel(), group_size
     groups = -(-n // gs)
@@ -396,18 +457,24 @@ def quantize_triton(
     if groups:
         quant_kernel[(groups,)](
             x, keep, scale, codes, scale, offset if offset is not None else scale, nonfinite,
-            n, c, divisor(bits, symmetric, paper_scale), marked_divisor(bits, symmetric),
-            BLOCK=gs, BITS=bits, SYM=symmetric, HAS_KEEP=keep_cols is not None,
-            PER_CHANNEL=False, LO=lo, HI=hi, BIAS=bias,
+            n, c, divisor(bits, symmetric, paper_scale, stochastic),
+            marked_divisor(bits, symmetric), s0, s1, BLOCK=gs, BITS=bits, SYM=symmetric,
+            HAS_KEEP=keep_cols is not None, PER_CHANNEL=False, STOCH=stochastic, LO=lo, HI=hi,
+            BIAS=bias, enable_fp_fusion=False,
         )  # fmt: skip
     return Quantized(codes, scale, offset, nonfinite, n, bits, gs)
 
 
 def quantize_channelwise_triton(
-    x2d: torch.Tensor, bits: int = 4, paper_scale: bool = False
+    x2d: torch.Tensor,
+    bits: int = 4,
+    paper_scale: bool = False,
+    rounding: str = "nearest",
+    seed: int = 0,
 ) -> Quantized:
     """Triton twin of :func:`quantize_channelwise_ref` (scales from the same torch reduction)."""
     quant_kernel, _ = kernels()
+    s0, s1 = seed_halves(seed)
     n, c = x2d.numel(), x2d.shape[1]
     lo, hi, bias = _limits(bits)
     scale, counts = channel_scale(x2d, bits, paper_scale)
@@ -417,8 +484,9 @@ def quantize_channelwise_triton(
     if n:
         grid = (-(-n // _CHANNEL_BLOCK),)
         quant_kernel[grid](
-            x, inv, inv, codes, scale, inv, counts, n, c, 1.0, 1.0, BLOCK=_CHANNEL_BLOCK,
-            BITS=bits, SYM=True, HAS_KEEP=False, PER_CHANNEL=True, LO=lo, HI=hi, BIAS=bias,
+            x, inv, inv, codes, scale, inv, counts, n, c, 1.0, 1.0, s0, s1,
+            BLOCK=_CHANNEL_BLOCK, BITS=bits, SYM=True, HAS_KEEP=False, PER_CHANNEL=True,
+            STOCH=rounding == "stochastic", LO=lo, HI=hi, BIAS=bias, enable_fp_fusion=False,
         )  # fmt: skip
     return Quantized(codes, scale, None, counts, n, bits, 0, channels=c)
 
@@ -451,35 +519,51 @@ def quantize(
     symmetric: bool = True,
     paper_scale: bool = False,
     keep_cols: torch.Tensor | None = None,
+    rounding: str = "nearest",
+    seed: int = 0,
     backend: str = "auto",
 ) -> Quantized:
-    """Per-group quantize+pack of ``x`` in memory order (see module docstring)."""
+    """Per-group quantize+pack of ``x`` in memory order (see module docstring); ``rounding``
+    ``"nearest"`` or ``"stochastic"`` (its draws a function of ``seed``)."""
     _check_float(x)
     _check_bits(bits)
     _check_group(group_size)
+    _check_rounding(rounding)
+    _check_seed(seed)
     if keep_cols is not None and (x.dim() == 0 or keep_cols.numel() != x.shape[-1]):
         raise ValueError(
             f"keep_cols must have one entry per last-dim channel ({x.shape[-1] if x.dim() else 0})"
             f", got {keep_cols.numel()}"
         )
     if _use_triton(x, backend):
-        return quantize_triton(x.contiguous(), bits, group_size, symmetric, paper_scale, keep_cols)
+        return quantize_triton(x.contiguous(), bits, group_size, symmetric, paper_scale, keep_cols,
+                               rounding, seed)  # fmt: skip
+    st = seed_tensor(seed) if rounding == "stochastic" else None
     return _quantize(_runner(backend), x.contiguous(), bits, group_size, symmetric, paper_scale,
-                     keep_cols)  # fmt: skip
+                     keep_cols, st)  # fmt: skip
 
 
 def quantize_channelwise(
-    x: torch.Tensor, *, bits: int = 4, paper_scale: bool = False, backend: str = "auto"
+    x: torch.Tensor,
+    *,
+    bits: int = 4,
+    paper_scale: bool = False,
+    rounding: str = "nearest",
+    seed: int = 0,
+    backend: str = "auto",
 ) -> Quantized:
     """Channel-wise symmetric quantize+pack: one scale per index of the last dimension."""
     _check_float(x)
     _check_bits(bits)
+    _check_rounding(rounding)
+    _check_seed(seed)
     if x.dim() == 0:
         x = x.reshape(1)
     x2d = x.contiguous().view(-1, x.shape[-1]) if x.shape[-1] else x.reshape(0, 1)
     if _use_triton(x, backend):
-        return quantize_channelwise_triton(x2d, bits, paper_scale)
-    return _quantize_channelwise(_runner(backend), x2d, bits, paper_scale)
+        return quantize_channelwise_triton(x2d, bits, paper_scale, rounding, seed)
+    st = seed_tensor(seed) if rounding == "stochastic" else None
+    return _quantize_channelwise(_runner(backend), x2d, bits, paper_scale, st)
 
 
 def dequantize(

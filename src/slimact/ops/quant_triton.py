@@ -5,7 +5,11 @@ per group (or per ``BLOCK`` values in channel-wise mode).
 nibble) is a row reduction; it zeroes non-finite values and ``keep`` columns, writes the group's
 fp32 scale (and offset, asymmetric) and its count of non-finite values, then the biased codes;
 a group holding non-finite values is marked (the sign bit of its scale, a smaller divisor, the
-reserved codes: ``quant.py``'s docstring). ``dequant_kernel`` is its inverse. ``quant.py`` launches them (``quantize_triton`` & co.) and
+reserved codes: ``quant.py``'s docstring). With ``STOCH`` it rounds ``floor(v + u)``, ``u`` the
+top 24 bits of ``quant.uniform_ref``'s hash of ``(s0, s1, element index)``, in wrapping uint32
+arithmetic (the ref's int64 arithmetic masked to 32 bits gives the same values). It is launched
+with ``enable_fp_fusion=False``: a fused ``x * inv + u`` (one rounding) can land on the other
+side of an integer than the ref's two roundings. ``dequant_kernel`` is its inverse. ``quant.py`` launches them (``quantize_triton`` & co.) and
 holds the ``*_ref`` twins they match bit for bit.
 
 ``triton`` is optional (``slimact[gpu]``): it is imported, and the kernels defined, on the first
@@ -23,10 +27,10 @@ def kernels():
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def quant_kernel(X, KEEP, INV, Q, S, OFF, NF, N, C, div, divm,
+    @triton.jit(do_not_specialize=["s0", "s1"])
+    def quant_kernel(X, KEEP, INV, Q, S, OFF, NF, N, C, div, divm, s0, s1,
                      BLOCK: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
-                     HAS_KEEP: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                     HAS_KEEP: tl.constexpr, PER_CHANNEL: tl.constexpr, STOCH: tl.constexpr,
                      LO: tl.constexpr, HI: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
         # one program = one group (or one block of BLOCK values in channel mode), seen as
         # [BLOCK/2, 2] pairs so INT4 packing is a row reduction
@@ -70,7 +74,23 @@ def kernels():
             v = (x - off) * inv
         lo = tl.where(marked, LO + 2, LO).to(tl.float32)
         hi = tl.where(marked, HI - 1, HI).to(tl.float32)
-        r = tl.minimum(tl.maximum(tl.floor(v + 0.5), lo), hi)
+        if STOCH:  # quant.uniform_ref's hash of the flat index (two mixer rounds), inlined
+            h = offs.to(tl.uint32) ^ s0.to(tl.uint32)
+            h = h ^ (h >> 16)
+            h = h * 0x7FEB352D
+            h = h ^ (h >> 15)
+            h = h * 0x5BD1E995
+            h = h ^ (h >> 16)
+            h = h ^ s1.to(tl.uint32)  # the index's high word is 0 (int32 offsets)
+            h = h ^ (h >> 16)
+            h = h * 0x7FEB352D
+            h = h ^ (h >> 15)
+            h = h * 0x5BD1E995
+            h = h ^ (h >> 16)
+            r = tl.floor(v + (h >> 8).to(tl.float32) * (1.0 / 16777216.0))
+        else:
+            r = tl.floor(v + 0.5)
+        r = tl.minimum(tl.maximum(r, lo), hi)
         special = tl.where(xo > 0, (1 << BITS) - 1, tl.where(xo < 0, 1, 0))
         u = tl.where(finite, r.to(tl.int32) + BIAS, special)
         if BITS == 4:
