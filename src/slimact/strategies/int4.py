@@ -56,6 +56,12 @@ maximum lands on +8 and is clipped to 7). Where it must still differ:
   ``min_numel`` values, ``cross_entropy``'s saves (the loss head is outside the paper's layers),
   integer and no-grad tensors stay as they are.
 
+Stochastic rounding: ``rounding="stochastic"`` (spec ``int4@sr`` or ``int4@rounding=stochastic``,
+on any of these configs: ``int8@sr``, ``int4-plain@sr``...) gives every quantizing role's codec
+unbiased rounding (``slimact.codecs.quant``; labels ``int4-outlier-g16/sr``,
+``int8-channel/sr``); bit masks and exact roles are unchanged. The spec also takes
+``group_size``, ``threshold`` and ``min_numel`` (``int4@sr,group_size=32``).
+
 ``int4-naive`` is the paper's *Quantization* baseline (§3.2 "Traditional compressions", Fig.
 3b(i); §4.1 "compresses data directly from FP16 to INT4"): every floating-point activation
 ``int4-paper`` compresses, SDPA's output included, per-token symmetric INT4 (one scale per row of
@@ -75,7 +81,16 @@ from slimact.codecs.base import CodecConfig, codec_config, codec_label, codec_na
 from slimact.codecs.token import TokenQuantConfig
 from slimact.planner.apply import PlanAssign, install
 from slimact.planner.plan import Plan, SiteRule
-from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
+from slimact.registry import (
+    AppliedChange,
+    FilterFn,
+    StrategyConfig,
+    register_strategy,
+    resolve,
+)
+
+ROUNDING = ("nearest", "stochastic")
+_SPEC_FIELDS = {"rounding": str, "group_size": int, "threshold": float, "min_numel": int}
 
 
 def exact_label(cfg: CodecConfig) -> str:
@@ -100,6 +115,7 @@ class Int4Config(StrategyConfig):
     min_numel: int = 1024
     paper_scale: bool = False  # adacc.txt's divisors 8/16 for every quantizing codec
     sdpa_out: bool = False  # SDPA's output as an ``act`` tensor (else kept exactly)
+    rounding: str = "nearest"  # or "stochastic": every quantizing role's codec, unbiased
 
     def __post_init__(self) -> None:
         for role in ROLES:
@@ -119,17 +135,61 @@ class Int4Config(StrategyConfig):
         for flag in ("paper_scale", "sdpa_out"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"Int4Config.{flag} must be a bool, got {getattr(self, flag)!r}")
+        if self.rounding not in ROUNDING:
+            raise ValueError(
+                f"Int4Config.rounding must be one of {ROUNDING} (stochastic: unbiased), "
+                f"got {self.rounding!r}"
+            )
+
+    @property
+    def name(self) -> str:
+        """The registered name, ``@sr`` appended for stochastic rounding (``int8@sr``)."""
+        if self.rounding == "nearest":
+            return super().name
+        return f"{dataclasses.replace(self, rounding='nearest').name}@sr"
+
+    @classmethod
+    def from_spec(cls, spec: str) -> Int4Config:
+        """``"int4@sr"`` / ``"int4@rounding=stochastic,group_size=32"`` -> the registered
+        default of the name before ``@`` (``int4``, ``int8``, ``int4-plain``, ``int4-paper``)
+        with those fields replaced; ``sr`` is ``rounding=stochastic``."""
+        name, _, body = spec.partition("@")
+        base = resolve(name.strip())[0]
+        if not isinstance(base, cls):
+            raise ValueError(f"strategy spec {spec!r}: {name!r} is not an Int4Config strategy")
+        kwargs: dict[str, object] = {}
+        for item in filter(None, (part.strip() for part in body.split(","))):
+            key, sep, value = (x.strip() for x in item.partition("="))
+            if not sep and key == "sr":
+                key, sep, value = "rounding", "=", "stochastic"
+            conv = _SPEC_FIELDS.get(key)
+            if not sep or conv is None:
+                raise ValueError(
+                    f"strategy spec {spec!r}: {item!r} must be 'sr' or key=value with key one "
+                    f"of {', '.join(_SPEC_FIELDS)} (e.g. '{name}@sr', "
+                    f"'{name}@rounding=stochastic,group_size=32')"
+                )
+            if key in kwargs:
+                raise ValueError(f"strategy spec {spec!r}: {key} is given twice")
+            try:
+                kwargs[key] = conv(value)
+            except ValueError:
+                raise ValueError(
+                    f"strategy spec {spec!r}: {key} must be {conv.__name__}, got {value!r}"
+                ) from None
+        return dataclasses.replace(base, **kwargs)
 
     def role_codec(self, role: str) -> CodecConfig:
         """The codec config of ``role``: its registered codec with this config's
-        ``group_size``/``threshold``/``paper_scale`` where the codec has such a field (its
-        ``channels``, if any, is set per tensor by the runtime)."""
+        ``group_size``/``threshold``/``paper_scale``/``rounding`` where the codec has such a
+        field (its ``channels``, if any, is set per tensor by the runtime)."""
         cfg = codec_config(getattr(self, role))
         names = {f.name for f in dataclasses.fields(cfg)}
         over = {
             "group_size": self.group_size,
             "threshold": self.threshold,
             "paper_scale": self.paper_scale,
+            "rounding": self.rounding,
         }
         return dataclasses.replace(cfg, **{k: v for k, v in over.items() if k in names})
 
@@ -143,7 +203,8 @@ class Int4Config(StrategyConfig):
         return Plan(rules=(self.rule(),), meta=(("strategy", self.name),))
 
     def describe(self) -> str:
-        return ", ".join(f"{r}={getattr(self, r) or 'exact'}" for r in ROLES)
+        roles = ", ".join(f"{r}={getattr(self, r) or 'exact'}" for r in ROLES)
+        return roles + (", stochastic rounding" if self.rounding == "stochastic" else "")
 
 
 @dataclass(frozen=True)
