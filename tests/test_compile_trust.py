@@ -68,9 +68,8 @@ def test_compiled_auto_plans_a_hugging_face_decoder_and_says_what_it_chose():
     assert rows[0].action == "compiled-auto"
     assert "planned on the first training forward: blocks 1 x" in rows[0].detail
     assert "keeps" in rows[0].detail and "allowed" in rows[0].detail
-    assert [(r.path, r.detail) for r in rows[1:]] == [
-        ("model.layers.0", plan.choices["model.layers.0"].label)
-    ]
+    blocks = [(r.path, r.detail) for r in rows[1:] if r.path.startswith("model.layers")]
+    assert blocks == [("model.layers.0", plan.choices["model.layers.0"].label)]
 
 
 def test_a_failed_plan_raises_on_every_training_forward(monkeypatch):

@@ -216,21 +216,25 @@ def _sdpa_graph():
 
 
 def test_attention_roles_from_the_saved_node():
-    """SDPA's logsumexp exact, q/k/v/output at attention_bits, everything else at the codec's."""
+    """SDPA's logsumexp, q and k exact, v and output at attention_bits, everything else at the
+    codec's."""
     nodes, (out, lse) = _sdpa_graph()
     x = _x(2, 4, 64, 32)
     int4 = C.CODECS["int4"]
     assert C.choose(int4, x, lse) is None
-    assert C.choose(int4, x, out) == (8, 32)
-    assert C.choose(int4, x, nodes["q"]) == (8, 32)
+    assert C.choose(int4, x, out) == C.choose(int4, x, nodes["v"]) == (8, 32)
+    assert C.choose(int4, x, nodes["q"]) is None and C.choose(int4, x, nodes["k"]) is None
     assert C.choose(int4, x, nodes["h"]) == (4, 32)
     assert C.choose(int4, x, None) == (4, 32)
     exact_attn = C.CompiledCodec(bits=4, group_size=32, attention_bits=0)
     assert C.choose(exact_attn, x, out) is None
-    assert C.choose(exact_attn, x, nodes["q"]) is None  # qk_bits None: attention_bits
-    # int6: q and k at 6 bits, v and the output at 8
+    coded_qk = C.CompiledCodec(bits=4, group_size=32, qk_bits=None)  # None: attention_bits
+    assert C.choose(coded_qk, x, nodes["q"]) == (8, 32)
+    six = C.CompiledCodec(bits=6, qk_bits=6)
+    assert C.choose(six, x, nodes["q"]) == C.choose(six, x, nodes["k"]) == (6, 32)
+    # int6: q and k exact, v and the output at 8
     int6 = C.CODECS["int6"]
-    assert C.choose(int6, x, nodes["q"]) == C.choose(int6, x, nodes["k"]) == (6, 32)
+    assert C.choose(int6, x, nodes["q"]) is None and C.choose(int6, x, nodes["k"]) is None
     assert C.choose(int6, x, nodes["v"]) == C.choose(int6, x, out) == (8, 32)
     assert C.choose(int6, x, lse) is None
     # the pack reads the node from AOTAutograd's per-tensor context
@@ -239,6 +243,8 @@ def test_attention_roles_from_the_saved_node():
     with _saved_tensor_hook_context({"_node": lse}):
         assert C.encode(int4, x)[0] is x
     with _saved_tensor_hook_context({"_node": nodes["q"]}):
+        assert C.encode(int4, x)[0] is x  # q: exact
+    with _saved_tensor_hook_context({"_node": nodes["v"]}):
         assert C.encode(int4, x)[3] == 8
 
 

@@ -22,12 +22,12 @@ What this module adds:
   non-float tensors, fewer than ``min_numel`` values, last dimension 1 (norm statistics),
   SDPA's logsumexp. SDPA's v and output get ``attention_bits`` (INT8 per row by default:
   quantizing them to INT4 costs most of the gradient error, see adacc's Q/K/V finding in
-  ``strategies/int4.py``), its q and k
-  ``qk_bits`` (default: ``attention_bits``). The roles differ in how much error they carry: on
-  llama-20m's last block at compile's budget 0.7 with everything else INT6, q and k at 6 bits
-  give a block gradient error of 1.3e-3 (all four at INT8: 1.1e-3), v at 6 bits 1.9e-3, the
-  output at 6 bits 9.1e-3 (backward's rowsum(dO * O) takes its error straight into every score
-  gradient), so ``int6`` stores q and k at 6 bits, v and the output at 8. The
+  ``strategies/int4.py``), its q and k ``qk_bits`` (default 0: exact). SDPA's backward
+  recomputes the probabilities from q and k against the exact saved logsumexp, so a logit
+  error δ scales a probability by ``e^δ``, and δ grows as training sharpens attention: q and k
+  at 6 or 8 bits look cheap at init and are what costs a trained model its gradients
+  (``slimact.classify``'s ``qk`` role; BENCHMARKS.md, the quality section). The output's error
+  enters every score gradient through backward's ``rowsum(dO * O)``, so it stays at 8 bits. The
   SDPA roles come from the per-tensor context ``_get_saved_tensor_hook_context()`` (torch
   >= 2.10: the forward-graph node being saved); without it only the shape rules apply. The rest
   is symmetric INT8 with one fp32 scale per row, INT6 with one per row, or INT4 with one per
@@ -117,7 +117,7 @@ class CompiledCodec:
     group_size: int = 0
     min_numel: int = 1024
     attention_bits: int = 8
-    qk_bits: int | None = None  # SDPA's q and k (None: attention_bits)
+    qk_bits: int | None = 0  # SDPA's q and k (0: exact; None: attention_bits)
     filtering: str = "no_static"
     outliers: float = 0.0  # share of channels (last dim) stored exactly below 8 bits (0: none)
     masks: bool = True  # bool tensors as bits (lossless; the identity codec keeps them too)
@@ -179,7 +179,7 @@ class CompiledCodec:
 CODECS: dict[str, CompiledCodec] = {
     "none": CompiledCodec(bits=0),
     "int8": CompiledCodec(bits=8),
-    "int6": CompiledCodec(bits=6, qk_bits=6),  # SDPA's v and output INT8 (module docstring)
+    "int6": CompiledCodec(bits=6),  # SDPA's v and output INT8, q and k exact (module docstring)
     "int4": CompiledCodec(bits=4, group_size=32, attention_bits=8),
     "outlier-int4": CompiledCodec(bits=4, group_size=32, attention_bits=8, outliers=1 / 128),
     # prac.txt's rule: linear inputs at 0.3n + 0.3n, other saves at 0.2n + 0.2n, SDPA's exact
