@@ -88,6 +88,10 @@ def test_gpu_suite_is_the_issue_table():
         (lambda: Suite("s", "d", (ModelCase("llama-tiny", ("none",)),), time_budget_s=-1),
          "time_budget_s"),
         (lambda: get_suite("quick").override(model="llama-tiny"), "needs a one-case suite"),
+        (lambda: ModelCase("llama-tiny", ("none",), point_timeouts=(("int4", 5),)),
+         "point_timeouts names points it does not have: ['int4']"),
+        (lambda: ModelCase("llama-tiny", ("none",), point_timeouts=(("none", -1),)),
+         "point_timeouts['none'] must be a number > 0"),
     ],
 )  # fmt: skip
 def test_gpu_suite_validation_errors(make, needle):
@@ -130,6 +134,23 @@ def test_predicted_search_finds_the_cap_in_few_probes():
     with pytest.raises(PointTimeout):
         predicted_search(interrupted, [(8, 1800)], 10**5, probes=3, intercept=1000, bracket=bracket)
     assert bracket.fits == 64 and bracket.probes == [(64, 7400)] and not bracket.exact
+
+
+def test_points_not_started_past_the_budget_or_after_a_profile_timed_out():
+    from slimact.bench.runner import _why_not_run
+
+    auto = f"compiled-auto@10%{GPU_AUTO_GRID}"
+    case = get_suite("gpu").cases[0]
+    assert case.timeout_of(auto) > case.timeout_of("int4") == case.point_timeout_s
+    assert _why_not_run("int4", 0.0, {}).startswith("not run: the suite's time budget")
+    assert _why_not_run("int4", None, {}) is None
+    timed_out = {auto: {"skipped": "timed out: point ...: ran past its limit of 240 s"}}
+    other = f"compiled-auto@25%{GPU_AUTO_GRID}"
+    assert _why_not_run(other, 100.0, timed_out) == (
+        f"not run: {auto} timed out profiling the same options"
+    )
+    assert _why_not_run("compiled-auto@25%", 100.0, timed_out) is None  # another grid
+    assert _why_not_run(other, 100.0, {auto: {"skipped": "ValueError: x"}}) is None
 
 
 def test_time_limit_and_deadline():

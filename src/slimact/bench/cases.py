@@ -142,7 +142,8 @@ class ModelCase:
     """One model, its batch shape, and the points measured on it (``none`` first, always).
 
     ``train_steps=0``: no training run (no loss curve, no ``loss@N``); ``timing``: 'rounds' or
-    'pairs' (module docstring); ``point_timeout_s``: each point's limit in seconds (None: none);
+    'pairs' (module docstring); ``point_timeout_s``: each point's limit in seconds (None: none),
+    ``point_timeouts``: (point, seconds) pairs overriding it for some points;
     ``maxbatch``: a :class:`MaxBatchSpec` over some of its points (None: no max-batch phase)."""
 
     model: str
@@ -157,6 +158,7 @@ class ModelCase:
     vocab_size: int | None = None  # None: the byte tokenizer's 257 tokens and the corpus
     timing: str = "rounds"
     point_timeout_s: float | None = None
+    point_timeouts: tuple[tuple[str, float], ...] = ()
     maxbatch: MaxBatchSpec | None = None
 
     def __post_init__(self) -> None:
@@ -202,9 +204,18 @@ class ModelCase:
             raise ValueError(
                 f"timing must be one of {', '.join(TIMING_MODES)}, got {self.timing!r}"
             )
-        t = self.point_timeout_s
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
-            raise ValueError(f"point_timeout_s must be a number > 0 or None, got {t!r}")
+        object.__setattr__(self, "point_timeouts", tuple(tuple(x) for x in self.point_timeouts))
+        for what, t in [("point_timeout_s", self.point_timeout_s)] + [
+            (f"point_timeouts[{n!r}]", t) for n, t in self.point_timeouts
+        ]:
+            if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
+                raise ValueError(f"{what} must be a number > 0 or None, got {t!r}")
+        unknown = [n for n, _ in self.point_timeouts if n not in names]
+        if unknown:
+            raise ValueError(
+                f"model case {self.model!r}: point_timeouts names points it does not have: "
+                f"{unknown}"
+            )
         if self.maxbatch is not None:
             if not isinstance(self.maxbatch, MaxBatchSpec):
                 raise ValueError(f"maxbatch must be a MaxBatchSpec or None, got {self.maxbatch!r}")
@@ -214,6 +225,10 @@ class ModelCase:
                     f"model case {self.model!r}: max-batch points {bad} are not among its "
                     f"points ({', '.join(names)})"
                 )
+
+    def timeout_of(self, point: str) -> float | None:
+        """The time limit of ``point`` (``point_timeouts``, else ``point_timeout_s``)."""
+        return dict(self.point_timeouts).get(point, self.point_timeout_s)
 
     @property
     def label(self) -> str:
@@ -297,6 +312,7 @@ class Suite:
                     "lr": c.lr,
                     "timing": c.timing,
                     "point_timeout_s": c.point_timeout_s,
+                    "point_timeouts": dict(c.point_timeouts),
                     "maxbatch": c.maxbatch.config() if c.maxbatch else None,
                 }
                 for c in self.cases
@@ -331,6 +347,7 @@ class Suite:
                 replace(
                     c,
                     points=tuple(p for p in c.points if p.name in keep),
+                    point_timeouts=tuple((n, t) for n, t in c.point_timeouts if n in keep),
                     maxbatch=_keep_maxbatch(c.maxbatch, lambda n: n if n in keep else None),
                 )
                 for c in cases
@@ -360,7 +377,8 @@ class Suite:
             mb = _keep_maxbatch(
                 c.maxbatch, lambda n, names=names: n if n in names else _compiled_name(n, names)
             )
-            cases.append(replace(c, points=tuple(names), maxbatch=mb))
+            timeouts = tuple((n, t) for n, t in c.point_timeouts if n in names)
+            cases.append(replace(c, points=tuple(names), maxbatch=mb, point_timeouts=timeouts))
         note = "; compiled forms (--compile)"
         if dropped:
             note += f"; left out (no compiled form): {', '.join(sorted(dropped))}"

@@ -321,6 +321,27 @@ def _train(rec: dict, model, fwd, data: Data, case: ModelCase, suite: Suite, log
         log(f"  {'':<22} {'':<26} training failed: {e}")
 
 
+def _planner_key(point: str) -> str | None:
+    """What a compiled-auto point's profile depends on besides its budget: its options."""
+    base, _, arg = point.partition("@")
+    return arg.partition(",")[2] if base == "compiled-auto" else None
+
+
+def _why_not_run(point: str, limit: float | None, records: dict[str, dict]) -> str | None:
+    """Why ``point`` is not started: the suite's time budget is spent, or an earlier
+    compiled-auto point with the same options timed out profiling (the profile it would share
+    was never cached, so this one would profile again and time out as well)."""
+    if limit is not None and limit <= 0:
+        return "not run: the suite's time budget was spent"
+    key = _planner_key(point)
+    if key is None:
+        return None
+    for name, rec in records.items():
+        if _planner_key(name) == key and (rec.get("skipped") or "").startswith("timed out"):
+            return f"not run: {name} timed out profiling the same options"
+    return None
+
+
 def not_run(case: ModelCase, point_name: str, why: str) -> dict:
     """The record of a point the run did not start (the suite's time budget was spent)."""
     point = BenchPoint(point_name)
@@ -359,7 +380,7 @@ def max_batch_phase(
         if kept is None or rec.get("peak_bytes") is None or kept.forward is None:
             out["points"][name] = {"skipped": "the point did not run"}
             continue
-        left = deadline.limit(case.point_timeout_s)
+        left = deadline.limit(case.timeout_of(name))
         if left is not None and left <= 0:
             out["points"][name] = {"skipped": "not run: the suite's time budget was spent"}
             continue
@@ -519,15 +540,16 @@ def run_suite(
         pairs: PairTiming | None = None
         try:
             for p in case.points:  # phase 1: one point after another
-                limit = deadline.limit(case.point_timeout_s, reserve)
-                if limit is not None and limit <= 0 and baseline is not None:
-                    rec = not_run(case, p.name, "not run: the suite's time budget was spent")
+                limit = deadline.limit(case.timeout_of(p.name), reserve)
+                why = None if baseline is None else _why_not_run(p.name, limit, records)
+                if why is not None:
+                    rec = not_run(case, p.name, why)
                     records[p.name] = rec
                     result["points"].append(rec)
                     log(f"  {case.label:<22} {p.name:<26} {rec['skipped']}")
                     save()
                     continue
-                kept, rec = None, None
+                kept, rec, t_point = None, None, time.perf_counter()
                 try:
                     with time_limit(None if baseline is None else limit, f"point {p.name}"):
                         rec, grads, kept = measure_point(
@@ -555,6 +577,10 @@ def run_suite(
                         live[p.name] = kept
                     else:
                         release({p.name: kept}, device)
+                    del kept
+                rec["point_wall_s"] = time.perf_counter() - t_point  # with its timing rounds
+                if device.type == "cuda":  # what stays allocated: the live models, any leak
+                    rec["cuda_allocated_after_bytes"] = torch.cuda.memory_allocated(device)
                 result["points"].append(rec)
                 save()
             base_grads = None

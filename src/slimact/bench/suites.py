@@ -182,6 +182,7 @@ GPU_BLOCK_BUDGETS = (1.0, 0.5, 0.25, 0.1, 0)
 # cut at 0.25 / 0.1 / 0 and INT8 on what it keeps) and 1.0, the fastest; the profile is cached,
 # so the second budget solves the first one's profile without compiling it again
 GPU_AUTO_GRID = ",budgets=1/0.25/0.1/0,codecs=none/int8"
+GPU_AUTO_FIRST = compiled_spec("auto@10%") + GPU_AUTO_GRID
 GPU_POINTS = (
     # order = priority: a run cut short by its time budget loses the last points
     "none",
@@ -194,7 +195,7 @@ GPU_POINTS = (
     *(f"anchor:compile-block@{b:g}" for b in GPU_BLOCK_BUDGETS),
     compiled_spec("recompute"),
     compiled_spec("int8"),
-    compiled_spec("auto@10%") + GPU_AUTO_GRID,
+    GPU_AUTO_FIRST,
     "anchor:compile-budget@0.1",  # whole-model compiles: the slowest to compile
     compiled_spec("auto@25%") + GPU_AUTO_GRID,
     compiled_spec("invact"),
@@ -204,7 +205,7 @@ GPU_MAXBATCH = (
     "none",
     "anchor:torch-checkpoint",
     "anchor:compile-block@0",
-    compiled_spec("auto@10%") + GPU_AUTO_GRID,
+    GPU_AUTO_FIRST,
 )
 
 
@@ -227,6 +228,9 @@ def _gpu() -> Suite:
                 train_steps=0,
                 timing="pairs",
                 point_timeout_s=150,
+                # the first compile=True auto profiles its grid (8 block graphs compiled): the
+                # second reads the cached profile
+                point_timeouts=((GPU_AUTO_FIRST, 240),),
                 maxbatch=MaxBatchSpec(GPU_MAXBATCH, cap="40GiB", probes=3, reserve_s=75),
             ),
         ),

@@ -190,8 +190,9 @@ def _dominated_note(p: dict, pts: list[dict]) -> str:
 
 def summary_table(result: dict, case: str | None = None) -> str:
     """The issue-style table of a run, peak first: per case, each point against eager ``none``
-    (peak, max batch, act bytes, step time, min per-parameter gradient cosine), skipped and
-    unfinished points included, so a run cut short still reads as a table."""
+    (peak, max batch, act bytes, step time, min per-parameter gradient cosine, and the seconds
+    the point took, compiles included), skipped and unfinished points included, so a run cut
+    short still reads as a table."""
     meta = result.get("meta", {})
     suite = meta.get("suite", {})
     configs = {c.get("case") or c["model"]: c for c in suite.get("cases", [])}
@@ -228,14 +229,15 @@ def summary_table(result: dict, case: str | None = None) -> str:
         lines += [
             "",
             "| point | peak / none | max batch | act / none | step / none | min param grad cos "
-            "| peak | act | step ms | note |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+            "| peak | act | step ms | wall s | note |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
         ]
         for p in pts:
             name = point_label(p)
             if p.get("skipped"):
                 why = _short(p["skipped"], 120).replace("|", "\\|")
-                lines.append(f"| {name} |" + " |" * 8 + f" {why} |")
+                wall = _f(p.get("point_wall_s", p.get("wall_s")), ".0f")
+                lines.append(f"| {name} |" + " |" * 8 + f" {wall} | {why} |")
                 continue
             step = p.get("step_time_s")
             note = p.get("timing_error") or _dominated_note(p, pts)
@@ -249,6 +251,7 @@ def summary_table(result: dict, case: str | None = None) -> str:
                 fmt_bytes(p["peak_bytes"]),
                 fmt_bytes(p["saved_bytes"]),
                 MISSING if step is None else f"{step * 1e3:.1f}",
+                _f(p.get("point_wall_s", p.get("wall_s")), ".0f"),
                 _short(note, 80).replace("|", "\\|"),
             ]
             lines.append("| " + " | ".join(cells) + " |")
