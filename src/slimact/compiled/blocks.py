@@ -48,7 +48,7 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch.profiler import ProfilerActivity, profile
 
 from slimact import actions, sites
-from slimact.compiled.codec import CODECS, codec_hooks
+from slimact.compiled.codec import codec_hooks, codec_names
 from slimact.compiled.devices import check_device
 from slimact.patching import NotCopyable
 from slimact.registry import AppliedChange, FilterFn
@@ -58,7 +58,8 @@ from slimact.registry import AppliedChange, FilterFn
 class BlockChoice:
     """``budget`` in [0, 1]: compile's activation-memory budget for the block's region (1.0:
     compile's default partition); ``codec``: a traced codec name of ``slimact.compiled.CODECS``
-    (``none``: store what is kept as it is)."""
+    (``none``: store what is kept as it is), ``-sr`` appended for stochastic rounding
+    (``int4-sr``: ``slimact.compiled.codec.resolve_codec``)."""
 
     budget: float = 1.0
     codec: str = "none"
@@ -69,9 +70,9 @@ class BlockChoice:
         if not 0.0 <= float(self.budget) <= 1.0:
             raise ValueError(f"BlockChoice.budget must be in [0, 1], got {self.budget!r}")
         object.__setattr__(self, "budget", float(self.budget))
-        if self.codec not in CODECS:
+        if self.codec not in codec_names():
             raise ValueError(
-                f"BlockChoice.codec must be one of {', '.join(CODECS)}, got {self.codec!r}"
+                f"BlockChoice.codec must be one of {', '.join(codec_names())}, got {self.codec!r}"
             )
 
     @property

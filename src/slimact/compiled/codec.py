@@ -55,6 +55,17 @@ What this module adds:
   k = ceil(outliers x D) is fixed and the top-k by the same score are kept (a channel the Z rule
   would not flag is merely stored exactly). On llama-20m at init there are no outlier channels:
   at compile's budget 0.7 its block error is 9.8e-3 against INT4's 1.0e-2, for +0.23 MiB.
+* ``rounding="stochastic"`` (``int8-sr``, ``int4-sr``, ... in :func:`resolve_codec`; spec
+  ``compiled-int4@sr``, or ``int4@sr`` under ``compile=True``): codes ``floor(x / S + u)`` with
+  ``u ~ U[0, 1)`` instead of ``floor(x / S + 1/2)``, unbiased (``E[x^] = x``; every scaled value
+  is within ``[-(2^(b-1) - 1), 2^(b-1) - 1]``, so none is clipped) at ``|x - x^| < S``, as the
+  eager codecs' option (``slimact.codecs.quant``). ``u`` comes from inductor's seeded RNG
+  (:func:`draw_uniform`: ``prims.inductor_random``, the graph's own seeds drawn from the global
+  generator per call, so runs are reproducible from ``torch.manual_seed``; ``torch.rand`` in a
+  pack hook reaches inductor after its random-op pass and fails to lower), not the eager
+  codecs' hash: a traced hook keeps no count of its encodes to seed one with. Eagerly (the
+  tests) it is ``torch.rand``; :func:`encode` takes another ``draw`` (the tests hand it the
+  eager hash's draws and check the codes against ``quantize_ref``'s bit for bit).
 * :func:`codec_hooks` ``(codec)``: the pair entered (with its filtering mode) around a compiled
   call; ``slimact.compiled.blocks`` compiles blocks inside it.
 
@@ -81,6 +92,7 @@ INT4 9.0 MiB (SDPA tensors INT8, one scale per 32 values), 1.0e-2.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from contextlib import contextmanager
@@ -93,7 +105,15 @@ import torch.nn as nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from slimact.compiled.packing import pack_bits, pack_codes, unpack_bits, unpack_codes
-from slimact.compiled.prac import TracedPrac, decode_prac, encode_prac, feeds_linear, is_prac
+from slimact.compiled.prac import (
+    _SEEDED,
+    Draw,
+    TracedPrac,
+    decode_prac,
+    encode_prac,
+    feeds_linear,
+    is_prac,
+)
 from slimact.ops.quant import Quantized, dequantize_ref, quantize_ref
 
 try:  # the per-saved-tensor context (torch >= 2.10); private API, so optional
@@ -106,6 +126,8 @@ BITS = (0, 4, 6, 8)
 _ROW_MULTIPLE = {4: 2, 6: 4}  # a row's codes pack into 2 (INT4) or 4 (INT6) contiguous slices
 _SDPA = "scaled_dot_product"
 LAYOUT = "layout"  # a payload coded in memory order: (LAYOUT, inverse permutation, *payload)
+ROUNDING = ("nearest", "stochastic")
+SR_SUFFIX = "-sr"  # resolve_codec("int4-sr"): CODECS["int4"] with stochastic rounding
 
 
 @dataclass(frozen=True)
@@ -122,6 +144,7 @@ class CompiledCodec:
     outliers: float = 0.0  # share of channels (last dim) stored exactly below 8 bits (0: none)
     masks: bool = True  # bool tensors as bits (lossless; the identity codec keeps them too)
     prac: TracedPrac | None = None  # PRAC on what it selects (``compiled/prac.py``), first
+    rounding: str = "nearest"  # or "stochastic": unbiased (module docstring)
 
     def __post_init__(self) -> None:
         if self.bits not in BITS:
@@ -152,6 +175,11 @@ class CompiledCodec:
             raise ValueError(f"CompiledCodec.outliers must be in [0, 1), got {self.outliers!r}")
         if self.prac is not None and not isinstance(self.prac, TracedPrac):
             raise ValueError(f"CompiledCodec.prac must be a TracedPrac or None, got {self.prac!r}")
+        if self.rounding not in ROUNDING:
+            raise ValueError(
+                f"CompiledCodec.rounding must be one of {ROUNDING} (stochastic: unbiased), "
+                f"got {self.rounding!r}"
+            )
 
     @property
     def identity(self) -> bool:
@@ -287,18 +315,29 @@ def inverse(order: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(order.index(d) for d in range(len(order)))
 
 
-def encode(codec: CompiledCodec, x: torch.Tensor) -> tuple:
+def draw_uniform(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """U[0, 1) fp32 draws that inductor lowers to its own seeded RNG (as ``compiled/prac.py``'s
+    ``draw_normal``; eagerly, ``torch.rand``)."""
+    if not _SEEDED:  # pragma: no cover
+        return torch.rand(shape, device=device)
+    prims = torch.ops.prims
+    seed = prims.inductor_lookup_seed.default(prims.inductor_seeds.default(1, device), 0)
+    return prims.inductor_random.default(list(shape), seed, "rand")
+
+
+def encode(codec: CompiledCodec, x: torch.Tensor, draw: Draw = draw_uniform) -> tuple:
     """Traceable pack: ``(x,)`` (kept) or :func:`encode_dense`'s payload of ``x`` in memory
     order, tagged ``(LAYOUT, inverse order, *payload)`` where that order is not ``x``'s own
-    (:func:`memory_order`); :func:`decode` returns a tensor with ``x``'s shape and strides."""
+    (:func:`memory_order`); :func:`decode` returns a tensor with ``x``'s shape and strides.
+    ``draw``: stochastic rounding's uniform draws (shape, device) -> fp32 tensor."""
     order = memory_order(x)
     if order is None:
-        return encode_dense(codec, x)
-    payload = encode_dense(codec, x.permute(order))
+        return encode_dense(codec, x, draw)
+    payload = encode_dense(codec, x.permute(order), draw)
     return (x,) if len(payload) == 1 else (LAYOUT, inverse(order), *payload)
 
 
-def encode_dense(codec: CompiledCodec, x: torch.Tensor) -> tuple:
+def encode_dense(codec: CompiledCodec, x: torch.Tensor, draw: Draw = draw_uniform) -> tuple:
     """The pack of a tensor in its logical order: ``(x,)`` (kept),
     ``(bits uint8, torch.bool, *shape)`` (a mask), ``(z, p, dtype, "prac")`` (PRAC,
     ``compiled/prac.py``), or ``(codes uint8, scale fp32, dtype, bits)``, plus ``(outlier
@@ -323,7 +362,8 @@ def encode_dense(codec: CompiledCodec, x: torch.Tensor) -> tuple:
     xg = xf.reshape(*lead, d // g, g)
     scale = xg.abs().amax(-1, keepdim=True) / float(half - 1)
     inv = torch.where(scale > 0, 1.0 / scale.clamp_min(1e-30), 0.0)
-    u = (torch.floor(xg * inv + 0.5).clamp(-half, half - 1) + half).to(torch.uint8)
+    r = 0.5 if codec.rounding == "nearest" else draw(tuple(xg.shape), xg.device)
+    u = (torch.floor(xg * inv + r).clamp(-half, half - 1) + half).to(torch.uint8)
     return (pack_codes(u.reshape(*lead, -1), bits), scale.reshape(*lead, -1), x.dtype, bits, *exact)
 
 
@@ -354,11 +394,11 @@ def decode(payload: tuple) -> torch.Tensor:
     return y
 
 
-def encode_ref(codec: CompiledCodec, x: torch.Tensor) -> Quantized | None:
+def encode_ref(codec: CompiledCodec, x: torch.Tensor, seed: int = 0) -> Quantized | None:
     """The reference: ``quantize_ref`` on the flat order of ``x`` in memory
     (:func:`memory_order`) with the group :func:`encode` uses (None where the tensor is kept
     exact by the shape rules); outlier channels zeroed (``keep_cols``), as :func:`encode` codes
-    them."""
+    them; stochastic rounding with the eager hash's draws of ``seed``."""
     order = memory_order(x)
     x = x if order is None else x.permute(order)
     chosen = choose(codec, x)
@@ -367,7 +407,9 @@ def encode_ref(codec: CompiledCodec, x: torch.Tensor) -> Quantized | None:
     keep, k = None, codec.outliers_for(x.shape[-1], chosen[0])
     if k:
         keep = torch.ones(x.shape[-1], dtype=torch.bool).index_fill(0, outlier_channels(x, k), 0)
-    return quantize_ref(x, bits=chosen[0], group_size=chosen[1], keep_cols=keep)
+    return quantize_ref(
+        x, bits=chosen[0], group_size=chosen[1], keep_cols=keep, rounding=codec.rounding, seed=seed
+    )
 
 
 def decode_ref(q: Quantized, like: torch.Tensor) -> torch.Tensor:
@@ -412,12 +454,28 @@ def hook_pair(codec: CompiledCodec | str) -> tuple[torch.fx.GraphModule, torch.f
     return torch.fx.symbolic_trace(_Pack(codec)), torch.fx.symbolic_trace(_Unpack())
 
 
+def codec_names() -> list[str]:
+    """The names :func:`resolve_codec` takes: :data:`CODECS`, and the quantizing ones with
+    ``-sr`` appended."""
+    sr = [f"{n}{SR_SUFFIX}" for n, c in CODECS.items() if c.bits and c.prac is None]
+    return [*CODECS, *sr]
+
+
 def resolve_codec(codec: CompiledCodec | str) -> CompiledCodec:
+    """A traced codec, or its name: one of :data:`CODECS`, or one of them with ``-sr``
+    appended (stochastic rounding: ``int4-sr``)."""
     if isinstance(codec, CompiledCodec):
         return codec
-    if codec not in CODECS:
-        raise ValueError(f"unknown compiled codec {codec!r}; valid: {', '.join(CODECS)}")
-    return CODECS[codec]
+    base = codec.removesuffix(SR_SUFFIX) if isinstance(codec, str) else codec
+    found = CODECS.get(base) if isinstance(base, str) else None
+    if found is None or (base != codec and (found.bits == 0 or found.prac is not None)):
+        raise ValueError(
+            f"unknown compiled codec {codec!r}; valid: {', '.join(codec_names())} (the -sr "
+            f"forms round stochastically)"
+        )
+    if base != codec:
+        return dataclasses.replace(found, rounding="stochastic")
+    return found
 
 
 @contextmanager

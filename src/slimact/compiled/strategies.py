@@ -1,6 +1,8 @@
 """Strategies of compiled blocks: ``compiled-none``, ``compiled-int8``, ``compiled-int6``,
 ``compiled-int4``, ``compiled-outlier-int4``, ``compiled-prac``, ``compiled-recompute``, each ``@<budget>`` for
-compile's region budget (``compiled-int8@0.25``).
+compile's region budget (``compiled-int8@0.25``); the quantizing ones also take ``sr`` (or
+``rounding=stochastic``) for stochastic rounding (``compiled-int4@sr``, ``compiled-int8@0.25,sr``;
+``int4@sr`` under ``compile=True``), their codec then ``int4-sr`` (``compiled.codec``).
 
 One :class:`~slimact.compiled.blocks.BlockChoice` for every block; ``compiled-auto@<budget>``
 (``slimact.planner.compiled``) picks one per block instead.
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from slimact.compiled.blocks import BlockChoice, compile_blocks_with
-from slimact.compiled.codec import resolve_codec
+from slimact.compiled.codec import SR_SUFFIX, resolve_codec
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
 
 PREFIX = "compiled-"
@@ -38,22 +40,43 @@ class CompiledCodecConfig(StrategyConfig):
         return self.codec != "none"
 
     @property
+    def name(self) -> str:
+        """The spec that reads this config back (``compiled-int8@0.25,sr``): the registered
+        name of its codec (``compiled-recompute`` for no codec at budget 0), then the budget
+        where it is not that name's default, and ``sr`` for stochastic rounding."""
+        base = self.codec.removesuffix(SR_SUFFIX)
+        recompute = base == "none" and self.budget == 0.0
+        args = [] if recompute or self.budget == 1.0 else [f"{self.budget:g}"]
+        if base != self.codec:
+            args.append("sr")
+        head = f"{PREFIX}recompute" if recompute else f"{PREFIX}{base}"
+        return f"{head}@{','.join(args)}" if args else head
+
+    @property
     def choice(self) -> BlockChoice:
         return BlockChoice(self.budget, self.codec)
 
     @classmethod
     def from_spec(cls, spec: str) -> CompiledCodecConfig:
-        """``compiled-int8@0.25`` -> codec ``int8`` under region budget 0.25."""
+        """``compiled-int8@0.25`` -> codec ``int8`` under region budget 0.25;
+        ``compiled-int4@sr`` (or ``@rounding=stochastic``, ``@0.25,sr``) -> codec ``int4-sr``."""
         name, _, arg = spec.partition("@")
         codec = "none" if name == f"{PREFIX}recompute" else name.removeprefix(PREFIX)
-        default = 0.0 if name == f"{PREFIX}recompute" else 1.0
-        try:
-            budget = float(arg) if arg else default
-        except ValueError:
-            raise ValueError(
-                f"{spec!r}: the part after '@' is compile's region budget, a number in [0, 1] "
-                f"(e.g. '{name}@0.25'), got {arg!r}"
-            ) from None
+        budget = 0.0 if name == f"{PREFIX}recompute" else 1.0
+        for item in filter(None, (part.strip() for part in arg.split(","))):
+            if item in ("sr", "rounding=stochastic"):
+                codec = codec.removesuffix(SR_SUFFIX) + SR_SUFFIX
+            elif item == "rounding=nearest":
+                codec = codec.removesuffix(SR_SUFFIX)
+            else:
+                try:
+                    budget = float(item)
+                except ValueError:
+                    raise ValueError(
+                        f"{spec!r}: the part after '@' is compile's region budget, a number in "
+                        f"[0, 1], and/or 'sr' (stochastic rounding), e.g. '{name}@0.25' or "
+                        f"'{name}@0.25,sr'; got {item!r}"
+                    ) from None
         return cls(codec, budget)
 
 
