@@ -51,8 +51,12 @@ try:
     r = json.load(open(sys.argv[1]))
 except (OSError, ValueError) as e:
     sys.exit(f"no result: {e}")
+f = lambda v, spec: "-" if v is None else format(v, spec)
 print(f"{r['strategy']}: min per-parameter grad cosine {r['grad_cosine']:.6f} (bar 0.99), saved "
-      f"{r['ratio']:.3f} of none, peak {r['peak_ratio']:.3f}, step {r['step_time_ratio']:.2f}x")
+      f"{f(r.get('ratio'), '.3f')} of none, peak {f(r.get('peak_ratio'), '.3f')}, step "
+      f"{f(r.get('step_time_ratio'), '.2f')}x")
+if r.get("advice"):
+    print(r["advice"])
 EOF
 
 # what is left of the call, less a margin for the process to start and write its last files
