@@ -495,9 +495,10 @@ def run_suite(
                             pairs.time(p.name, kept)
                 except PointTimeout as e:  # in its timing rounds (measure_point records its own)
                     if rec is None:
-                        rec = records[p.name] = not_run(case, p.name, f"timed out: {e}")
+                        rec = not_run(case, p.name, f"timed out: {e}")
                     else:
                         rec.update(timing_error=f"timed out: {e}", step_time_s=None)
+                    records[p.name] = rec
                     log(f"  {case.label:<22} {p.name:<26} timed out: {e}")
                 if kept is not None:
                     if pairs is None or p.name == BASELINE or p.name in keep:
