@@ -66,7 +66,7 @@ import torch.nn.functional as F
 from slimact.ops import compiled_ref
 from slimact.ops.quant_triton import kernels
 from slimact.ops.stochastic import draws as _draws
-from slimact.ops.stochastic import seed_halves, seed_tensor
+from slimact.ops.stochastic import key_tensor, seed_key
 
 BACKENDS = ("auto", "ref", "triton")
 ROUNDING = ("nearest", "stochastic")
@@ -234,16 +234,17 @@ def quantize_ref(
     ``seed``: the draws of ``rounding="stochastic"``, see the module docstring)."""
     _check_rounding(rounding)
     _check_seed(seed)
-    st = seed_tensor(seed) if rounding == "stochastic" else None
+    st = key_tensor(seed) if rounding == "stochastic" else None
     return _quantize(compiled_ref.eager, x, bits, group_size, symmetric, paper_scale, keep_cols,
                      st)  # fmt: skip
 
 
-def _quantize(run, x, bits, group_size, symmetric, paper_scale, keep_cols, seed) -> Quantized:
+def _quantize(run, x, bits, group_size, symmetric, paper_scale, keep_cols, key) -> Quantized:
     """The codes by ``run`` (``compiled_ref.run``: compiled on CPU; ``.eager``: the ref), then
-    packed eagerly. ``seed``: a :func:`seed_tensor` (stochastic rounding) or None (nearest)."""
+    packed eagerly. ``key``: the seed's ``ops.stochastic.key_tensor`` (stochastic rounding) or
+    None (nearest)."""
     u, scale, offset, nonfinite = run(
-        quantize_codes_ref, x.reshape(-1), keep_cols, seed, bits=bits, group_size=group_size,
+        quantize_codes_ref, x.reshape(-1), keep_cols, key, bits=bits, group_size=group_size,
         symmetric=symmetric, paper_scale=paper_scale,
     )  # fmt: skip
     n = x.numel()
@@ -253,7 +254,7 @@ def _quantize(run, x, bits, group_size, symmetric, paper_scale, keep_cols, seed)
 def quantize_codes_ref(
     x: torch.Tensor,
     keep_cols: torch.Tensor | None,
-    seed: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
     *,
     bits: int,
     group_size: int,
@@ -261,8 +262,8 @@ def quantize_codes_ref(
     paper_scale: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The unpacked biased codes (one uint8 per value, padded to whole groups), scale, offset,
-    non-finite counts: what the CPU path compiles (``ops.compiled_ref``); ``seed`` (a 0-d int64
-    tensor) rounds stochastically with :func:`uniform_ref`'s draws. Packing neighbours
+    non-finite counts: what the CPU path compiles (``ops.compiled_ref``); ``key`` (a seed's 0-d
+    int64 ``ops.stochastic.key_tensor``) rounds stochastically with its draws. Packing neighbours
     into one byte is a strided access that inductor does not vectorize, so it stays an eager
     op after the compiled call (llama-20m's 2048 x 1376 in groups of 16: 11 ms in all, the codes
     6 ms, against about 60 ms for the eager ref, one thread; the counts use :func:`count_true`)."""
@@ -287,7 +288,7 @@ def quantize_codes_ref(
         xo = (F.pad(xo, (0, pad)) if pad else xo).view(groups, gs)
     nonfinite = count_true(bad, -1)
     marked = nonfinite > 0
-    stochastic = seed is not None
+    stochastic = key is not None
     div = torch.where(
         marked, marked_divisor(bits, symmetric), divisor(bits, symmetric, paper_scale, stochastic)
     )
@@ -308,7 +309,7 @@ def quantize_codes_ref(
         scale = torch.where(torch.isinf(span), mx / div - mn / div, span / div)
         v = (xp - offset[..., None]) * _inverse(scale)[..., None]
         offset = offset.reshape(-1)
-    draws = _draws(v, seed)
+    draws = _draws(v, key)
     u = _codes(v, marked[..., None], bad, xo, bits, draws).reshape(-1)
     scale = torch.where(marked, -scale, scale)  # the mark: the sign bit (also of a zero scale)
     return u, scale.reshape(-1), offset, nonfinite.reshape(-1)
@@ -398,29 +399,29 @@ def quantize_channelwise_ref(
     """Channel-wise symmetric quantize+pack of an [R, C] tensor in plain PyTorch."""
     _check_rounding(rounding)
     _check_seed(seed)
-    st = seed_tensor(seed) if rounding == "stochastic" else None
+    st = key_tensor(seed) if rounding == "stochastic" else None
     return _quantize_channelwise(compiled_ref.eager, x2d, bits, paper_scale, st)
 
 
-def _quantize_channelwise(run, x2d, bits: int, paper_scale: bool, seed) -> Quantized:
+def _quantize_channelwise(run, x2d, bits: int, paper_scale: bool, key) -> Quantized:
     u, scale, counts = run(
-        quantize_channelwise_codes_ref, x2d, seed, bits=bits, paper_scale=paper_scale
+        quantize_channelwise_codes_ref, x2d, key, bits=bits, paper_scale=paper_scale
     )
     n, c = x2d.numel(), x2d.shape[1]
     return Quantized(_pack(u, n, bits), scale, None, counts, n, bits, 0, channels=c)
 
 
 def quantize_channelwise_codes_ref(
-    x2d: torch.Tensor, seed: torch.Tensor | None = None, *, bits: int, paper_scale: bool
+    x2d: torch.Tensor, key: torch.Tensor | None = None, *, bits: int, paper_scale: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Unpacked biased codes, scale, counts: what the CPU path compiles (``seed``: as
+    """Unpacked biased codes, scale, counts: what the CPU path compiles (``key``: as
     :func:`quantize_codes_ref`'s)."""
     n = x2d.numel()
     scale, counts = channel_scale(x2d, bits, paper_scale)
     xo = x2d.float()
     finite = torch.isfinite(xo)
     v = torch.where(finite, xo, 0.0) * _inverse(scale.abs())
-    u = _codes(v, torch.signbit(scale), ~finite, xo, bits, _draws(v, seed)).view(-1)
+    u = _codes(v, torch.signbit(scale), ~finite, xo, bits, _draws(v, key)).view(-1)
     u = F.pad(u, (0, n % 2))
     return u, scale, counts
 
@@ -442,7 +443,7 @@ def quantize_triton(
     """Triton twin of :func:`quantize_ref` (same codes, scales and counts; the same draws)."""
     quant_kernel, _ = kernels()
     stochastic = rounding == "stochastic"
-    s0, s1 = seed_halves(seed)
+    key = seed_key(seed)
     x = x.contiguous().view(-1)
     n, gs = x.numel(), group_size
     groups = -(-n // gs)
@@ -458,7 +459,7 @@ def quantize_triton(
         quant_kernel[(groups,)](
             x, keep, scale, codes, scale, offset if offset is not None else scale, nonfinite,
             n, c, divisor(bits, symmetric, paper_scale, stochastic),
-            marked_divisor(bits, symmetric), s0, s1, BLOCK=gs, BITS=bits, SYM=symmetric,
+            marked_divisor(bits, symmetric), key, BLOCK=gs, BITS=bits, SYM=symmetric,
             HAS_KEEP=keep_cols is not None, PER_CHANNEL=False, STOCH=stochastic, LO=lo, HI=hi,
             BIAS=bias, enable_fp_fusion=False,
         )  # fmt: skip
@@ -474,7 +475,7 @@ def quantize_channelwise_triton(
 ) -> Quantized:
     """Triton twin of :func:`quantize_channelwise_ref` (scales from the same torch reduction)."""
     quant_kernel, _ = kernels()
-    s0, s1 = seed_halves(seed)
+    key = seed_key(seed)
     n, c = x2d.numel(), x2d.shape[1]
     lo, hi, bias = _limits(bits)
     scale, counts = channel_scale(x2d, bits, paper_scale)
@@ -484,7 +485,7 @@ def quantize_channelwise_triton(
     if n:
         grid = (-(-n // _CHANNEL_BLOCK),)
         quant_kernel[grid](
-            x, inv, inv, codes, scale, inv, counts, n, c, 1.0, 1.0, s0, s1,
+            x, inv, inv, codes, scale, inv, counts, n, c, 1.0, 1.0, key,
             BLOCK=_CHANNEL_BLOCK, BITS=bits, SYM=True, HAS_KEEP=False, PER_CHANNEL=True,
             STOCH=rounding == "stochastic", LO=lo, HI=hi, BIAS=bias, enable_fp_fusion=False,
         )  # fmt: skip
@@ -538,7 +539,7 @@ def quantize(
     if _use_triton(x, backend):
         return quantize_triton(x.contiguous(), bits, group_size, symmetric, paper_scale, keep_cols,
                                rounding, seed)  # fmt: skip
-    st = seed_tensor(seed) if rounding == "stochastic" else None
+    st = key_tensor(seed) if rounding == "stochastic" else None
     return _quantize(_runner(backend), x.contiguous(), bits, group_size, symmetric, paper_scale,
                      keep_cols, st)  # fmt: skip
 
@@ -562,7 +563,7 @@ def quantize_channelwise(
     x2d = x.contiguous().view(-1, x.shape[-1]) if x.shape[-1] else x.reshape(0, 1)
     if _use_triton(x, backend):
         return quantize_channelwise_triton(x2d, bits, paper_scale, rounding, seed)
-    st = seed_tensor(seed) if rounding == "stochastic" else None
+    st = key_tensor(seed) if rounding == "stochastic" else None
     return _quantize_channelwise(_runner(backend), x2d, bits, paper_scale, st)
 
 

@@ -6,8 +6,8 @@ nibble) is a row reduction; it zeroes non-finite values and ``keep`` columns, wr
 fp32 scale (and offset, asymmetric) and its count of non-finite values, then the biased codes;
 a group holding non-finite values is marked (the sign bit of its scale, a smaller divisor, the
 reserved codes: ``quant.py``'s docstring). With ``STOCH`` it rounds ``floor(v + u)``, ``u`` the
-top 24 bits of ``quant.uniform_ref``'s hash of ``(s0, s1, element index)``, in wrapping uint32
-arithmetic (the ref's int64 arithmetic masked to 32 bits gives the same values). It is launched
+top 24 bits of ``ops.stochastic``'s hash of the element index plus the seed's key, in wrapping
+uint32 arithmetic (the ref's int64 arithmetic masked to 32 bits gives the same values). It is launched
 with ``enable_fp_fusion=False``: a fused ``x * inv + u`` (one rounding) can land on the other
 side of an integer than the ref's two roundings. ``dequant_kernel`` is its inverse. ``quant.py`` launches them (``quantize_triton`` & co.) and
 holds the ``*_ref`` twins they match bit for bit.
@@ -27,8 +27,8 @@ def kernels():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["s0", "s1"])
-    def quant_kernel(X, KEEP, INV, Q, S, OFF, NF, N, C, div, divm, s0, s1,
+    @triton.jit(do_not_specialize=["key"])
+    def quant_kernel(X, KEEP, INV, Q, S, OFF, NF, N, C, div, divm, key,
                      BLOCK: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
                      HAS_KEEP: tl.constexpr, PER_CHANNEL: tl.constexpr, STOCH: tl.constexpr,
                      LO: tl.constexpr, HI: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
@@ -74,14 +74,8 @@ def kernels():
             v = (x - off) * inv
         lo = tl.where(marked, LO + 2, LO).to(tl.float32)
         hi = tl.where(marked, HI - 1, HI).to(tl.float32)
-        if STOCH:  # quant.uniform_ref's hash of the flat index (two mixer rounds), inlined
-            h = offs.to(tl.uint32) ^ s0.to(tl.uint32)
-            h = h ^ (h >> 16)
-            h = h * 0x7FEB352D
-            h = h ^ (h >> 15)
-            h = h * 0x5BD1E995
-            h = h ^ (h >> 16)
-            h = h ^ s1.to(tl.uint32)  # the index's high word is 0 (int32 offsets)
+        if STOCH:  # ops.stochastic.uniform_ref: one mixer round of the index plus the key
+            h = offs.to(tl.uint32) + key.to(tl.uint32)
             h = h ^ (h >> 16)
             h = h * 0x7FEB352D
             h = h ^ (h >> 15)
