@@ -42,11 +42,12 @@ def _step(model, x=X):
     model(x, targets=x).loss.backward()
 
 
-def _planned(codecs, codec_s, recompute_s, budget="25%"):
+def _planned(codecs, codec_s, recompute_s, budget="40%"):
     torch.manual_seed(0)
     model = slimact.build_model("llama-tiny")
     # INT4 on llama-tiny is above auto's default gradient-error cap: these tests are about
-    # drift, not quality, so every codec is admitted
+    # drift, not quality, so every codec is admitted; 40%: below about 35% only recomputation
+    # fits (SDPA's q and k stay exact)
     opts = dict(
         codecs=codecs, reform=False, layers="uniform", include_static=False, max_grad_err=None
     )
@@ -173,7 +174,7 @@ def _rank_worker(rank: int, port: int, out: str, mode: str) -> None:
         prof = profile_model(model, mine, codecs=("int4",), repeats=1, reform=False)
         # rank 0 believes codecs are free, rank 1 that they cost 1 s: their own plans differ
         prof = _fixed_times(prof, 1e-7 if rank == 0 else 1.0, 1e-5)
-        plan = solve_plan(prof, "25%", **opts)
+        plan = solve_plan(prof, "40%", **opts)  # (as _planned: below ~35% only recompute fits)
         install(model, plan=plan, profile=prof, solve_options=opts)
         ev = PlanEvolver(model, cap=2, log_path=Path(out) / f"log{rank}.jsonl")
         check = BudgetCheck(model)  # judges the largest bytes over ranks: one verdict

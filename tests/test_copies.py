@@ -82,7 +82,9 @@ def check_copy(model, x):
     assert any(not torch.equal(p, before[n]) for n, p in c.named_parameters())
     with torch.no_grad():
         assert not torch.equal(_loss(c, x), loss)
-        assert torch.equal(_loss(model, x), loss)
+        # (bit-equal where the no-grad forward runs the same ops: a plan with an inverted
+        # activation runs the plain one without grad, which may differ in the last bit)
+        assert torch.allclose(_loss(model, x), loss, rtol=1e-6, atol=0)
     slimact.revert(c)
     assert not _patched(c) and runtime_of(c) is None
     assert _patched(model) or runtime_of(model) is not None

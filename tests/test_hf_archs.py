@@ -283,7 +283,7 @@ def test_int4_gradients_stay_close_and_store_less(arch):
     # probabilities: flattened 0.979, its layer norms 0.92; every other model >= 0.985
     assert flat_cosine(ref, got) >= (0.97 if arch == "t5" else 0.98)
     assert min_param_cosine(ref, got) >= 0.9
-    assert ratio < 0.45, ratio  # measured 0.27 (BART) .. 0.41 (CLIP vision)
+    assert ratio < 0.55, ratio  # measured 0.27 (BART) .. 0.51 (CLIP vision; q, k exact)
 
 
 @pytest.mark.parametrize(

@@ -54,7 +54,7 @@ def test_drift_changes_the_plan_and_stays_within_budget(tmp_path):
     opts = dict(codecs=("int4-outlier",), reform=False, layers="uniform", include_static=False)
     opts["max_grad_err"] = None  # INT4 on llama-tiny costs more than the default gradient cap
     prof = _controlled(profile_model(model, x, codecs=opts["codecs"], repeats=1, reform=False))
-    tight = solve_plan(prof, "25%", **opts).predicted_bytes + 1000  # a budget with no slack
+    tight = solve_plan(prof, "40%", **opts).predicted_bytes + 1000  # a budget with no slack
     plan = solve_plan(prof, tight, **opts)
     assert any(lp.codecs for lp in plan.layers) and not any(lp.recompute for lp in plan.layers)
     install(model, plan=plan, profile=prof, solve_options=opts)
