@@ -102,6 +102,7 @@ def _cosines(acc: dict, k: int, exact: dict, keys: list[str]) -> dict:
         for n in keys
     }
     worst = min(cos, key=cos.__getitem__)
+    norms = [c for n, c in cos.items() if "norm" in n]
     flat_mean = torch.cat([(acc[n] / k).flatten() for n in keys])
     flat_exact = torch.cat([exact[n].flatten() for n in keys])
     return {
@@ -109,6 +110,8 @@ def _cosines(acc: dict, k: int, exact: dict, keys: list[str]) -> dict:
         "min_param": worst,
         "median_cos": sorted(cos.values())[len(cos) // 2],
         "all_params_cos": float(F.cosine_similarity(flat_mean, flat_exact, dim=0)),
+        "norm_weights_min_cos": min(norms) if norms else None,
+        "per_param": cos,
     }
 
 
@@ -172,7 +175,7 @@ def markdown(data: dict) -> str:
         "",
         f"Command: `{e['command']}`.",
         "",
-        "## Cost: encode of one 2048 x 1376 fp32 tensor (CPU path, compiled refs)",
+        "## Stochastic rounding, the cost: encode of one 2048 x 1376 fp32 tensor (CPU path, compiled refs)",
         "",
         f"Interleaved rounds ({data['args']['rounds']}, alternating order), medians; the ratio "
         "is the median of per-round stochastic / nearest, with its min-max spread.",
@@ -189,11 +192,13 @@ def markdown(data: dict) -> str:
     a = data["args"]
     lines += [
         "",
-        f"## Benefit: the mean gradient over k draws against the exact one ({a['model']}, "
+        f"## Stochastic rounding, the benefit: the mean gradient over k draws against the exact "
+        f"one ({a['model']}, "
         f"{a['batch']} x {a['seq']} tokens)",
         "",
         "Cosine of the mean of the first k gradients with the exact gradient: the minimum over "
-        "parameters (which one), the median, and all parameters as one vector. Round-to-nearest "
+        "parameters (which one), the minimum over the norm weights, the median, and all "
+        "parameters as one vector (per parameter in the json). Round-to-nearest "
         "repeats one gradient (its error is bias: k does not move it); stochastic rounding "
         "draws afresh each time.",
         "",
@@ -202,18 +207,19 @@ def markdown(data: dict) -> str:
         lines += [
             f"### {state} ({res['pretrain_steps']} AdamW steps of none before)",
             "",
-            "| strategy | k | min cos | worst parameter | median cos | all params cos | "
-            "1 - min cos |",
-            "| --- | ---: | ---: | --- | ---: | ---: | ---: |",
+            "| strategy | k | min cos | worst parameter | min cos, norm weights | median cos | "
+            "all params cos | 1 - min cos |",
+            "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
         ]
         for spec, rows in res.items():
             if spec == "pretrain_steps":
                 continue
             for k, r in rows.items():
+                nw = r["norm_weights_min_cos"]
                 lines.append(
                     f"| {spec} | {k} | {r['min_cos']:.5f} | {r['min_param']} | "
-                    f"{r['median_cos']:.6f} | {r['all_params_cos']:.6f} | "
-                    f"{1 - r['min_cos']:.2e} |"
+                    f"{'n/a' if nw is None else f'{nw:.5f}'} | {r['median_cos']:.6f} | "
+                    f"{r['all_params_cos']:.6f} | {1 - r['min_cos']:.2e} |"
                 )
         lines.append("")
     return "\n".join(lines) + "\n"
