@@ -1,7 +1,8 @@
 """What stochastic rounding (SR) costs and what it buys, in one process on the CPU.
 
-    PYTHONPATH=src python benchmarks/stochastic_rounding.py            # ~1 min, one thread
+    PYTHONPATH=src python benchmarks/stochastic_rounding.py            # ~2 min, one thread
     PYTHONPATH=src python benchmarks/stochastic_rounding.py --rounds 3 --k 4 --pretrain 5 \
+        --step-rounds 0 \
         --results-dir /tmp/sr                                           # smoke
 
 Cost: the encode time of one 2048 x 1376 fp32 tensor (llama-20m's MLP input at 8 x 256 tokens),
@@ -9,7 +10,9 @@ round-to-nearest against stochastic, on the CPU path (``backend="auto"``: the re
 inductor, ``slimact.ops.compiled_ref``), one thread, each pair timed in interleaved rounds
 (``slimact.timing.interleaved``, alternating order; medians and the median per-round ratio):
 the quantize op alone (INT4 in groups of 16, INT8 in groups of 128) and the ``int4`` strategy's
-whole ``act`` codec (``int4-outlier-g16``: range statistics, outlier scores, quantize, pack).
+whole ``act`` codec (``int4-outlier-g16``: range statistics, outlier scores, quantize, pack);
+then a training step's forward+backward, ``int4`` against ``int4@sr``, on llama-20m at 8 x 256
+(``--step-rounds`` interleaved rounds; 0 skips it).
 
 Benefit: bias, not one step's error. One llama-tiny, one batch of 8 x 128 tokens of the stdlib
 corpus, fixed weights (at init, and after ``--pretrain`` AdamW steps of ``none`` on other
@@ -87,6 +90,40 @@ def cost(args) -> dict:
             f"[{r.min:.3f}-{r.max:.3f}]",
             flush=True,
         )
+    return out
+
+
+def step_cost(args) -> dict:
+    """Forward+backward of one training step, ``int4`` against ``int4@sr`` on the same model
+    and batch, interleaved (module docstring)."""
+    torch.manual_seed(0)
+    base = build_model(args.step_model)
+    x, y = fixed_batches(load_data().val, args.step_batch, args.step_seq, 1)[0]
+    models = {s: slimact.apply(copy.deepcopy(base), s) for s in ("int4", "int4@sr")}
+
+    def step(m):
+        def run():
+            m.zero_grad(set_to_none=True)
+            m(x, targets=y).loss.backward()
+
+        return run
+
+    t = interleaved({s: step(m) for s, m in models.items()}, args.step_rounds, warmup=2,
+                    alternate=True)  # fmt: skip
+    r = t.ratio("int4@sr", "int4")
+    out = {
+        "model": args.step_model,
+        "tokens": f"{args.step_batch} x {args.step_seq}",
+        "int4_s": t.median_s("int4"),
+        "int4_sr_s": t.median_s("int4@sr"),
+        "ratio": r.to_dict(),
+        "timing": t.to_dict(),
+    }
+    print(
+        f"step {args.step_model} {out['tokens']}: int4 {out['int4_s']:.3f} s, int4@sr "
+        f"{out['int4_sr_s']:.3f} s, ratio {r.median:.3f} [{r.min:.3f}-{r.max:.3f}]",
+        flush=True,
+    )
     return out
 
 
@@ -177,8 +214,9 @@ def markdown(data: dict) -> str:
         "",
         "## Stochastic rounding, the cost: encode of one 2048 x 1376 fp32 tensor (CPU path, compiled refs)",
         "",
-        f"Interleaved rounds ({data['args']['rounds']}, alternating order), medians; the ratio "
-        "is the median of per-round stochastic / nearest, with its min-max spread.",
+        f"Interleaved rounds ({data['args']['rounds']}, alternating order; the training step "
+        f"{data['args']['step_rounds']}), medians; the ratio is the median of per-round "
+        "stochastic / nearest, with its min-max spread.",
         "",
         "| encode | nearest (ms) | stochastic (ms) | ratio | spread |",
         "| --- | ---: | ---: | ---: | --- |",
@@ -187,6 +225,14 @@ def markdown(data: dict) -> str:
         ratio = r["ratio"]
         lines.append(
             f"| {name} | {r['nearest_ms']:.2f} | {r['stochastic_ms']:.2f} | "
+            f"{ratio['median']:.3f} | {ratio['min']:.3f}-{ratio['max']:.3f} |"
+        )
+    st = data.get("step")
+    if st:
+        ratio = st["ratio"]
+        lines.append(
+            f"| training step (forward+backward), {st['model']} {st['tokens']}, `int4` vs "
+            f"`int4@sr` | {1e3 * st['int4_s']:.0f} | {1e3 * st['int4_sr_s']:.0f} | "
             f"{ratio['median']:.3f} | {ratio['min']:.3f}-{ratio['max']:.3f} |"
         )
     a = data["args"]
@@ -241,12 +287,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--results-dir", type=Path, default=RESULTS)
     ap.add_argument("--skip-cost", action="store_true")
+    ap.add_argument("--step-model", default="llama-20m")
+    ap.add_argument("--step-batch", type=int, default=8)
+    ap.add_argument("--step-seq", type=int, default=256)
+    ap.add_argument("--step-rounds", type=int, default=7, help="0: no training-step timing")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     load_before = load_average()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     data = {"args": {k: v if not isinstance(v, Path) else str(v) for k, v in vars(args).items()}}
     data["cost"] = {} if args.skip_cost else cost(args)
+    data["step"] = step_cost(args) if args.step_rounds else None
     data["benefit"] = benefit(args)
     data["env"] = machine_info() | {
         "threads": args.threads,
