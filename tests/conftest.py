@@ -24,6 +24,23 @@ def _seed():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _refs_path(request):
+    """The fast suite runs the ops' plain-PyTorch refs eagerly; the CPU path that compiles them
+    with inductor (``slimact.ops.compiled_ref``) runs in tests marked ``compiled_refs`` (which
+    hold it to the refs bit for bit) and in the ``slow`` suite. Each compiled ref is an inductor
+    compile of seconds on a cold cache, which is what a clean CI machine has: behind every
+    strategy test they were most of the fast suite's time, testing the same math again."""
+    keywords = request.node.keywords
+    if "compiled_refs" in keywords or "slow" in keywords:
+        yield
+        return
+    from slimact.ops import compiled_ref
+
+    with compiled_ref.eager_refs():
+        yield
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

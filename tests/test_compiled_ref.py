@@ -9,6 +9,8 @@ import torch
 
 from slimact.ops import compiled_ref as cr
 
+pytestmark = pytest.mark.compiled_refs  # the compiled CPU path itself
+
 
 def f_good(x, *, k):
     return x * k + 1

@@ -22,6 +22,8 @@ from slimact.ops.inv_act import (
 )
 from slimact.ops.inv_act_ref import pack_bits_ref, unpack_bits_ref
 
+pytestmark = pytest.mark.compiled_refs  # the compiled CPU path itself
+
 # L∞ of g = f'(f⁻¹(y)) against the float64 truth at the dtype's x (the conditioning floor)
 TOL = {torch.float32: 3e-4, torch.bfloat16: 4e-2, torch.float16: 1e-2}
 

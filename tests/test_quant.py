@@ -145,17 +145,29 @@ def _big(shape, dtype, seed=0):
     return x
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "shape,group_size,keep",
-    [
-        ((64, 512), 16, True),
-        ((64, 512), 128, False),
-        ((3, 7001), 16, False),
-        ((130, 136), 32, True),
-    ],
-)
-@pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, True)])
+_CPU_PATH_SHAPES = [((64, 512), 16, True), ((64, 512), 128, False), ((3, 7001), 16, False)]
+_CPU_PATH_SHAPES.append(((130, 136), 32, True))
+_CPU_PATH_CODES = [(4, True), (4, False), (8, True)]
+_CPU_PATH_FAST = {  # every shape, dtype and code once (each case is an inductor compile)
+    (torch.float32, (64, 512), 4, True),
+    (torch.bfloat16, (64, 512), 8, True),
+    (torch.float32, (3, 7001), 4, False),
+    (torch.bfloat16, (130, 136), 4, True),
+}
+
+
+def _cpu_path_cases():
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape, group_size, keep in _CPU_PATH_SHAPES:
+            for bits, symmetric in _CPU_PATH_CODES:
+                fast = (dtype, shape, bits, symmetric) in _CPU_PATH_FAST
+                marks = () if fast else (pytest.mark.slow,)
+                args = (dtype, shape, group_size, keep, bits, symmetric)
+                yield pytest.param(*args, marks=marks)
+
+
+@pytest.mark.compiled_refs
+@pytest.mark.parametrize("dtype,shape,group_size,keep,bits,symmetric", list(_cpu_path_cases()))
 def test_compiled_cpu_path_equals_ref(dtype, shape, group_size, keep, bits, symmetric):
     """(130, 136) with groups of 32: the flat keep path (136 % 32 != 0); (64, 512) with 16:
     whole groups per row; (3, 7001): a padded last group."""
@@ -179,6 +191,7 @@ def test_compiled_cpu_path_equals_ref(dtype, shape, group_size, keep, bits, symm
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.compiled_refs
 def test_compiled_cpu_channelwise_equals_ref(dtype, bits):
     x = _big((257, 96), dtype).view(-1, 96)
     a = Q.quantize_channelwise(x, bits=bits, backend="ref")
@@ -200,6 +213,7 @@ def test_keep_cols_is_zeroing_the_columns(c, group_size):
     assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)
 
 
+@pytest.mark.compiled_refs
 def test_compiled_cpu_range_statistics_equal_ref():
     """The codecs' per-tensor statistics, compiled on CPU: the row norms of the range check and
     the outlier channels' absolute sums."""
