@@ -41,6 +41,21 @@ def _refs_path(request):
         yield
 
 
+@pytest.fixture(autouse=True)
+def _compile_backend(request, monkeypatch):
+    """Fast tests compile blocks with ``aot_eager_decomp_partition``: AOTAutograd's trace,
+    decompositions, min-cut partition (``activation_memory_budget``) and inlined codec hooks as
+    under inductor, without inductor's code generation (seconds per graph, where inductor took
+    tens on a cold cache). Tests marked ``inductor`` (what inductor itself decides: its saved
+    layouts, its RNG, its kernels' numerics) and the slow suite compile with inductor."""
+    keywords = request.node.keywords
+    if "inductor" not in keywords and "slow" not in keywords:
+        from slimact.compiled.blocks import BACKEND_VARIABLE
+
+        monkeypatch.setenv(BACKEND_VARIABLE, "aot_eager_decomp_partition")
+    yield
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -113,6 +113,7 @@ def eager(base):
     return _step(copy.deepcopy(base))
 
 
+@pytest.mark.inductor  # the fast suite's traced codec lowered by inductor itself
 def test_meter_sees_inside_compiled_blocks(base, eager):
     """The meter reads compiled regions' saves off the autograd graph: its count equals the
     profiler's (what the forward leaves alive, minus the 4-byte loss and the logits' grad_fn

@@ -44,6 +44,7 @@ outside the graphs.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -55,6 +56,7 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 
 from slimact import sites
+from slimact.compiled.blocks import BACKEND_VARIABLE
 from slimact.hf_inputs import dummy_inputs, is_hf_model, lm_loss, main_input, mlm_batch
 from slimact.meter import MemoryReport, measure
 from slimact.registry import AppliedChange, StrategyConfig, applied, apply, revert
@@ -230,6 +232,8 @@ def compile_blocks(
     modules = dict(model.named_modules())
     changes: list[AppliedChange] = []
     policy = codec_policy_installed(model)
+    # inductor, or the backend SLIMACT_COMPILE_BACKEND names (as compiled blocks do)
+    compile_kwargs.setdefault("backend", os.environ.get(BACKEND_VARIABLE) or "inductor")
     for path in sites.block_paths(model):
         block = modules[path]
         if filter_fn is not None and not filter_fn(block, path):

@@ -27,12 +27,19 @@ bytes and times. Saved bytes inside compiled graphs are invisible to saved-tenso
 region runs with hooks disabled), so :func:`forward_live_bytes` measures them from the
 profiler's memory events, and :func:`compiled_saved_tensors` lists what the compiled regions
 of a loss's graph hold.
+
+The compiler is inductor unless ``SLIMACT_COMPILE_BACKEND`` names another torch.compile backend
+(or ``backend=`` is passed): ``aot_eager_decomp_partition`` runs the same AOTAutograd trace,
+decompositions, min-cut partition and inlined codec hooks without inductor's code generation,
+which the fast test suite uses (seconds per graph instead of tens on a cold cache); the slow
+suite and users compile with inductor.
 """
 
 from __future__ import annotations
 
 import functools
 import gc
+import os
 import re
 import types
 import warnings
@@ -130,6 +137,7 @@ def own_code(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
 # mode state it runs under (a meter adds one): past 8 such entries dynamo ran the block eagerly
 # (a 12-block ``invact`` model did). The limit is raised for these calls only.
 RECOMPILE_LIMIT = 256
+BACKEND_VARIABLE = "SLIMACT_COMPILE_BACKEND"  # another torch.compile backend (module docstring)
 
 
 @functools.cache
@@ -222,6 +230,7 @@ def compile_block(
     # sequence length (or batch size) compiles once more with those sizes symbolic, and later
     # lengths reuse that graph (the codecs' shape rules hold for symbolic sizes)
     kw.setdefault("dynamic", None)
+    kw.setdefault("backend", os.environ.get(BACKEND_VARIABLE) or "inductor")
     compiled = torch.compile(_block_fn(choice.budget, choice.codec, type(block)), **kw)
     return functools.partial(_compiled_forward, compiled, choice, forward or block.forward)
 
