@@ -10,6 +10,8 @@ refused: it reads as 25 % as easily as 25 bytes.
 reads back to an equal budget (an int of bytes prints as ``"<n>B"``), so plans and checkpoints
 store the text. ``budget.allowed(baseline, static)`` is the activation bytes it allows.
 ``add_budget_argument(parser)`` is the one ``--budget`` flag of every command line.
+:class:`BudgetWarning` is the one warning a plan's measured bytes over its budget raise (eager
+``auto``'s first-step check, the compiled planner's verification).
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }  # fmt: skip
 _BUDGET = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z%]*)\s*$", re.IGNORECASE)
+
+
+class BudgetWarning(RuntimeWarning):
+    """A planned model's measured stored bytes exceed its budget (the message names the budget,
+    the bytes and the gap)."""
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from slimact.gradcheck import grad_error
 from slimact.meter import MemoryReport, measure
 from slimact.models import build_model, count_params
 from slimact.peak import step_peak
@@ -154,13 +154,7 @@ def grad_cosine(baseline: nn.Module | Mapping[str, torch.Tensor], other: nn.Modu
         pairs.append((g.float().flatten().to(q.grad.device), q.grad.float().flatten()))
     if not pairs:
         raise RuntimeError("no parameter received a gradient")
-    largest = max(float(a.norm()) for a, _ in pairs)
-    cosines = [
-        float(F.cosine_similarity(a, b, dim=0))
-        for a, b in pairs
-        if float(a.norm()) >= 1e-6 * largest
-    ]
-    return min(cosines)
+    return 1.0 - grad_error([b for _, b in pairs], [a for a, _ in pairs])
 
 
 def compare(cfg: CompareConfig) -> dict:

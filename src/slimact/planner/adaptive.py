@@ -26,6 +26,7 @@ import torch.distributed as tdist
 import torch.nn as nn
 
 from slimact import sites
+from slimact.budget import BudgetWarning
 from slimact.classify import call_batch
 from slimact.meter import Meter
 from slimact.planner.apply import runtime_of
@@ -66,10 +67,6 @@ def _max_over_ranks(n: int) -> int:
     t = torch.tensor([n], dtype=torch.int64, device=dev)
     tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
     return int(t.item())
-
-
-class BudgetWarning(RuntimeWarning):
-    """The measured stored bytes of a planned model exceed its budget (see ``BudgetCheck``)."""
 
 
 class BudgetCheck:

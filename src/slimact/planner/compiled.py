@@ -63,13 +63,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from slimact import sites
-from slimact.budget import Budget
+from slimact.budget import Budget, BudgetWarning
 from slimact.compiled.blocks import BlockChoice, compile_block, compiled_saved_tensors
 from slimact.compiled.devices import usable_codecs
+from slimact.gradcheck import grad_error
 from slimact.meter import MemoryReport, measure
 from slimact.planner.compiled_root import (
     ROOT_CODECS,
@@ -99,10 +99,6 @@ MAX_GRAD_ERR = 2e-3  # as auto's: 1 - cos of any parameter's (or the input's) bl
 # options' measured times are medians of interleaved rounds, ~1-3% apart run to run)
 TIME_TOLERANCE = 0.01
 EXACT_ERR = 1e-9  # 1 - cos at or below this is rounding (exact options measure ~5e-13)
-
-
-class BudgetWarning(UserWarning):
-    """A compiled plan's measured bytes exceed its budget."""
 
 
 @dataclass
@@ -306,19 +302,6 @@ class _BlockRun:
         leaves = [self.x, *self.params] if self.x.requires_grad else self.params
         g = torch.ones_like(out) if upstream is None else upstream
         return list(torch.autograd.grad(out, leaves, g, allow_unused=True))
-
-
-def grad_error(got: Sequence[torch.Tensor | None], ref: Sequence[torch.Tensor | None]) -> float:
-    """Max over the input and the parameters of ``1 - cos(got, ref)``, skipping gradients whose
-    reference norm is below 1e-6 x the largest (``slimact memory``'s ``grad_cosine`` rule)."""
-    norms = [float(r.norm()) if r is not None else 0.0 for r in ref]
-    big = max(norms, default=0.0)
-    errs = [
-        1.0 - float(F.cosine_similarity(g.double().flatten(), r.double().flatten(), dim=0))
-        for g, r, n in zip(got, ref, norms)
-        if r is not None and g is not None and n > 0 and n >= 1e-6 * big
-    ]
-    return max(errs, default=0.0)
 
 
 def profile_compiled(

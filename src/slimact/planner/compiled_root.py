@@ -52,6 +52,7 @@ import torch.nn as nn
 from slimact import actions, sites
 from slimact.checkpointing import CACHE_KWARGS, is_cache
 from slimact.classify import label_arg, parse_site
+from slimact.gradcheck import grad_error
 from slimact.meter import measure
 from slimact.planner.apply import install
 from slimact.planner.codecstats import codec_stat, lossy_allowed
@@ -251,16 +252,6 @@ def _gradients(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> li
         return list(torch.autograd.grad(model_loss(model, ids, targets), params, allow_unused=True))
 
 
-def _grad_err(got: Sequence[torch.Tensor | None], ref: Sequence[torch.Tensor | None]) -> float:
-    errs = [
-        1.0 - float(torch.nn.functional.cosine_similarity(
-            g.double().flatten(), r.double().flatten(), dim=0))
-        for g, r in zip(got, ref)
-        if g is not None and r is not None and float(r.norm()) > 0
-    ]  # fmt: skip
-    return max(errs, default=0.0)
-
-
 def _codec_options(
     twin: nn.Module,
     ids: torch.Tensor,
@@ -321,7 +312,7 @@ def profile_root(
         for option in options:
             twin = copy.deepcopy(model)
             install(twin, option.plan())
-            err = _grad_err(_gradients(twin, ids, targets), ref)
+            err = grad_error(_gradients(twin, ids, targets), ref)
             measured.append(dataclasses.replace(option, grad_err=err))
     return measured
 

@@ -55,6 +55,8 @@ import torch.nn as nn
 from slimact import sites
 from slimact.codecs.build import build_codec
 from slimact.codecs.saving import CodecPolicy
+from slimact.gradcheck import grad_errors as grad_errors_of
+from slimact.gradcheck import one_minus_cos
 from slimact.planner.codecstats import run_policy
 from slimact.planner.measure import detach
 from slimact.planner.plan import KindProfile, abs_path, abs_site
@@ -65,17 +67,6 @@ INPUT = "<input>"  # the key of the gradient at the block's input(s)
 MEASURED_REL_ERR = 0.5  # codecs less faithful than this get no figure (the MILP excludes them)
 GRAD_BUDGET_S = 120.0  # per kind: the runs stop here; llama-20m's block: ~10 s on an idle CPU
 GRAD_TOKENS = 256  # the runs use the first samples of the batch holding at least this many tokens
-NEGLIGIBLE = 1e-6  # a parameter whose exact gradient norm is below this x the largest: skipped
-
-
-def _one_minus_cos(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double().flatten(), b.detach().double().flatten()
-    na, nb = float(a.norm()), float(b.norm())
-    if na == 0.0 and nb == 0.0:
-        return 0.0
-    if na == 0.0 or nb == 0.0 or not math.isfinite(na * nb):
-        return 1.0 if math.isfinite(nb) else 2.0
-    return max(0.0, 1.0 - float(a @ b) / (na * nb))
 
 
 class _Runner:
@@ -213,14 +204,9 @@ def measurable(prof: Any, rep: str) -> bool:
 
 def _errors(names: list[str], ref: tuple[list, list], got: tuple[list, list]) -> dict:
     (rp, ri), (gp, gi) = ref, got
-    norms = [float(g.norm()) if g is not None else 0.0 for g in rp]
-    big = max(norms, default=0.0)
-    out = {}
-    for name, r, g, n in zip(names, rp, gp, norms):
-        if r is not None and n >= NEGLIGIBLE * big and n > 0:
-            out[name] = _one_minus_cos(g if g is not None else torch.zeros_like(r), r)
+    out = {n: e for n, e in zip(names, grad_errors_of(gp, rp)) if e is not None}
     pairs = [(g, r) for r, g in zip(ri, gi) if r is not None and g is not None]
-    out[INPUT] = max((_one_minus_cos(g, r) for g, r in pairs), default=0.0)
+    out[INPUT] = max((one_minus_cos(g, r) for g, r in pairs), default=0.0)
     return {k: float(f"{v:.4g}") for k, v in out.items()}
 
 
