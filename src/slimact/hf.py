@@ -28,7 +28,7 @@ causal and masked LMs, ours and HF's), :func:`structure` (what slimact recognize
 :func:`patched_modules` (empty after ``slimact.revert``), :class:`SlimactCallback` for
 ``transformers.Trainer``, and :func:`compile_blocks`.
 
-torch.compile decision (measured, see benchmarks/results/compile.md): compile the *blocks*, not
+torch.compile decision (measured: BENCHMARKS.md §7): compile the *blocks*, not
 the root. The site router enters ``saved_tensors_hooks`` + a ``TorchFunctionMode`` around the
 root forward and names saves by module path and op. Dynamo cannot inline those Python hooks (they
 are not graph modules), so they stay active *around* a compiled block and see the saves

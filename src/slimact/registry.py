@@ -278,8 +278,7 @@ def compiled_spec(strategy: str) -> str:
         elif base == "invact" and "ops=" not in arg:
             # norms only: under inductor a block already keeps an activation's input and
             # recomputes its output, so an inverted GELU/SiLU adds its bit mask and an opaque op
-            # and saves nothing (llama-20m: 0.671 of the bytes at 1.003x compiled none, against
-            # 0.675 at 1.028x with SiLU inverted; benchmarks/results/compiled_budgets.md)
+            # and saves nothing (BENCHMARKS.md §7)
             eager.append(f"{part},ops=none" if at and arg else "invact@ops=none")
         elif base in COMPILE_SAFE:
             eager.append(part)

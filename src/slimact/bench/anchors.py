@@ -12,7 +12,7 @@ the ``forward(model, x, y) -> loss`` to call, a note, and a ``restore`` to call 
   ``compile_budget``, 0.5 by default; one code object per budget, see
   ``slimact.compiled.own_code``, so anchors at several budgets coexist): AOTAutograd's min-cut partitioner recomputes what it must to keep the saved bytes under
   that fraction. The meter sees the compiled graph's saves (the router's hooks wrap the compiled
-  autograd function; see benchmarks/results/compile.md), unnamed and attributed outside blocks,
+  autograd function; BENCHMARKS.md §7), unnamed and attributed outside blocks,
   so its per-site chart is empty and its loss-head share unknown (``compiled=True``). The
   compiling call is the measured first step; the runner runs one more step before the peak (a
   call without the meter's hooks may recompile), and the timing rounds start after warm-up. With

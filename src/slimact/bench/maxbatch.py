@@ -1,4 +1,4 @@
-"""Max batch, measured: the largest batch whose measured step peak fits a memory cap (issue 18.6).
+"""Max batch, measured: the largest batch whose measured step peak fits a memory cap.
 
 adacc.txt Table 3 reports the largest batch each method trains on a 32 GB V100 (GPT-117M: 57
 baseline, 136 full recomputation, 98 per-token INT4, 136 Adacc). Here the batch is found by

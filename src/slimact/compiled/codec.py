@@ -45,9 +45,8 @@ What this module adds:
   is a vectorized pointwise op that inductor fuses with the quantization: INT4 puts code j and
   code j + D/2 in one byte; INT6 stores the first three quarters' 6-bit codes in three byte
   planes, each with two bits of the last quarter's code on top (4 codes in 3 bytes, D % 4 == 0).
-  Packing neighbours (codes 2j, 2j + 1) instead needs strided lane shuffles: on llama-20m's
-  2048 x 1376 tensors its INT4 encode took 6.9 ms against 1.3 ms for INT8 (1 thread), and a
-  compiled block 1.07x INT8's; the slices' 2.3 ms give 1.01x.
+  Packing neighbours (codes 2j, 2j + 1) instead needs strided lane shuffles, several times
+  slower to encode on a CPU.
 * ``outliers`` (``outlier-int4``: 1/128 of the channels): adacc's outlier separation (§3.2)
   in a compiled graph. The k channels (last dimension) of largest ``sum |x|`` are stored as
   they are (``[rows, k]`` plus their indices) and zeroed before coding. Adacc takes channels
@@ -80,14 +79,8 @@ the bytes on llama-20m. Non-finite values are not kept exactly (unlike the eager
 NaN/inf makes its group NaN/inf (``outliers``: its channel scores NaN/inf, ranks first and is
 stored exactly, up to k such channels). Unpacks run at the start of the region's backward, so each
 block is its own region (per-block compile) and only one block's decoded tensors are live at a
-time. The root (embedding, final norm, head, loss) stays eager and raw. Measured on llama-20m
-(benchmarks/results/compiled.md): INT8 keeps 0.22 of eager's bytes, INT4 0.17, against 0.19 for
-torch.compile's ``activation_memory_budget=0.25``. Per llama-20m block at compile's budget 0.7
-(one random upstream gradient; ``slimact.planner.compiled``): INT8 11.8 MiB, gradient error
-9e-5; INT6 (q and k at 6 bits, v and SDPA's output INT8) 9.4 MiB, 1.3e-3 (the worse of the
-first and last block), 1-3% slower; INT6 with all four SDPA tensors at 6 bits 8.9 MiB but
-8.4e-3 on the last block, whose q/k weight gradients then reach cosine 0.991 in the model;
-INT4 9.0 MiB (SDPA tensors INT8, one scale per 32 values), 1.0e-2.
+time. The root (embedding, final norm, head, loss) stays eager and raw. What each codec keeps
+and costs, beside torch.compile's own budgets: BENCHMARKS.md §7.
 """
 
 from __future__ import annotations

@@ -22,8 +22,7 @@ the graph's own seeds, drawn from the global generator per call, so runs are rep
 about (2 + 2·niter + 2)·tokens·n·q multiply-adds plus two QRs of n × q, q = r1 + oversample, on
 top of the projection itself: more than the linear layer that saved it. The eager codec spends
 that once per T1 steps; PRAC pays off when tokens ≫ n and the step is GEMM-bound (prac.txt's
-setting), not at llama-20m's 2048 tokens on a CPU: 2.38x eager none's step, 1.09x eager
-``prac``'s (``benchmarks/results/compiled_prac.md``). ``sketch_rows`` reads every s-th row
+setting), not at llama-20m's 2048 tokens on a CPU (BENCHMARKS.md §7). ``sketch_rows`` reads every s-th row
 only for the range finder (cheaper at large token counts; Z still projects every row).
 
 Which saved tensors, read off the saved forward-graph node (torch >= 2.10), as prac.txt §5.1 and

@@ -1,9 +1,9 @@
 """The CPU path of slimact's ops: their plain-PyTorch ``*_ref`` functions, compiled by inductor.
 
 Eager, a ref is a chain of small ops, each a full pass over memory: the inverted activations'
-Newton backward is ~150 of them per call (it made llama-20m's training step ~1.5x slower than
-strategy ``none`` on one CPU thread), and INT4 quantize+pack plus the codecs' range checks about
-two dozen per saved tensor (eager ``int4`` took 2.0x ``none``'s step). ``call(fn, *tensors,
+Newton backward is ~150 of them per call, and INT4 quantize+pack plus the codecs' range checks
+about two dozen per saved tensor (what that costs a step: BENCHMARKS.md §7, the CPU path).
+``call(fn, *tensors,
 **static)`` runs ``fn`` compiled by inductor instead: a few fused, vectorized loops per call.
 Users: ``ops.inv_act`` and ``ops.inv_act_traced`` (the inverted activations), ``ops.quant``
 (quantize/dequantize), ``codecs.quant`` and ``codecs.outlier`` (the range check's row norms, the

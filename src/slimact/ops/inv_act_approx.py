@@ -42,7 +42,7 @@ element; interpolation error < 1e-6, same L∞ as ``newton`` on the grid above).
 Special values follow torch: ``y`` NaN -> NaN; ``y = +inf`` (x = +inf) -> 1; ``y == 0`` on the
 left branch (x so negative that f(x) underflowed) -> 0, the limit of ``f'`` there.
 
-Extreme magnitudes (issue 14.4) need no fallback: on the right branch ``f(x) → x`` and Newton
+Extreme magnitudes need no fallback: on the right branch ``f(x) → x`` and Newton
 starts from ``max(x₀, y)``, so ``f'`` is recovered up to the dtype's max, and far left ``y``
 underflows to the 0 case above; measured against torch's autograd from 1e3 to ``finfo.max`` and
 down to −``finfo.max`` in fp32 and bf16 (``tests/test_extreme_values.py``). The one difference:

@@ -21,9 +21,8 @@ so both packing (8 contiguous slices OR-ed) and unpacking (a broadcast over 8 ro
 contiguous, vectorized loops; the §2 layout made inductor's inner loop 8 lanes wide. It never
 leaves this module: the forward's side is only read by this backward.
 
-Measured on llama-20m's SiLU input (2048 x 1376, fp32, one thread, load ~2, each kernel alone):
-forward 8.3 -> 1.9 ms, backward 47 -> 13-15 ms per call (custom-op pair -> this path); the step,
-in ``benchmarks/results/compiled_invact.md``. What remains of the backward is mostly the table's
+This path is several times faster per call than the custom-op pair it replaces (BENCHMARKS.md
+§7, the compiled inverted activations). What remains of the backward is mostly the table's
 two gathers, which inductor's CPU code runs lane by lane. (A gather-free piecewise-polynomial g
 was tried: its 17 pieces' coefficient selects made inductor materialize ~120 masks, 100x slower.)
 """

@@ -16,7 +16,7 @@ input X̃ with the exact rstd. The plain-PyTorch reference is ``ops.inv_norm.rms
 a backward that does not underflow. Autograd differentiates ``r = u^-½`` as ``-½·g·r³``; with a
 residual stream of 1e17 (one extreme weight is enough) ``r³`` is 1e-54, below float32's range, so
 the norm's whole projection term vanishes and the gradient is wrong (cosine −0.1 against the
-float64 truth, issue 14.4). Computing ``-½·((g·r)·r)·r`` keeps every partial product in range
+float64 truth; ``tests/test_extreme_values.py``). Computing ``-½·((g·r)·r)·r`` keeps every partial product in range
 (``g·r`` is O(|dy|·√d)). It saves the same tensor (r) under the same site name (``rsqrt#0``).
 Under ``torch.compile`` it is plain ``torch.rsqrt`` (dynamo would trace the Function as a
 higher-order op and break the graph on the site router's bookkeeping), so compiled blocks keep

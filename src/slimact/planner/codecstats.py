@@ -4,7 +4,7 @@
 payload bytes, median encode and decode times, relative L2 error and SQNR (a stateful codec's
 first encode, PRAC's SVD, amortized over its update period). ``lossy_allowed`` says where a lossy
 codec may be tried (the ``int4`` strategy's roles); ``_worth_trying`` skips hopeless candidates
-cheaply; ``_extreme_weights`` marks modules whose inputs must stay exact (issue 14.4).
+cheaply; ``_extreme_weights`` marks modules whose inputs must stay exact.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ MEDIAN_SAMPLE = 1 << 20
 def _extreme_weights(module: nn.Module) -> bool:
     """Does a parameter of ``module`` hold a value ``EXTREME_WEIGHT_RATIO`` times its median
     magnitude? Recomputing such a module from a lossy copy of its input multiplies the copy's
-    error by that value (issue 14.4: a 1e20 weight gave gradient cosine 0.13), so its inputs
+    error by that value (``tests/test_extreme_values.py``: a 1e20 weight), so its inputs
     are only stored exactly. The median is taken over at most ``MEDIAN_SAMPLE`` evenly strided
     values (a 32000 x 4096 embedding's full median took seconds), the maximum over all."""
     with torch.no_grad():

@@ -84,15 +84,12 @@ from slimact.timing import interleaved, load_average
 from slimact.utils import fmt_bytes
 
 # 0.7: on a llama block compile's cut at 0.7 (and 0.8, 0.9) recomputes the norms' outputs and the
-# SwiGLU product in backward, pointwise work it fuses: 0.71 of budget 1's bytes at its speed
-# (0.7 + INT8: 11.8 MiB against 16.5 MiB at 1.0 + INT8 on llama-20m 8 x 256, same step time);
+# SwiGLU product in backward, pointwise work it fuses: fewer bytes than budget 1 at its speed;
 # 0.6 also drops SDPA's output and logsumexp and the residual after attention (it recomputes
-# attention and o_proj): 0.6 + INT6 keeps 7.5 MiB against 9.4 at 0.7, for 2-6% of block time in
-# three measurements, where 0.5 (which recomputes v_proj too) keeps 6.5 MiB
+# attention and o_proj), 0.5 recomputes v_proj too (the measured figures: BENCHMARKS.md §7)
 BUDGETS = (1.0, 0.7, 0.6, 0.5, 0.25, 0.1, 0.0)
-# INT6 (per row; SDPA's q and k at 6 bits, v and output INT8): 1.3e-3 block gradient error on
-# llama-20m at 0.8x INT8's bytes and 1-3% more block time; traced INT4 (~1e-2 gradient error,
-# over the cap) is opt-in
+# INT6 (per row; SDPA's q and k exact, v and output INT8): fewer bytes than INT8 within the
+# gradient cap; traced INT4 (over the cap on llama-20m, BENCHMARKS.md §7) is opt-in
 CODECS = ("none", "int8", "int6")
 MAX_GRAD_ERR = 2e-3  # as auto's: 1 - cos of any parameter's (or the input's) block gradient
 # second stage: the fewest bytes among plans within this share of the fastest plan's seconds (the
@@ -445,9 +442,9 @@ def solve_compiled(
     ``budget`` (module docstring), among the options whose measured gradient error is at most
     ``max_grad_err`` (None: all); then, among the plans within ``time_tolerance`` of its
     seconds, the one with the fewest bytes that takes no option with a larger gradient error
-    than the fastest plan's worst (options equally fast within measurement noise differ by up
-    to 1.4x in bytes: compile budget 0.7 against 1.0, both with INT8; an exact plan stays
-    exact)."""
+    than the fastest plan's worst (options equally fast within measurement noise can differ
+    much in bytes, e.g. compile budget 0.7 against 1.0 with the same codec; an exact plan
+    stays exact)."""
     if not time_tolerance >= 0:
         raise ValueError(f"time_tolerance must be >= 0, got {time_tolerance!r}")
     budget = Budget.parse(budget)

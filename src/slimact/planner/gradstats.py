@@ -2,8 +2,8 @@
 
 A codec's reconstruction error (``codecstats``) says little about training: the same relative
 error is harmless in one tensor and ruins another (SDPA's output: any error swamps
-``rowsum(dO * O)``; issue 18.1: under a 0.25 reconstruction cap ``auto@25%`` reached gradient
-cosine 0.986 against 0.991 for ``int4``). So the profiler runs each kind's representative
+``rowsum(dO * O)``; a cap on reconstruction error let ``auto@25%`` lose more gradient than
+``int4``, BENCHMARKS.md §6). So the profiler runs each kind's representative
 block forward and backward on its captured inputs, with the real upstream gradient of the
 profiling batch (the loss's gradient at the block's output, from one backward of the whole
 model): once as is, then once per lossy (storage, codec) candidate with that one storage stored

@@ -82,9 +82,8 @@ __all__ = [
 LAYER_MODES = ("uniform", "ends", "each")
 GRAD_KEY = "grad_err"  # Profile.meta key of the measured gradient errors (planner.gradstats)
 GRAD_CKPT_KEY = "grad_err_recompute"  # the same for a codec on a recomputed module's input
-# per block and parameter, the summed 1 - cos the chosen codecs cost the gradient; llama-20m,
-# batch 4 x 256: the measured minimum cosine over parameters stays >= 0.999 at 10/25/50% budgets
-# (4e-3 let 0.994 through at 50%, unbounded 0.971; benchmarks/results/auto_quality.md)
+# per block and parameter, the summed 1 - cos the chosen codecs cost the gradient (the cap's
+# calibration: BENCHMARKS.md §6, auto's quality)
 DEFAULT_MAX_GRAD_ERR = 2e-3
 
 

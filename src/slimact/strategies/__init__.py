@@ -51,7 +51,7 @@ def _register_all() -> None:
         for mod in pkgutil.iter_modules(__path__):
             if mod.name not in ("registry", "recompute"):
                 importlib.import_module(f"{__name__}.{mod.name}")
-        importlib.import_module("slimact.compiled")  # compiled-none/-int8/-int4 (issue 16)
+        importlib.import_module("slimact.compiled")  # compiled-none/-int8/-int4/...
     except BaseException:
         unregister_strategies(set(strategy_names()) - before)
         raise

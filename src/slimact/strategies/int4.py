@@ -27,17 +27,16 @@ built on the role's first save, one instance per channel count:
   constants), integer tensors (InvAct's packed uint8 masks included), and the 3-D ``bmm``
   operands of SDPA's unfused math path (taken on CPU when dropout is on).
 
-Where we depart from the paper, and why (measured on llama-20m at init, batch 4 x 256, minimum
-gradient cosine over parameters; benchmarks/results/quant.md): fused SDPA's backward computes
-``delta = rowsum(dO * O)`` from its saved output ``O`` and subtracts it from ``dP``; at init the
-two nearly cancel, so any error in ``O`` swamps ``dS``: quantizing ``O`` (shared with
-``o_proj``'s input) gives cosine 0.86-0.88, whatever the grouping. The paper's unfused attention
-has no such term. So SDPA's output and logsumexp stay exact and ``o_proj`` shares them. INT4
-channel-wise Q/K/V (the paper's choice) gives 0.956, INT8 channel-wise 0.9996 at init, so the
-default is INT8 for V; q and k stay exact, since INT8 for them is what costs a trained model
-its gradients (the ``qk`` role above). Groups of 16 instead of 128 for ``act`` lift the cosine from 0.982 to 0.991 at
-0.75 instead of 0.53 bytes per value. Ablations: ``int4-plain`` (adacc.txt "w/o outlier":
-per-group INT4 for ``act``) and ``int8`` (INT8 everywhere, groups of 128).
+Where we depart from the paper, and why (each measured as the minimum gradient cosine over
+parameters, BENCHMARKS.md §3): fused SDPA's backward computes ``delta = rowsum(dO * O)`` from
+its saved output ``O`` and subtracts it from ``dP``; at init the two nearly cancel, so any error
+in ``O`` swamps ``dS``, whatever the grouping. The paper's unfused attention has no such term.
+So SDPA's output and logsumexp stay exact and ``o_proj`` shares them. INT4 channel-wise Q/K/V
+(the paper's choice) loses far more than INT8 channel-wise, so V is INT8; q and k stay exact,
+since INT8 for them is what costs a trained model its gradients (the ``qk`` role above). Groups
+of 16 instead of 128 for ``act`` buy gradient at 0.75 instead of 0.53 bytes per value.
+Ablations: ``int4-plain`` (adacc.txt "w/o outlier": per-group INT4 for ``act``) and ``int8``
+(INT8 everywhere, groups of 128).
 
 ``int4-paper`` is adacc.txt §3.2 as written: ``act`` (linear/norm/activation inputs, SDPA's
 output included: it is ``o_proj``'s input, a Linear input the paper compresses) outlier-separated
