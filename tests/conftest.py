@@ -32,7 +32,7 @@ def _refs_path(request):
     compile of seconds on a cold cache, which is what a clean CI machine has: behind every
     strategy test they were most of the fast suite's time, testing the same math again."""
     keywords = request.node.keywords
-    if "compiled_refs" in keywords or "slow" in keywords:
+    if any(k in keywords for k in ("compiled_refs", "slow", "gpu")):
         yield
         return
     from slimact.ops import compiled_ref
@@ -47,9 +47,10 @@ def _compile_backend(request, monkeypatch):
     decompositions, min-cut partition (``activation_memory_budget``) and inlined codec hooks as
     under inductor, without inductor's code generation (seconds per graph, where inductor took
     tens on a cold cache). Tests marked ``inductor`` (what inductor itself decides: its saved
-    layouts, its RNG, its kernels' numerics) and the slow suite compile with inductor."""
+    layouts, its RNG, its kernels' numerics), ``gpu`` tests and the slow suite compile with
+    inductor."""
     keywords = request.node.keywords
-    if "inductor" not in keywords and "slow" not in keywords:
+    if not any(k in keywords for k in ("inductor", "slow", "gpu")):
         from slimact.compiled.blocks import BACKEND_VARIABLE
 
         monkeypatch.setenv(BACKEND_VARIABLE, "aot_eager_decomp_partition")
