@@ -14,7 +14,8 @@ One place for the questions every strategy and the planner ask:
   sharpens attention (an unfused attention saves P itself; its q/k errors stay linear);
   ``site_role(site, t, min_numel, sdpa_out)`` is ``role_of`` with SDPA's output optionally an
   ``act`` tensor (adacc.txt's rules: the role a plan's ``SiteRule`` maps to a codec);
-  ``hidden_channels(t)`` is the channel count of its memory-order view (per-channel codecs);
+  the channel count of its memory-order view (per-channel codecs) is
+  ``slimact.codecs.saving.hidden_channels``;
 * a **module** is an activation the inverted ops can replace (``is_activation_leaf`` by name and
   shape of the module, ``classify_activation`` by behaviour on a probe grid: gelu, gelu_tanh or
   silu), or a norm they can invert (``classify_norm``: LayerNorm, or an RMSNorm whose forward is
@@ -37,7 +38,6 @@ import torch
 import torch.nn as nn
 
 from slimact.codecs.bits import is_binary, two_valued
-from slimact.codecs.saving import dense_order
 from slimact.ops.inv_act import act_ref
 from slimact.ops.inv_act_approx import KINDS
 from slimact.ops.inv_norm import rms_norm_ref
@@ -119,16 +119,6 @@ def site_role(
         if t.numel() >= min_numel and is_sdpa_output(site, t):
             return "act"
     return role
-
-
-def hidden_channels(t: torch.Tensor) -> int:
-    """Channels of the memory-order view: ``H*Dh`` for a 4-D [B, S, H, Dh]-laid tensor."""
-    order = dense_order(t)
-    if t.dim() == 4 and order == (0, 2, 1, 3):
-        return t.shape[1] * t.shape[3]
-    if order is not None:
-        return t.shape[order[-1]]
-    return t.shape[-1]
 
 
 _NORMS = (nn.LayerNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))

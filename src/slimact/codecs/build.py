@@ -3,7 +3,7 @@
 A label is a registered name with optional parameters (``int4-outlier/g32``, see
 ``slimact.codecs.base.codec_config``). Per-channel codecs (``int8-channel``, ``int4-channel``,
 ``int4-outlier``, ``int4-token``) need the tensor's hidden channel count
-(``slimact.classify.hidden_channels``: ``H*Dh`` for a [B, S, H, Dh]-laid tensor), or the count a
+(``slimact.codecs.saving.hidden_channels``: ``H*Dh`` for a [B, S, H, Dh]-laid tensor), or the count a
 caller gives; every other codec is built as the label says.
 """
 
@@ -13,8 +13,8 @@ import dataclasses
 
 import torch
 
-from slimact.classify import hidden_channels
 from slimact.codecs.base import Codec, codec_config
+from slimact.codecs.saving import hidden_channels
 
 
 def build_codec(label: str, t: torch.Tensor, channels: int | None = None) -> Codec:

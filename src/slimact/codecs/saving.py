@@ -161,6 +161,16 @@ def dense_order(t: torch.Tensor) -> tuple[int, ...] | None:
     return order if t.permute(order).is_contiguous() else None
 
 
+def hidden_channels(t: torch.Tensor) -> int:
+    """Channels of the memory-order view: ``H*Dh`` for a 4-D [B, S, H, Dh]-laid tensor."""
+    order = dense_order(t)
+    if t.dim() == 4 and order == (0, 2, 1, 3):
+        return t.shape[1] * t.shape[3]
+    if order is not None:
+        return t.shape[order[-1]]
+    return t.shape[-1]
+
+
 class CodecPolicy:
     """``assign(site, tensor) -> Codec | None`` decides; this class encodes once per storage.
 

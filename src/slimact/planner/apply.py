@@ -39,10 +39,10 @@ import torch.nn as nn
 
 from slimact import sites
 from slimact.checkpointing import checkpointed, guard_cache
-from slimact.classify import call_batch, hidden_channels, site_role
+from slimact.classify import call_batch, site_role
 from slimact.codecs.base import Codec
 from slimact.codecs.build import build_codec
-from slimact.codecs.saving import CodecPolicy
+from slimact.codecs.saving import CodecPolicy, hidden_channels
 from slimact.patching import override_forward
 from slimact.planner.plan import Plan, abs_path, abs_site, site_module
 from slimact.reformulate import (

@@ -56,9 +56,9 @@ import torch.distributed as tdist
 import torch.nn as nn
 
 from slimact import sites
-from slimact.classify import hidden_channels
 from slimact.codecs.build import build_codec
 from slimact.codecs.outlier import count_outlier_channels
+from slimact.codecs.saving import hidden_channels
 from slimact.meter import Meter
 from slimact.planner.apply import runtime_of
 from slimact.planner.plan import Plan, abs_site

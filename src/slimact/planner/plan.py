@@ -253,7 +253,7 @@ class SiteRule:
 
     ``codecs``: (role, codec label) pairs, a role absent is kept; ``min_numel`` and ``sdpa_out``
     are ``slimact.classify.site_role``'s options; ``sized``: the roles whose codec gets the
-    tensor's hidden channel count (``slimact.classify.hidden_channels``), the others 0 (a
+    tensor's hidden channel count (``slimact.codecs.saving.hidden_channels``), the others 0 (a
     per-channel codec then takes the last dimension of the memory-order tensor)."""
 
     codecs: tuple[tuple[str, str], ...] = ()

@@ -14,9 +14,10 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from slimact import sites
-from slimact.classify import hidden_channels, label_arg
+from slimact.classify import label_arg
 from slimact.codecs.build import build_codec
 from slimact.codecs.outlier import count_outlier_channels
+from slimact.codecs.saving import hidden_channels
 from slimact.meter import measure
 from slimact.planner.codecstats import (
     _extreme_weights,
