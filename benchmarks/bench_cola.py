@@ -268,8 +268,8 @@ def _plot_quality(out: dict) -> None:
 
 
 def part_rank(batches: int, batch: int, seq: int) -> dict:
-    from slimact.cola.rank import activation_ranks, load_trained, plot_spectra, ranks_to_json
     from slimact.data import fixed_batches, load_data
+    from slimact.train.rank import activation_ranks, load_trained, plot_spectra, ranks_to_json
 
     val = load_data(None).val
     xs = [x for x, _ in fixed_batches(val, batch, seq, batches)]

@@ -6,16 +6,17 @@ import json
 import pytest
 import torch
 
-from slimact.cola.cli import add_rank_arguments, run_rank
-from slimact.cola.rank import (
+from slimact.models import build_model
+from slimact.train.rank import (
     activation_ranks,
     activation_spectra,
+    add_rank_arguments,
     effective_rank,
     load_trained,
     plot_spectra,
+    run_rank,
     singular_values_from_gram,
 )
-from slimact.models import build_model
 
 
 def test_effective_rank_on_known_spectra():

@@ -35,6 +35,7 @@ from slimact.planner import cli as plan_cli
 from slimact.registry import add_compile_argument, cli_spec
 from slimact.strategies import describe_strategies
 from slimact.train import cli as train_cli
+from slimact.train import rank as rank_cli
 from slimact.train.config import TrainConfig
 from slimact.utils import MissingDependency, default_device, fmt_bytes
 
@@ -208,8 +209,8 @@ COMMANDS: dict[str, tuple[Callable, Callable, str]] = {
         "training FLOPs and activation-memory formulas (cola.txt)",
     ),
     "rank": (
-        cola_cli.add_rank_arguments,
-        cola_cli.run_rank,
+        rank_cli.add_rank_arguments,
+        rank_cli.run_rank,
         "effective rank r(alpha) of a checkpoint's activations",
     ),
     "plan": (plan_cli.add_arguments, plan_cli.run, "solve a per-site plan under a memory budget"),

@@ -6,13 +6,15 @@ calculators (Tables 2-4, App. B-C) and the effective-rank analysis of Eq. 1 / Fi
     model = slimact.build_model("cola-20m")          # or convert(build_model("llama-20m"))
     slimact.apply(model, "cola-m")                    # save only rank-r activations
 
-CoLA-M lives in ``slimact.cola.colam`` (layer 5, with the strategies; importing this package,
-which ``slimact.models`` does, stays in layer 2), the effective-rank analysis in
-``slimact.cola.rank`` (layer 6: it loads trained checkpoints); see ARCHITECTURE.md.
+Importing this package registers the CoLA model family (``family.py``) in ``slimact.models``'
+registry (``import slimact`` does). CoLA-M lives in ``slimact.cola.colam`` (layer 5, with the
+strategies; importing this package stays in layer 2); the effective-rank analysis, which reads
+trained checkpoints, in ``slimact.train.rank``; see ARCHITECTURE.md.
 """
 
 from __future__ import annotations
 
+from slimact.cola.family import COLA_SIZES
 from slimact.cola.flops import (
     activation_memory,
     count_flops,
@@ -34,6 +36,7 @@ from slimact.cola.model import (
 
 __all__ = [
     "ACTIVATIONS",
+    "COLA_SIZES",
     "CoLAConfig",
     "CoLAGPT2Config",
     "CoLAGPT2Model",

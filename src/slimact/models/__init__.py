@@ -1,6 +1,7 @@
 """Reference models (LLaMA- and GPT-2-style decoders) and their registry.
 
-Other model families register themselves from their own module in this package (imported below).
+Other model families register themselves from their own module in this package (imported below),
+or from their own package above this one (the CoLA family: ``slimact.cola.family``).
 """
 
 import importlib

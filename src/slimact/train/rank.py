@@ -12,11 +12,18 @@ analysis runs on a checkpoint written by ``slimact train`` over our validation s
 activations: the output of every projection (``nn.Linear`` in the blocks, or ``CoLALinear``) and
 of the MLP nonlinearity (``mlp.act_fn`` / ``mlp.act``), i.e. Fig. 2's "MLP activation" and App. A's
 Q/K/V. ``plot_spectra`` draws Fig. 2: (a) singular-value decay per block, (b) full dimension vs
-r(α) per block.
+r(α) per block. ``slimact rank`` (``add_rank_arguments`` / ``run_rank``) runs it:
+
+    slimact rank --model llama-20m --checkpoint runs/llama-20m-none-0 [--plot out.png --json]
+
+It lives with training, not in ``slimact.cola``, because it reads ``slimact train``'s checkpoints
+(``slimact.cola`` holds the layers and models, below training; ARCHITECTURE.md's layers).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +34,7 @@ from safetensors.torch import load_model
 
 from slimact import sites
 from slimact.cola.layers import CoLALinear
-from slimact.data import ByteTokenizer
+from slimact.data import ByteTokenizer, fixed_batches, load_data
 from slimact.models import build_model
 from slimact.train.checkpoint import MODEL_FILE, latest_checkpoint
 from slimact.utils import require
@@ -208,3 +215,56 @@ def load_trained(model: str, checkpoint: str | Path) -> nn.Module:
             f"unexpected {sorted(unexpected)[:5]}"
         )
     return m
+
+
+def add_rank_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="registered model name the checkpoint is of")
+    p.add_argument("--checkpoint", required=True, help="run dir, ckpt-N dir or .safetensors file")
+    p.add_argument("--alpha", type=float, default=0.95, help="energy fraction α of Eq. 1")
+    p.add_argument("--batches", type=int, default=4, help="validation batches")
+    p.add_argument("--batch", type=int, default=8, help="sequences per batch")
+    p.add_argument("--seq", type=int, default=256, help="tokens per sequence")
+    p.add_argument("--data", default=None, help="corpus (default: the embedded stdlib sources)")
+    p.add_argument("--plot", default=None, help="write the Fig. 2-style PNG here")
+    p.add_argument("--kind", default=None, help="activation to plot, e.g. mlp.act_fn")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run_rank(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.batches < 1:
+        raise ValueError(f"--batches must be >= 1, got {args.batches}")
+    model = load_trained(args.model, args.checkpoint)
+    if args.seq > model.config.max_seq_len:
+        raise ValueError(
+            f"--seq {args.seq} exceeds the model's max_seq_len {model.config.max_seq_len}"
+        )
+    val = load_data(args.data).val
+    batches = [x for x, _ in fixed_batches(val, args.batch, args.seq, args.batches)]
+    rows, spectra = activation_ranks(model, batches, args.alpha)
+    plot = None
+    if args.plot:
+        title = f"{args.model} ({args.checkpoint}), α={args.alpha}"
+        plot = str(plot_spectra(rows, spectra, args.plot, args.kind, title))
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "checkpoint": str(args.checkpoint),
+                    "alpha": args.alpha,
+                    "tokens": sum(x.numel() for x in batches),
+                    "plot": plot,
+                    "layers": ranks_to_json(rows),
+                }
+            )
+        )
+        return 0
+    print(f"{'activation':<40} {'dim':>6} {'r(α)':>6} {'ratio':>7}")
+    for r in rows:
+        print(f"{r.path:<40} {r.dim:>6} {r.rank:>6} {r.ratio:>7.3f}")
+    if plot:
+        print(f"plot: {plot}")
+    return 0
