@@ -64,6 +64,7 @@ class SavedEvent:
     tensor: torch.Tensor  # the tensor autograd asked to save
     stored: list[torch.Tensor]  # what is actually kept (the tensor itself, or a codec's payload)
     action: str = "keep"
+    host: list[torch.Tensor] = field(default_factory=list)  # kept in host memory (offload)
 
 
 Listener = Callable[[SavedEvent], None]
@@ -187,7 +188,8 @@ def _pack(t: torch.Tensor) -> Any:
             if stored is None
             else getattr(stored, "action", None) or actions.codec(type(stored).__name__)
         )
-        event = SavedEvent(site, module, op, t, kept, action)
+        host = getattr(stored, "host_tensors", None)
+        event = SavedEvent(site, module, op, t, kept, action, host() if host else [])
         for listener in list(_state.listeners):
             listener(event)
     return t if stored is None else _Unpacker(stored)

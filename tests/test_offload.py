@@ -1,0 +1,220 @@
+"""The offload action: pinned host buffers reused, copies on side streams ordered by events,
+prefetch one block ahead; exact gradients. On CPU the code path runs with the streams stubbed
+(``codecs.offload.using_streams``); the ``gpu`` tests run it on CUDA."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import slimact
+from slimact import actions
+from slimact.codecs.base import get_codec
+from slimact.codecs.offload import engine_for, using_streams
+from slimact.models import build_model
+
+
+def _models(spec: str):
+    torch.manual_seed(0)
+    ref = build_model("llama-tiny")
+    other = slimact.apply(copy.deepcopy(ref), spec)
+    return ref, other
+
+
+def _step(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, targets=ids).loss
+    loss.backward()
+    return loss.detach()
+
+
+def test_offload_is_an_action_word():
+    assert str(actions.parse("offload")) == "offload"
+    assert actions.normalize("codec:offload") == "offload"  # older plans' spelling
+    assert actions.codec("offload") == "offload"
+    assert actions.OFFLOAD in actions.KINDS
+
+
+def test_offload_is_refused_on_cpu():
+    with pytest.raises(ValueError, match="in host memory already"):
+        slimact.apply(build_model("llama-tiny"), "offload")
+    with pytest.raises(ValueError, match="in host memory already"):
+        get_codec("offload").encode(torch.randn(4))
+
+
+def test_offload_exact_gradients_buffers_reused_prefetch_one_block_ahead(fake_streams):
+    fake = fake_streams
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with using_streams(fake):
+        model, off = _models("offload")  # model: exact autograd (strategy none)
+        eng = engine_for(torch.device("cpu"))
+        n_blocks = len(slimact.sites.block_paths(off))
+        opt_r = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt_o = torch.optim.SGD(off.parameters(), lr=0.1)
+        allocated = []
+        for _ in range(3):
+            a, b = _step(model, ids), _step(off, ids)
+            assert torch.equal(a, b)
+            for (name, p), q in zip(model.named_parameters(), off.parameters()):
+                assert torch.equal(p.grad, q.grad), name
+            opt_r.step()
+            opt_o.step()
+            allocated.append(eng.pool.allocated)
+            assert eng.pool.in_use_bytes == 0  # every buffer back in the pool after backward
+        assert allocated[0] > 0 and allocated[0] == allocated[-1]  # none after the first step
+        # every block's input is fetched once per step, all but the last block's ahead of time
+        assert eng.fetches == 3 * allocated[0]
+        assert eng.prefetches == 3 * (allocated[0] - 1)
+        assert allocated[0] >= n_blocks
+    _check_ordering(fake.log)
+
+
+def _check_ordering(log: list) -> None:
+    """Device copies start after what they read is written; the device waits for each copy."""
+    assert log[0] == ("wait_stream", "d2h", "main")  # after the kernel that made the tensor
+    recorded = {id(e[2]): e[1] for e in log if e[0] == "record"}
+    for e in log:
+        if e[0] == "wait_event":
+            src = recorded[id(e[2])]
+            assert (e[1], src) in {("h2d", "d2h"), ("main", "h2d"), ("d2h", "h2d")}, e
+    # a buffer written again waits for the read of its last tensor (from step 2 on)
+    assert any(e[0] == "wait_event" and e[1] == "d2h" for e in log)
+
+
+def test_offload_meter_counts_host_bytes_apart(fake_streams):
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with using_streams(fake_streams):
+        _, rec = _models("recompute")
+        _, off = _models("offload")
+        with slimact.measure(rec) as mr:
+            _step(rec, ids)
+        with slimact.measure(off) as mo:
+            _step(off, ids)
+    held = {s.site: s for s in mo.report.sites if s.op == "checkpoint_input"}
+    assert held and {s.action for s in held.values()} == {"offload"}
+    ckpt = sum(s.bytes for s in mr.report.sites if s.op == "checkpoint_input")
+    assert all(s.bytes == 0 for s in held.values())
+    assert mo.report.host_bytes == ckpt  # the block inputs moved, byte for byte
+    assert mo.report.total_bytes == mr.report.total_bytes - ckpt
+    assert "offloaded to host memory" in mo.report.table()
+
+
+def _offload_plan():
+    from slimact.planner.plan import LayerPlan, Plan
+
+    rows = {"recompute": ("mlp",), "codecs": (("offload", ("mlp:checkpoint_input#0",)),)}
+    blocks = tuple(LayerPlan(block=f"layers.{i}", kind="LlamaBlock", **rows) for i in range(2))
+    return Plan("llama-tiny", 2, 32, "float32", budget="1GiB", budget_bytes=2**30, layers=blocks)
+
+
+def test_a_plan_that_offloads_is_refused_on_cpu_and_exact_with_streams(fake_streams):
+    plan = _offload_plan()
+    with pytest.raises(ValueError, match="in host memory already"):
+        slimact.apply(build_model("llama-tiny"), plan)
+    assert set(plan.site_actions().values()) >= {"offload", "recompute"}
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with using_streams(fake_streams):
+        ref, model = _models(plan)
+        with slimact.measure(model) as m:
+            assert torch.equal(_step(ref, ids), _step(model, ids))
+        for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+    acts = {s.site: s.action for s in m.report.sites}
+    assert acts["layers.0.mlp:checkpoint_input#0"] == "offload" and m.report.host_bytes > 0
+
+
+# -- on CUDA --------------------------------------------------------------------------------
+
+
+class SlowCopies:
+    """CUDA's streams with every copy delayed: a spin kernel on the copy stream before it (a
+    missing wait or ``record_stream`` then shows as a wrong gradient, not as luck)."""
+
+    def __init__(self, cycles: int = 2_000_000) -> None:
+        from slimact.codecs.offload import CudaStreams
+
+        self.cuda, self.cycles = CudaStreams(), cycles
+        self.pin = True
+
+    def __getattr__(self, name):
+        return getattr(self.cuda, name)
+
+    def use(self, stream):
+        ctx = self.cuda.use(stream)
+        ctx.__enter__()
+        torch.cuda._sleep(self.cycles)
+        ctx.__exit__(None, None, None)
+        return self.cuda.use(stream)
+
+
+def _cuda_pair(spec, slow_blocks: bool = False):
+    torch.manual_seed(0)
+    ref = build_model("llama-tiny").cuda()
+    model = slimact.apply(copy.deepcopy(ref), spec)
+    if slow_blocks:  # the producer of each block input late on the device, too
+        for path in slimact.sites.block_paths(model):
+            block = model.get_submodule(path)
+            block.register_forward_pre_hook(lambda m, a: torch.cuda._sleep(1_000_000))
+    return ref, model
+
+
+def _exact_steps(ref, model, steps: int = 3) -> None:
+    ids = torch.randint(0, 256, (4, 64), device="cuda", generator=None)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    for _ in range(steps):
+        a, b = _step(ref, ids), _step(model, ids)
+        assert torch.equal(a, b)
+        for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+        for o in opts:
+            o.step()
+
+
+@pytest.fixture
+def math_sdpa():
+    """The math attention kernels (deterministic backward), so that two runs compare bit for bit."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        yield
+
+
+@pytest.mark.gpu
+def test_cuda_offload_exact_pinned_buffers_reused(math_sdpa):
+    ref, model = _cuda_pair("offload")
+    eng = engine_for(torch.device("cuda", torch.cuda.current_device()))
+    before = eng.pool.allocated
+    _exact_steps(ref, model, steps=1)
+    after_first = eng.pool.allocated
+    _exact_steps(ref, model, steps=3)
+    assert after_first > before and eng.pool.allocated == after_first  # none after step 1
+    assert eng.prefetches > 0 and eng.pool.in_use_bytes == 0
+    ids = torch.randint(0, 256, (4, 64), device="cuda")
+    _, rec = _cuda_pair("recompute")
+    with slimact.measure(rec) as mr:
+        _step(rec, ids)
+    with slimact.measure(model) as mo:
+        _step(model, ids)
+    ckpt = sum(s.bytes for s in mr.report.sites if s.op == "checkpoint_input")
+    assert mo.report.host_bytes == ckpt > 0
+    assert mo.report.total_bytes == mr.report.total_bytes - ckpt
+    leases = [s for s in mo.report.sites if s.action == "offload"]
+    assert leases and all(s.bytes == 0 for s in leases)
+
+
+@pytest.mark.gpu
+def test_cuda_offload_exact_with_delayed_copies(math_sdpa):
+    """Stress: every copy starts late on its stream and every block's producer runs late on
+    the main stream; only the events keep the data right."""
+    with using_streams(SlowCopies()):
+        ref, model = _cuda_pair("offload", slow_blocks=True)
+        _exact_steps(ref, model, steps=3)
+        torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_cuda_plan_with_offload_exact(math_sdpa):
+    ref, model = _cuda_pair(_offload_plan())
+    _exact_steps(ref, model, steps=2)
