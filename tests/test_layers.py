@@ -29,7 +29,7 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (2, ("slimact.hf_inputs",)),
     (2, ("slimact.models", "slimact.cola.layers", "slimact.cola.flops", "slimact.cola.model")),
     (3, ("slimact.planner.plan", "slimact.planner.milp", "slimact.planner.highs")),
-    (3, ("slimact.planner.solve",)),
+    (3, ("slimact.planner.solve", "slimact.planner.offload")),
     (3, ("slimact.reformulate", "slimact.checkpointing")),
     (4, ("slimact.planner.apply",)),
     (5, ("slimact.strategies", "slimact.planner", "slimact.cola")),

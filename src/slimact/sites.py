@@ -84,6 +84,7 @@ class _State(threading.local):
     listeners: list[Listener] = field(default_factory=list)
     cast_listeners: list[CastListener] = field(default_factory=list)
     policies: list[Policy] = field(default_factory=list)
+    blocks: frozenset[str] = frozenset()  # the tracked model's repeated blocks (block_paths)
 
 
 _state = _State()
@@ -100,6 +101,15 @@ def storage_key(t: torch.Tensor) -> int:
 
 def current_module() -> str:
     return _state.stack[-1] if _state.stack else ""
+
+
+def current_block() -> str:
+    """The outermost repeated block running now (a decoder layer, not an expert inside it),
+    else the current module."""
+    for path in _state.stack:
+        if path in _state.blocks:
+            return path
+    return current_module()
 
 
 def _next_site(op: str) -> tuple[str, str]:
@@ -290,6 +300,7 @@ def tracking(model: nn.Module | None = None) -> Iterator[None]:
     handles = []
     if model is not None:
         _state.excluded = _param_storages(model)
+        _state.blocks = frozenset(block_paths(model))
         sealed: list[str] = []  # inside a compiled block, hooks would only cost recompiles
         for path, m in model.named_modules():
             if any(path.startswith(f"{b}.") for b in sealed):
@@ -312,6 +323,7 @@ def tracking(model: nn.Module | None = None) -> Iterator[None]:
         _state.stack.clear()
         _state.counters.clear()
         _state.excluded = set()
+        _state.blocks = frozenset()
         for h in handles:
             h.remove()
 

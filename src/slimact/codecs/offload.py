@@ -12,16 +12,16 @@ Per device, one :class:`OffloadEngine` (shared by every offload codec on that de
   tensor, copies it into its buffer ``non_blocking`` and records an event; ``record_stream``
   keeps the caching allocator from reusing the tensor's memory before that copy ran. The copy
   overlaps the forward kernels that follow;
-* a **host-to-device stream**: each saved tensor remembers the module that was running when it
-  was saved (its *group*: a block, for the block inputs a checkpoint saves). The first unpack of
+* a **host-to-device stream**: each saved tensor remembers the repeated block that was running
+  when it was saved (``sites.current_block``: its *group*). The first unpack of
   a group's tensor in backward starts the copies of its group and of the group saved just
   before it in forward (one block ahead), which then overlap this block's recomputation and
   backward; the unpack itself makes the current stream wait for its own copy's event.
 
 Only events order the streams: no ``synchronize`` and no host read on the step's path. The
 trade-off is bandwidth: a copy moves ``bytes / link bandwidth`` seconds each way, hidden while
-the work it overlaps takes longer, a stall otherwise (what the planner charges,
-``slimact.planner.offload``; measurements in BENCHMARKS.md).
+the work it overlaps takes longer, a stall otherwise (what the planner charges:
+``slimact.planner.offload``).
 
 On a CPU the tensor is in host memory already, so offload would only copy it: the codec refuses
 a CPU tensor with a ``ValueError`` saying so. Tests run the same code path on CPU with the
@@ -125,7 +125,7 @@ class Lease:
 
     def __init__(self, buf: torch.Tensor, saved: Any, prev: weakref.ref | None, group: str) -> None:
         self.buf = buf
-        self.group = group  # the module running when it was saved
+        self.group = group  # the block running when it was saved
         self.box: list = [None]  # the event after which the buffer may be written again
         self.saved = saved  # event recorded after the device-to-host copy
         self.prev = prev
@@ -158,7 +158,7 @@ class OffloadEngine:
             saved = st.event()
             saved.record(self.d2h)
         st.record_stream(x, self.d2h)  # x's memory is not reused before the copy ran
-        lease = Lease(buf, saved, self._last, sites.current_module())
+        lease = Lease(buf, saved, self._last, sites.current_block())
         weakref.finalize(lease, self.pool.release, buf, lease.box)
         self._last = weakref.ref(lease)
         return lease
