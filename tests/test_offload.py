@@ -218,3 +218,26 @@ def test_cuda_offload_exact_with_delayed_copies(math_sdpa):
 def test_cuda_plan_with_offload_exact(math_sdpa):
     ref, model = _cuda_pair(_offload_plan())
     _exact_steps(ref, model, steps=2)
+
+
+@pytest.mark.gpu
+def test_cuda_link_bandwidth_measured_once():
+    from slimact.planner.offload import link_bandwidth
+
+    bw = link_bandwidth("cuda")
+    assert 1e8 < bw < 1e12 and link_bandwidth("cuda") == bw  # cached
+
+
+@pytest.mark.gpu
+def test_cuda_auto_with_a_host_budget_runs_exact(math_sdpa):
+    """auto with offload and the lossless actions only (recompute, offload, bit-packed masks):
+    whatever it chooses on this GPU's link, gradients are exact and the meter's host bytes are
+    the plan's."""
+    spec = "auto@30%,host_budget=1GiB,codecs=bits,reform=0,repeats=1,cache=none"
+    ref, model = _cuda_pair(spec)
+    _exact_steps(ref, model, steps=2)
+    plan = slimact.planner.apply.runtime_of(model).plan
+    ids = torch.randint(0, 256, (4, 64), device="cuda")
+    with slimact.measure(model) as m:
+        _step(model, ids)
+    assert m.report.host_bytes == dict(plan.meta).get("host_bytes", 0)

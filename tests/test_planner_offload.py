@@ -71,6 +71,7 @@ def test_offload_frees_device_bytes_within_the_host_budget():
     assert meta["host_bytes"] > 0 and meta["link_bandwidth"] == 1e15
     assert "offload" in set(plan.site_actions().values())
     assert plan.predicted_time_s == pytest.approx(0.0, abs=1e-6)
+    assert "offloaded to host memory" in plan.table()
 
 
 def test_host_budget_is_refused_on_cpu_and_parsed_once():

@@ -414,6 +414,12 @@ class Plan(StrategyConfig):
             f"predicted added time {self.predicted_time_s * 1e3:.2f} ms/step   "
             f"solve {self.solve_s * 1e3:.1f} ms",
         ]
+        meta = dict(self.meta)
+        if "host_bytes" in meta:  # offload (slimact.planner.offload)
+            lines.append(
+                f"offloaded to host memory {fmt_bytes(meta['host_bytes'])} of host budget "
+                f"{fmt_bytes(meta['host_budget'])}   link {meta['link_bandwidth'] / 1e9:.1f} GB/s"
+            )
         return "\n".join(lines)
 
 
