@@ -44,6 +44,11 @@ def test_offload_is_refused_on_cpu():
         get_codec("offload").encode(torch.randn(4))
 
 
+def test_offload_has_no_compiled_form(fake_streams):
+    with using_streams(fake_streams), pytest.raises(ValueError, match="no compiled form"):
+        slimact.apply(build_model("llama-tiny"), "offload", compile=True)
+
+
 def test_offload_exact_gradients_buffers_reused_prefetch_one_block_ahead(fake_streams):
     fake = fake_streams
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))

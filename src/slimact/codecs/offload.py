@@ -7,7 +7,9 @@ Per device, one :class:`OffloadEngine` (shared by every offload codec on that de
   from then on: pinning memory on the fly (``pin_memory=True`` per call) is a host allocation
   that synchronizes, so a training step after the first allocates none (``HostPool.allocated``);
   a buffer goes back to the pool when the autograd graph holding its tensor is freed, and its
-  next writer waits (on the device) for the event of its last read;
+  next writer waits (on the device) for the event of its last read. Each new shape adds
+  buffers (a run whose sequence length varies keeps one set per length it met);
+  ``HostPool.clear`` drops the idle ones;
 * a **device-to-host stream**: a save waits (``wait_stream``) for the kernel that made the
   tensor, copies it into its buffer ``non_blocking`` and records an event; ``record_stream``
   keeps the caching allocator from reusing the tensor's memory before that copy ran. The copy
@@ -147,6 +149,7 @@ class OffloadEngine:
         self.prefetches = 0  # of which started ahead, by the unpack of the next tensor
 
     def save(self, x: torch.Tensor) -> Lease:
+        x = x.detach()  # the buffer never joins the autograd graph
         st = self.streams
         buf, ready = self.pool.acquire(tuple(x.shape), x.dtype)
         main = st.current(self.device)
