@@ -31,10 +31,28 @@ def _step(model, ids):
 
 
 def test_offload_is_an_action_word():
+    assert str(actions.parse("offload+codec:int4-outlier/g32:exact")) == (
+        "offload+codec:int4-outlier/g32:exact"
+    )
+    assert actions.codec("offload+int8") == "offload+codec:int8"
+    for bad in ("offload+keep", "offload+", "offload+codec:"):
+        with pytest.raises(ValueError, match="unknown action 'offload\\+"):
+            actions.parse(bad)
     assert str(actions.parse("offload")) == "offload"
     assert actions.normalize("codec:offload") == "offload"  # older plans' spelling
     assert actions.codec("offload") == "offload"
     assert actions.OFFLOAD in actions.KINDS
+
+
+def test_offload_codec_labels():
+    from slimact.codecs.base import codec_config, codec_label
+
+    cfg = codec_config("offload+int4-outlier/g32")
+    assert cfg.inner == "int4-outlier/g32" and codec_label(cfg) == "offload+int4-outlier/g32"
+    with pytest.raises(ValueError, match="unknown codec 'int3'"):
+        codec_config("offload+int3")
+    with pytest.raises(ValueError, match="does not wrap another codec"):
+        codec_config("int8+int4")
 
 
 def test_offload_is_refused_on_cpu():
@@ -246,3 +264,45 @@ def test_cuda_auto_with_a_host_budget_runs_exact(math_sdpa):
     with slimact.measure(model) as m:
         _step(model, ids)
     assert m.report.host_bytes == dict(plan.meta).get("host_bytes", 0)
+
+
+def _coded_plan(codec: str):
+    from slimact.planner.plan import LayerPlan, Plan
+
+    sites = ("mlp.down_proj:linear#0", "self_attn.o_proj:linear#0")
+    blocks = tuple(
+        LayerPlan(block=f"layers.{i}", kind="LlamaBlock", codecs=((codec, sites),))
+        for i in range(2)
+    )
+    return Plan("llama-tiny", 2, 32, "float32", budget="1GiB", budget_bytes=2**30, layers=blocks)
+
+
+def test_offload_of_a_coded_tensor_moves_its_payload(fake_streams):
+    """``offload+int8``: INT8's payload offloaded; the same gradients as ``int8`` bit for bit
+    (checked and deferred encodes), its device bytes in host memory instead."""
+    assert _coded_plan("offload+int8").site_actions()["layers.0.mlp.down_proj:linear#0"] == (
+        "offload+codec:int8"
+    )
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with using_streams(fake_streams):
+        _, coded = _models(_coded_plan("int8"))
+        _, off = _models(_coded_plan("offload+int8"))
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (coded, off)]
+        for step in range(3):  # the first encode of a site is checked, later ones deferred
+            with slimact.measure(coded) as mc:
+                a = _step(coded, ids)
+            with slimact.measure(off) as mo:
+                assert torch.equal(a, _step(off, ids))
+            for (name, p), q in zip(coded.named_parameters(), off.parameters()):
+                assert torch.equal(p.grad, q.grad), (step, name)
+            for o in opts:
+                o.step()
+        eng = engine_for(torch.device("cpu"))
+        assert eng.pool.in_use_bytes == 0
+    sites_c = {s.site: s for s in mc.report.sites}
+    moved = [s for s in mo.report.sites if s.action == "offload+codec:int8"]
+    coded_sites = {s.site for s in mc.report.sites if s.action == "codec:int8"}
+    assert coded_sites and {s.site for s in moved} == coded_sites
+    assert all(s.bytes == 0 for s in moved)
+    assert sum(s.host_bytes for s in moved) == sum(sites_c[s.site].bytes for s in moved)
+    assert mo.report.total_bytes == mc.report.total_bytes - mo.report.host_bytes

@@ -35,6 +35,7 @@ The payload keeps no tensor on the device (``Packed.tensors`` is empty): ``nbyte
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from collections.abc import Iterator
@@ -45,7 +46,16 @@ from typing import Any
 import torch
 
 from slimact import sites
-from slimact.codecs.base import Codec, CodecConfig, Packed, register_codec, storage_nbytes
+from slimact.codecs.base import (
+    Codec,
+    CodecConfig,
+    Deferred,
+    Packed,
+    exact_value,
+    get_codec,
+    register_codec,
+    storage_nbytes,
+)
 
 REFUSED_ON_CPU = (
     "offload moves saved tensors from a CUDA device to pinned host memory; a tensor on {dev} is "
@@ -243,30 +253,89 @@ def using_streams(streams: Any) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class OffloadConfig(CodecConfig):
-    """No parameters: the copies are always pinned, non-blocking, on the engine's streams."""
+    """``inner``: the label of a codec whose payload is offloaded instead of the tensor
+    (``offload+int8``: fewer bytes cross the link, INT8's error); "" offloads the tensor. The
+    copies are always pinned, non-blocking, on the engine's streams."""
+
+    inner: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"offload+{self.inner}" if self.inner else "offload"
 
 
 class OffloadCodec(Codec):
+    """Offloads the tensor, or an inner codec's payload tensors (one lease each); the inner
+    codec's host checks, deferred verdicts, fallbacks and state are its own."""
+
     config: OffloadConfig
+
+    def __init__(self, config: OffloadConfig) -> None:
+        super().__init__(config)
+        self.inner: Codec | None = get_codec(config.inner) if config.inner else None
+
+    @property
+    def draws(self) -> bool:
+        return self.inner is not None and self.inner.draws
+
+    def _offload(self, x: torch.Tensor, inner: Packed | None) -> Packed:
+        eng = engine_for(x.device)
+        if inner is None:
+            return Packed({}, tuple(x.shape), x.dtype, x.device, {"lease": eng.save(x)})
+        leases = {k: eng.save(t) for k, t in inner.tensors.items()}
+        meta = {"leases": leases, "inner": inner}
+        if "fallback" in inner.meta:  # stored exactly by the inner codec: reported by the policy
+            meta["fallback"] = inner.meta["fallback"]
+        return Packed({}, tuple(x.shape), x.dtype, x.device, meta)
 
     def encode(self, x: torch.Tensor) -> Packed:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"codec 'offload' needs a tensor, got {type(x).__name__}")
-        lease = engine_for(x.device).save(x)
-        return Packed({}, tuple(x.shape), x.dtype, x.device, {"lease": lease})
+        engine_for(x.device)  # a CPU tensor is refused before any encode
+        return self._offload(x, self.inner.encode(x) if self.inner is not None else None)
+
+    def encode_deferred(self, x: torch.Tensor, state: dict) -> Deferred:
+        if self.inner is None:
+            return Deferred(self.encode(x))
+        engine_for(x.device)
+        d = self.inner.encode_deferred(x, state)
+        return Deferred(self._offload(x, d.packed), d.verdict, d.explain)
+
+    def calibrate(self, packed: Packed, state: dict) -> None:
+        if self.inner is not None:
+            self.inner.calibrate(packed.meta["inner"], state)
 
     def decode(self, packed: Packed) -> torch.Tensor:
-        return engine_for(packed.device).load(packed.meta["lease"])
+        eng = engine_for(packed.device)
+        if "lease" in packed.meta:
+            return eng.load(packed.meta["lease"])
+        if "leases" not in packed.meta:  # ``fallback``: the tensor kept on the device as is
+            return exact_value(packed)
+        inner: Packed = packed.meta["inner"]
+        tensors = {k: eng.load(lease) for k, lease in packed.meta["leases"].items()}
+        if "fallback" in inner.meta:  # the tensor itself, offloaded
+            return tensors["exact"]
+        assert self.inner is not None
+        return self.inner.decode(dataclasses.replace(inner, tensors=tensors))
 
     def nbytes(self, packed: Packed) -> int:
-        """Bytes held on the tensor's own device: none."""
-        return 0
+        """Bytes held on the tensor's own device: none (an exact fallback: the tensor)."""
+        return storage_nbytes(list(packed.tensors.values()))
 
     def host_tensors(self, packed: Packed) -> list[torch.Tensor]:
-        return [packed.meta["lease"].buf]
+        if "lease" in packed.meta:
+            return [packed.meta["lease"].buf]
+        return [lease.buf for lease in packed.meta.get("leases", {}).values()]
 
     def host_nbytes(self, packed: Packed) -> int:
         return storage_nbytes(self.host_tensors(packed))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict() if self.inner is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.inner is not None:
+            self.inner.load_state_dict(state)
 
 
 # not a planner candidate among the codecs: the planner adds offload as its own option where it

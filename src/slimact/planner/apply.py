@@ -177,7 +177,7 @@ class PlanRuntime:
                 f"plan for {plan.model!r} names blocks {missing[:3]} this model does not have; "
                 f"its blocks are {sites.block_paths(self.model)[:3]}..."
             )
-        if any(c == "offload" for lp in plan.layers for c, _ in lp.codecs):
+        if any(c.startswith("offload") for lp in plan.layers for c, _ in lp.codecs):
             check_device(next(iter(self.model.parameters())).device)  # CUDA only: refused here
         self._clear_patches()
         changes: list[AppliedChange] = []
