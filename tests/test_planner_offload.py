@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import slimact
+from slimact.budget import BudgetWarning
 from slimact.codecs.offload import using_streams
 from slimact.planner.auto import AutoConfig
 from slimact.planner.milp import Decision, Problem, brute_force
@@ -112,3 +113,61 @@ def test_a_solved_plan_that_offloads_runs_exactly_and_as_predicted(fake_streams)
         assert torch.equal(p.grad, q.grad), name
     assert m.report.total_bytes == plan.predicted_bytes
     assert m.report.host_bytes == dict(plan.meta)["host_bytes"]
+
+
+def test_a_small_host_budget_offloads_coded_payloads():
+    """Offloading a codec's payload moves fewer bytes: with host memory for the INT4 payloads
+    only, the smallest plan offloads coded tensors (offload+<codec>), within the host budget."""
+    prof = _small(0)
+    kind = prof.kinds[0]
+    int4 = sum(kind.bytes_of(b, s.id, "int4") for b in kind.blocks for s in kind.storages
+               if s.codecs)  # fmt: skip
+    prob = Problem(prof, layers="uniform", offload=OffloadOption(1e15, int4))
+    res = prob.min_bytes()
+    chosen = {c for d in res.decisions for c in d.codecs.values()}
+    assert any(c.startswith("offload+") for c in chosen), chosen
+    assert 0 < prob.host_bytes(res.decisions) <= int4
+
+
+def _without_offload(plan):
+    """The same plan with every offload taken back: ``offload+<c>`` -> ``<c>``, ``offload`` ->
+    keep (what offloading must not change a single bit of)."""
+    layers = []
+    for lp in plan.layers:
+        codecs = tuple((c.partition("+")[2], n) for c, n in lp.codecs if c.startswith("offload+"))
+        codecs += tuple((c, n) for c, n in lp.codecs if not c.startswith("offload"))
+        layers.append(dataclasses.replace(lp, codecs=codecs))
+    return dataclasses.replace(plan, layers=tuple(layers))
+
+
+def test_a_solved_plan_with_coded_offload_runs_as_predicted(fake_streams):
+    """Without recomputation, at the smallest budget and with little host memory, INT8 payloads
+    are offloaded; the
+    meter's device and host bytes are the plan's; gradients are the plan's without offload,
+    bit for bit."""
+    torch.manual_seed(0)
+    ref = slimact.build_model("llama-tiny")
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    prof = profile_model(copy.deepcopy(ref), ids, ids, codecs=["int8"], repeats=1, grads=False)
+    prof = dataclasses.replace(prof, device="cuda:0")
+    opts = dict(reform=False, recompute=False, max_grad_err=None)
+    off = OffloadOption(1e15, 40_000)
+    floor = Problem(prof, "ends", **opts, offload=off).min_bytes().bytes  # timings play no part
+    plan = solve_plan(
+        prof, floor, host_budget=40_000, link_bandwidth=1e15, include_static=False, **opts
+    )
+    assert "offload+codec:int8" in set(plan.site_actions().values())
+    with using_streams(fake_streams):
+        model = slimact.apply(copy.deepcopy(ref), plan)
+        with slimact.measure(model) as m:
+            loss = model(ids, targets=ids).loss
+            loss.backward()
+    assert m.report.total_bytes == plan.predicted_bytes
+    assert m.report.host_bytes == dict(plan.meta)["host_bytes"] <= 40_000
+    assert "offload+codec:int8" in {s.action for s in m.report.sites}
+    same = slimact.apply(copy.deepcopy(ref), _without_offload(plan))
+    with pytest.warns(BudgetWarning):  # the same plan keeps its offloaded bytes on the device
+        assert torch.equal(same(ids, targets=ids).loss.detach(), loss.detach())
+    same(ids, targets=ids).loss.backward()
+    for (name, p), q in zip(same.named_parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad), name

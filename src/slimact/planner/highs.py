@@ -29,7 +29,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from slimact.planner.offload import OFFLOAD
+from slimact.planner.offload import inner_of, is_offload
 from slimact.planner.plan import inside, site_module
 
 EPS_S = 1e-9  # seconds per recompute/reformulation: ties go towards doing nothing
@@ -149,18 +149,18 @@ def build(problem) -> Rows:
             for coefs in grad_rows.values():  # one row per parameter (and the input)
                 if sum(coefs.values()) > problem.max_grad_err:
                     row(coefs, -np.inf, problem.max_grad_err)
-        off = {index[(gi, "y", (s.id, OFFLOAD))]: s.id for s in kind.storages
-               if (gi, "y", (s.id, OFFLOAD)) in index}  # fmt: skip
+        off = {index[(gi, "y", (s.id, o))]: (s.id, o) for s in kind.storages
+               for o in g.options[s.id] if is_offload(o)}  # fmt: skip
         if off:  # in ms: u >= C - T_f, v >= C - 2 T_f (C: the offloaded copies' seconds)
             t_f = problem.hide_s(g)
+            copies = {y: 1e3 * problem.copy_s(g, sid, o) for y, (sid, o) in off.items()}
             for name, window in (("u", t_f), ("v", 2 * t_f)):
                 sv = var(gi, name, 0)
                 cont.add(sv)
                 obj[sv] = float(n)
-                row({sv: 1e3, **{y: -1e3 * problem.copy_s(g, sid) for y, sid in off.items()}},
-                    -1e3 * window, np.inf)  # fmt: skip
-            for y, sid in off.items():
-                host[y] = float(problem.bytes_of(g, sid, "raw"))
+                row({sv: 1e3, **{y: -c for y, c in copies.items()}}, -1e3 * window, np.inf)
+            for y, (sid, o) in off.items():
+                host[y] = float(problem.bytes_of(g, sid, inner_of(o)))
     if host:  # the pinned host memory the offloaded storages take, in MiB
         row({y: b / SCALE for y, b in host.items()}, -np.inf, problem.offload.host_budget / SCALE)
     return Rows(cols, index, rows, lo, hi, mem, obj, qual, frozenset(cont))

@@ -31,7 +31,8 @@ from the profile) and the objective (Eq. 4, plus the measured slowdown of reform
     optional:  Σ_g |g| Σ_sc err_sc² y_sc <= max_quality        (sum of relative MSEs)
     optional:  Σ_sc G_scP y_sc + Σ_scA H_scAP w_scA <= max_grad_err   for every group g and
                parameter P of its block,  w_scA >= y_sc + r_A - 1  (s an input of A)
-    optional:  offload as one more "codec" of every block storage (0 device bytes, lossless):
+    optional:  offload as one more "codec" of every block storage (0 device bytes, lossless),
+               and offload+c for each codec c it admits (c's payload moved: c's time, error):
                Σ_g |g| Σ_s B_s y_s,off <= host_budget, and the copies' stall in the objective,
                |g| (u_g + v_g) with u_g >= Σ_s B_s/bw y_s,off - T_f, v_g >= ... - 2 T_f,
                u, v >= 0 continuous (``slimact.planner.offload``: bandwidth, windows)
@@ -63,7 +64,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from slimact.planner import highs
-from slimact.planner.offload import OFFLOAD, OffloadOption
+from slimact.planner.offload import OFFLOAD, OffloadOption, inner_of, is_offload
 from slimact.planner.plan import (
     ROOT,
     KindProfile,
@@ -203,8 +204,8 @@ class Problem:
                     ]
                     opts[s.id] = ["raw", *ok]
                     if offload is not None and kind.kind != ROOT and s.bytes > 0:
-                        if "!extern" not in s.sites and OFFLOAD not in ok:
-                            opts[s.id].append(OFFLOAD)
+                        if "!extern" not in s.sites:  # the tensor, or a codec's payload
+                            opts[s.id] += [OFFLOAD, *(f"{OFFLOAD}+{c}" for c in ok)]
                 rc = list(range(len(kind.modules))) if recompute else []
                 rf = list(range(len(kind.reforms))) if reform else []
                 self.groups.append(Group(kind, blocks, rc, rf, opts))
@@ -217,20 +218,23 @@ class Problem:
     @staticmethod
     def time_of(g: Group, sid: int, opt: str) -> float:
         """Encode + decode seconds (offload's copies are charged per group: ``stall_s``)."""
-        if opt in ("raw", OFFLOAD):
+        opt = inner_of(opt) if is_offload(opt) else opt
+        if opt == "raw":
             return 0.0
         st = g.kind.storages[sid].codecs[opt]
         return len(g.blocks) * (st.encode_s + st.decode_s)
 
     @staticmethod
     def quality_of(g: Group, sid: int, opt: str) -> float:
-        if opt in ("raw", OFFLOAD):
+        opt = inner_of(opt) if is_offload(opt) else opt
+        if opt == "raw":
             return 0.0
         return len(g.blocks) * g.kind.storages[sid].codecs[opt].rel_err ** 2
 
     def grad_terms(self, g: Group, sid: int, opt: str) -> dict[str, float]:
         """``{parameter or "<input>": 1 - cos}`` the gradient of one block loses to codec ``opt``
         on storage ``sid`` (measured; {} for raw or where the profile has no figure)."""
+        opt = inner_of(opt) if is_offload(opt) else opt
         if opt == "raw":
             return {}
         return self.grad.get(g.kind.kind, {}).get(str(sid), {}).get(opt) or {}
@@ -239,6 +243,7 @@ class Problem:
         """What recomputing ``module`` from codec ``opt``'s copy of its input ``sid`` adds to
         ``grad_terms`` (measured jointly; {} where not measured; None where the profiler left the
         pair out: not allowed under a gradient cap)."""
+        opt = inner_of(opt) if is_offload(opt) else opt
         if opt == "raw":
             return {}
         row = self.grad_ckpt.get(g.kind.kind, {}).get(str(sid), {}).get(opt, {})
@@ -291,23 +296,24 @@ class Problem:
         """T_f: one block's forward, the window a block's copies hide in (0 if unmeasured)."""
         return next((m.recompute_s for m in g.kind.modules if m.path == ""), 0.0)
 
-    def copy_s(self, g: Group, sid: int) -> float:
-        """One block's copy of storage ``sid`` one way (group average), in seconds."""
+    def copy_s(self, g: Group, sid: int, opt: str = OFFLOAD) -> float:
+        """One block's copy of storage ``sid`` under offload option ``opt`` one way (group
+        average), in seconds."""
         assert self.offload is not None
-        return self.offload.copy_s(self.bytes_of(g, sid, "raw") / len(g.blocks))
+        return self.offload.copy_s(self.bytes_of(g, sid, inner_of(opt)) / len(g.blocks))
 
     def stall_s(self, g: Group, d: Decision) -> float:
         """The group's copies' stall per step: |g| (max(0, C - T_f) + max(0, C - 2 T_f))."""
-        off = [sid for sid, c in d.codecs.items() if c == OFFLOAD]
+        off = [(sid, c) for sid, c in d.codecs.items() if is_offload(c)]
         if not off or self.offload is None:
             return 0.0
-        c, t = sum(self.copy_s(g, sid) for sid in off), self.hide_s(g)
+        c, t = sum(self.copy_s(g, sid, o) for sid, o in off), self.hide_s(g)
         return len(g.blocks) * (max(0.0, c - t) + max(0.0, c - 2 * t))
 
     def host_bytes(self, decisions: list[Decision]) -> int:
         """Bytes the decisions offload to host memory."""
-        return sum(self.bytes_of(g, sid, "raw") for g, d in zip(self.groups, decisions)
-                   for sid, c in d.codecs.items() if c == OFFLOAD)  # fmt: skip
+        return sum(self.bytes_of(g, sid, inner_of(c)) for g, d in zip(self.groups, decisions)
+                   for sid, c in d.codecs.items() if is_offload(c))  # fmt: skip
 
     # -- evaluation without linearization -------------------------------------------------------
     def dropped(self, g: Group, d: Decision) -> set[int]:

@@ -11,7 +11,9 @@ step nothing while the compute they overlap takes longer, and their excess other
 * backward: a block's copies back are started one block ahead, so they overlap the next
   block's backward, about ``2 T_f``.
 
-So per block, with ``C = Σ_s B_s / bw`` over its offloaded storages, the stall is
+So per block, with ``C = Σ_s B_s / bw`` over its offloaded storages (``B_s``: the tensor's
+bytes, or for ``offload+<codec>`` its codec's payload, which then also costs the codec's encode
+and decode time and error), the stall is
 
     stall = max(0, C - T_f) + max(0, C - 2 T_f)
 
@@ -34,6 +36,16 @@ from slimact.budget import Budget
 
 OFFLOAD = "offload"  # the option's name among a storage's codecs (the offload codec's)
 _BANDWIDTH: dict[str, float] = {}
+
+
+def is_offload(option: str) -> bool:
+    """``offload`` or ``offload+<codec>`` (a codec's payload offloaded)."""
+    return option == OFFLOAD or option.startswith(OFFLOAD + "+")
+
+
+def inner_of(option: str) -> str:
+    """What an offload option moves: ``raw`` (the tensor) or the codec whose payload it is."""
+    return option.partition("+")[2] or "raw"
 
 
 @dataclass(frozen=True)
@@ -104,4 +116,12 @@ def option_for(
     return OffloadOption(bandwidth or link_bandwidth(device), total)
 
 
-__all__ = ["OFFLOAD", "OffloadOption", "link_bandwidth", "option_for", "parse_host_budget"]
+__all__ = [
+    "OFFLOAD",
+    "OffloadOption",
+    "inner_of",
+    "is_offload",
+    "link_bandwidth",
+    "option_for",
+    "parse_host_budget",
+]

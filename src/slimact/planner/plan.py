@@ -112,7 +112,7 @@ class KindProfile:
 
     def bytes_of(self, block: str, sid: int, option: str) -> int:
         """Bytes of storage ``sid`` in ``block`` under ``option`` ('raw' or a codec name)."""
-        if option == "offload":  # in host memory (``slimact.planner.offload``)
+        if option.startswith("offload"):  # in host memory (``slimact.planner.offload``)
             return 0
         got = self.per_block.get(block, {}).get(str(sid), {}).get(option)
         if got is not None:

@@ -17,7 +17,7 @@ from typing import Any
 from slimact import actions
 from slimact.budget import Budget
 from slimact.planner.milp import DEFAULT_MAX_GRAD_ERR, Problem
-from slimact.planner.offload import OFFLOAD, option_for
+from slimact.planner.offload import inner_of, is_offload, option_for
 from slimact.planner.plan import LayerPlan, Plan, Profile
 from slimact.utils import fmt_bytes
 
@@ -95,8 +95,9 @@ def make_plan(
             by_codec.setdefault(c, []).extend(names)
         t = sum(m.recompute_s for m in kind.modules if m.path in d.recompute)
         t += sum(max(r.delta_s, 0.0) for r in kind.reforms if r.path in d.reform)
+        coded = [(sid, inner_of(c) if is_offload(c) else c) for sid, c in d.codecs.items()]
         t += sum(kind.storages[sid].codecs[c].encode_s + kind.storages[sid].codecs[c].decode_s
-                 for sid, c in d.codecs.items() if c != OFFLOAD)  # fmt: skip
+                 for sid, c in coded if c != "raw")  # fmt: skip
         if hasattr(problem, "stall_s"):
             t += problem.stall_s(g, d) / len(g.blocks)
         extra = sum(r.extra_bytes for r in kind.reforms if r.path in d.reform)
