@@ -171,3 +171,17 @@ def test_a_solved_plan_with_coded_offload_runs_as_predicted(fake_streams):
     same(ids, targets=ids).loss.backward()
     for (name, p), q in zip(same.named_parameters(), model.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_plan_cost_of_an_offloading_plan_is_its_prediction(seed):
+    """The evolver compares plans by ``replan.plan_cost``: offload's codec time and stall
+    included, costed as the solver predicted them."""
+    from slimact.planner.replan import plan_cost
+
+    for bw, budget in ((5e5, "15%"), (1e5, "15%"), (5e5, "30%")):
+        plan = solve_plan(_small(seed), budget, host_budget=10**7, link_bandwidth=bw,
+                          max_grad_err=None, layers="uniform")  # fmt: skip
+        got = plan_cost(plan, _small(seed))
+        assert got[0] == plan.predicted_bytes
+        assert got[1] == pytest.approx(plan.predicted_time_s, rel=1e-9, abs=1e-12)

@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from slimact.planner import highs
-from slimact.planner.offload import OFFLOAD, OffloadOption, inner_of, is_offload
+from slimact.planner.offload import OFFLOAD, OffloadOption, inner_of, is_offload, stall_s
 from slimact.planner.plan import (
     ROOT,
     KindProfile,
@@ -307,8 +307,8 @@ class Problem:
         off = [(sid, c) for sid, c in d.codecs.items() if is_offload(c)]
         if not off or self.offload is None:
             return 0.0
-        c, t = sum(self.copy_s(g, sid, o) for sid, o in off), self.hide_s(g)
-        return len(g.blocks) * (max(0.0, c - t) + max(0.0, c - 2 * t))
+        copies = sum(self.copy_s(g, sid, o) for sid, o in off)
+        return len(g.blocks) * stall_s(copies, self.hide_s(g))
 
     def host_bytes(self, decisions: list[Decision]) -> int:
         """Bytes the decisions offload to host memory."""

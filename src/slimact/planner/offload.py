@@ -59,6 +59,12 @@ class OffloadOption:
         return nbytes / self.bandwidth
 
 
+def stall_s(copies_s: float, forward_s: float) -> float:
+    """One block's stall: its copies' seconds ``C`` beyond the forward window ``T_f`` and the
+    backward window ``2 T_f`` (see the module docstring)."""
+    return max(0.0, copies_s - forward_s) + max(0.0, copies_s - 2 * forward_s)
+
+
 def parse_host_budget(value: str | int | None) -> int | None:
     """``"8GiB"`` / an int of bytes -> bytes (None: no offload); a share is refused."""
     if value is None:
@@ -124,4 +130,5 @@ __all__ = [
     "link_bandwidth",
     "option_for",
     "parse_host_budget",
+    "stall_s",
 ]
