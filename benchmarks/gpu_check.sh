@@ -13,8 +13,9 @@
 #     10 interleaved rounds: saved bytes, peak, step ratio and the min per-parameter gradient
 #     cosine against eager none (the figure that was 0.157 on an H200, BENCHMARKS.md §8);
 #  b2. the gpu-marked offload tests (tests/test_offload.py, tests/test_codecs.py -k offload):
-#     strategy offload and a plan that offloads, bit-identical gradients against exact autograd,
-#     pinned buffers reused, and the stress test whose copies start late on their streams (60 s);
+#     strategy offload, a plan that offloads, offload+int8 against int8 and auto with a
+#     host_budget, bit-identical gradients, pinned buffers reused, the measured link bandwidth,
+#     and the stress tests whose copies start late on their streams (60 s);
 #  c. slimact bench gpu with what is left (its own time budget set to fit, see
 #     src/slimact/bench/suites.py): the peak-first table in $OUT/bench/gpu.summary.md, rewritten
 #     after every point, and every figure in $OUT/bench/gpu.json;

@@ -155,7 +155,7 @@ class SlowCopies:
     """CUDA's streams with every copy delayed: a spin kernel on the copy stream before it (a
     missing wait or ``record_stream`` then shows as a wrong gradient, not as luck)."""
 
-    def __init__(self, cycles: int = 2_000_000) -> None:
+    def __init__(self, cycles: int = 1_000_000) -> None:
         from slimact.codecs.offload import CudaStreams
 
         self.cuda, self.cycles = CudaStreams(), cycles
@@ -176,10 +176,10 @@ def _cuda_pair(spec, slow_blocks: bool = False):
     torch.manual_seed(0)
     ref = build_model("llama-tiny").cuda()
     model = slimact.apply(copy.deepcopy(ref), spec)
-    if slow_blocks:  # the producer of each block input late on the device, too
+    if slow_blocks:  # the producer of each block input later still, on the main stream
         for path in slimact.sites.block_paths(model):
             block = model.get_submodule(path)
-            block.register_forward_pre_hook(lambda m, a: torch.cuda._sleep(1_000_000))
+            block.register_forward_pre_hook(lambda m, a: torch.cuda._sleep(4_000_000))
     return ref, model
 
 
@@ -306,3 +306,13 @@ def test_offload_of_a_coded_tensor_moves_its_payload(fake_streams):
     assert all(s.bytes == 0 for s in moved)
     assert sum(s.host_bytes for s in moved) == sum(sites_c[s.site].bytes for s in moved)
     assert mo.report.total_bytes == mc.report.total_bytes - mo.report.host_bytes
+
+
+@pytest.mark.gpu
+def test_cuda_offload_of_int8_payloads_exact_with_delayed_copies():
+    """``offload+int8`` against ``int8`` on CUDA (deferred encodes, no host checks after the
+    first step), every copy late on its stream: bit-identical."""
+    with using_streams(SlowCopies()):
+        ref, model = _cuda_pair(_coded_plan("offload+int8"))
+        ref = slimact.apply(ref, _coded_plan("int8"))
+        _exact_steps(ref, model, steps=3)
