@@ -94,6 +94,22 @@ def test_offload_exact_gradients_buffers_reused_prefetch_one_block_ahead(fake_st
     _check_ordering(fake.log)
 
 
+def test_two_forwards_then_two_backwards_prefetch_only_their_own(fake_streams):
+    """Gradient accumulation with both graphs alive: each backward prefetches its own
+    forward's blocks, never the other forward's; gradients exact."""
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with using_streams(fake_streams):
+        ref, off = _models("offload")
+        eng = engine_for(torch.device("cpu"))
+        for m in (ref, off):
+            first, second = m(ids, targets=ids).loss, m(ids.flip(0), targets=ids).loss
+            second.backward()
+            first.backward()
+        assert eng.prefetches == 2 and eng.fetches == 4  # one per backward: block 1 -> block 0
+    for (name, p), q in zip(ref.named_parameters(), off.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
 def _check_ordering(log: list) -> None:
     """Device copies start after what they read is written; the device waits for each copy."""
     assert log[0] == ("wait_stream", "d2h", "main")  # after the kernel that made the tensor

@@ -85,6 +85,7 @@ class _State(threading.local):
     cast_listeners: list[CastListener] = field(default_factory=list)
     policies: list[Policy] = field(default_factory=list)
     blocks: frozenset[str] = frozenset()  # the tracked model's repeated blocks (block_paths)
+    calls: int = 0  # root calls tracked so far on this thread (``call_index``)
 
 
 _state = _State()
@@ -101,6 +102,12 @@ def storage_key(t: torch.Tensor) -> int:
 
 def current_module() -> str:
     return _state.stack[-1] if _state.stack else ""
+
+
+def call_index() -> int:
+    """Which tracked root call is running (counts the router's outermost entries per thread):
+    saves of one forward share it."""
+    return _state.calls
 
 
 def current_block() -> str:
@@ -313,6 +320,7 @@ def tracking(model: nn.Module | None = None) -> Iterator[None]:
                 # (when the router was entered by one of them), hiding the call's own error
                 handles.append(m.register_forward_hook(_post_hook, always_call=True))
     _state.depth = 1
+    _state.calls += 1
     _state.stack.clear()
     _state.counters.clear()
     try:

@@ -14,8 +14,9 @@ Per device, one :class:`OffloadEngine` (shared by every offload codec on that de
   tensor, copies it into its buffer ``non_blocking`` and records an event; ``record_stream``
   keeps the caching allocator from reusing the tensor's memory before that copy ran. The copy
   overlaps the forward kernels that follow;
-* a **host-to-device stream**: each saved tensor remembers the repeated block that was running
-  when it was saved (``sites.current_block``: its *group*). The first unpack of
+* a **host-to-device stream**: each saved tensor remembers the root call and the repeated block
+  that were running when it was saved (``sites.call_index``, ``sites.current_block``: its
+  *group*; another forward's tensors are never prefetched). The first unpack of
   a group's tensor in backward starts the copies of its group and of the group saved just
   before it in forward (one block ahead), which then overlap this block's recomputation and
   backward; the unpack itself makes the current stream wait for its own copy's event.
@@ -135,9 +136,11 @@ class Lease:
 
     __slots__ = ("buf", "box", "saved", "prev", "group", "fetched", "fetch_event", "__weakref__")
 
-    def __init__(self, buf: torch.Tensor, saved: Any, prev: weakref.ref | None, group: str) -> None:
+    def __init__(
+        self, buf: torch.Tensor, saved: Any, prev: weakref.ref | None, group: tuple
+    ) -> None:
         self.buf = buf
-        self.group = group  # the block running when it was saved
+        self.group = group  # (root call, block) running when it was saved
         self.box: list = [None]  # the event after which the buffer may be written again
         self.saved = saved  # event recorded after the device-to-host copy
         self.prev = prev
@@ -171,7 +174,7 @@ class OffloadEngine:
             saved = st.event()
             saved.record(self.d2h)
         st.record_stream(x, self.d2h)  # x's memory is not reused before the copy ran
-        lease = Lease(buf, saved, self._last, sites.current_block())
+        lease = Lease(buf, saved, self._last, (sites.call_index(), sites.current_block()))
         weakref.finalize(lease, self.pool.release, buf, lease.box)
         self._last = weakref.ref(lease)
         return lease
@@ -201,7 +204,7 @@ class OffloadEngine:
                 self._fetch(node)
             node = self._older(node)
         ahead = node.group if node is not None else None
-        while node is not None and node.group == ahead:
+        while node is not None and node.group == ahead and ahead[0] == lease.group[0]:
             if node.fetch_event is None:
                 self._fetch(node)
                 self.prefetches += 1
