@@ -332,3 +332,19 @@ def test_cuda_offload_of_int8_payloads_exact_with_delayed_copies():
         ref, model = _cuda_pair(_coded_plan("offload+int8"))
         ref = slimact.apply(ref, _coded_plan("int8"))
         _exact_steps(ref, model, steps=3)
+
+
+def test_memory_reports_host_bytes_beside_device_bytes():
+    from slimact.cli import memory_lines
+    from slimact.compiled.advice import documented_dominance
+
+    assert documented_dominance("offload", "cuda") is None  # the codec evidence is not its own
+    res = {"device": "cuda:0", "strategy": "offload", "model": "llama-tiny", "params": 1,
+           "batch": 2, "seq": 32, "dtype": "float32", "saved_bytes": 10, "baseline_saved_bytes": 40,
+           "host_saved_bytes": 2**20, "peak_bytes": 50, "baseline_peak_bytes": 90,
+           "step_time_s": 1.0, "baseline_step_time_s": 1.0, "loss": 1.0, "baseline_loss": 1.0,
+           "ratio": 0.25, "step_time_ratio": 1.0, "peak_ratio": 0.5, "grad_cosine": 1.0,
+           "step_time_ratio_spread": {"min": 1.0, "max": 1.0, "n": 1},
+           "timing": {"load_before": 0.0}}  # fmt: skip
+    line = next(x for x in memory_lines(res) if x.startswith("saved in host memory"))
+    assert "1.00 MiB" in line
