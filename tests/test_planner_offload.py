@@ -91,15 +91,21 @@ def test_host_budget_is_refused_on_cpu_and_parsed_once():
 
 
 def test_a_solved_plan_that_offloads_runs_exactly_and_as_predicted(fake_streams):
-    """llama-tiny profiled on CPU, solved as if on CUDA with a slow link (offload mixed with
-    recompute; the lossless actions only), run with the streams stubbed: bit-identical
+    """llama-tiny profiled on CPU, solved as if on CUDA at its smallest budget with little host
+    memory (offload mixed with recompute; the lossless actions only), run with the streams
+    stubbed: bit-identical
     gradients, and the meter's device and host bytes are the plan's."""
     torch.manual_seed(0)
     ref = slimact.build_model("llama-tiny")
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     prof = profile_model(copy.deepcopy(ref), ids, ids, codecs=["int8"], repeats=1, grads=False)
     prof = dataclasses.replace(prof, device="cuda:0")
-    plan = solve_plan(prof, "20%", host_budget="1GiB", link_bandwidth=1e6, codecs=(), reform=False)
+    opts = dict(codecs=(), reform=False, max_grad_err=None)
+    off = OffloadOption(1e15, 40_000)  # room for some block inputs: the rest is recomputed
+    floor = Problem(prof, "ends", **opts, offload=off).min_bytes().bytes  # timings play no part
+    plan = solve_plan(
+        prof, floor, host_budget=40_000, link_bandwidth=1e15, include_static=False, **opts
+    )
     acts = set(plan.site_actions().values())
     assert acts == {"keep", "recompute", "offload"} and dict(plan.meta)["host_bytes"] > 0
     with using_streams(fake_streams):
