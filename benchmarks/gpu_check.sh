@@ -12,6 +12,10 @@
 #  b. slimact memory --compile for int8 (compiled-int8) on llama-20m, bf16 weights, 16 x 512,
 #     10 interleaved rounds: saved bytes, peak, step ratio and the min per-parameter gradient
 #     cosine against eager none (the figure that was 0.157 on an H200, BENCHMARKS.md §8);
+#  b2. the gpu-marked offload tests (tests/test_offload.py, tests/test_codecs.py -k offload):
+#     strategy offload, a plan that offloads, offload+int8 against int8 and auto with a
+#     host_budget, bit-identical gradients, pinned buffers reused, the measured link bandwidth,
+#     and the stress tests whose copies start late on their streams (60 s);
 #  c. slimact bench gpu with what is left (its own time budget set to fit, see
 #     src/slimact/bench/suites.py): the peak-first table in $OUT/bench/gpu.summary.md, rewritten
 #     after every point, and every figure in $OUT/bench/gpu.json;
@@ -58,6 +62,11 @@ print(f"{r['strategy']}: min per-parameter grad cosine {r['grad_cosine']:.6f} (b
 if r.get("advice"):
     print(r["advice"])
 EOF
+
+log "b2. gpu tests of the offload action"
+timeout "${OFFLOAD_S:-60}" $py -m pytest -q -p no:cacheprovider -m gpu tests/test_offload.py \
+  tests/test_codecs.py -k offload --junitxml="$OUT/offload.xml" 2>&1 | tail -15 | tee -a "$OUT/log"
+echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/log"
 
 # what is left of the call, less a margin for the process to start and write its last files
 bench_s=$(($(left) - 15))

@@ -1,4 +1,5 @@
 import os
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -125,3 +126,62 @@ def soft_capped_llama():
         return model
 
     return build
+
+
+class FakeEvent:
+    def __init__(self, log: list) -> None:
+        self.log, self.stream = log, None
+
+    def record(self, stream) -> None:
+        self.stream = stream.name
+        self.log.append(("record", stream.name, self))
+
+
+class FakeStream:
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other) -> None:
+        self.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event) -> None:
+        assert event.stream is not None, "waited for an event never recorded"
+        self.log.append(("wait_event", self.name, event))
+
+
+class FakeStreams:
+    """CUDA's stream calls, recorded; accepts CPU tensors (unpinned buffers)."""
+
+    pin = False
+
+    def __init__(self) -> None:
+        self.log: list = []
+        self.main = FakeStream("main", self.log)
+        self.made = 0
+
+    def accepts(self, device) -> bool:
+        return True
+
+    def current(self, device):
+        return self.main
+
+    def new_stream(self, device):
+        self.made += 1
+        return FakeStream(("d2h", "h2d")[self.made - 1], self.log)
+
+    def event(self):
+        return FakeEvent(self.log)
+
+    def use(self, stream):
+        self.log.append(("use", stream.name))
+        return nullcontext()
+
+    def record_stream(self, t, stream) -> None:
+        self.log.append(("record_stream", stream.name))
+
+
+@pytest.fixture
+def fake_streams():
+    """A stand-in for CUDA's streams and events that accepts CPU tensors and logs every call:
+    the offload path (``slimact.codecs.offload.using_streams``) runs on CPU with it."""
+    return FakeStreams()

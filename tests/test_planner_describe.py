@@ -4,6 +4,7 @@ compiled blocks included."""
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 import slimact
 from slimact import actions
 from slimact.cli import main
+from slimact.codecs.offload import using_streams
 from slimact.planner.describe import describe
 from slimact.planner.plan import LayerPlan, Plan
 from slimact.registry import strategy_names
@@ -55,7 +57,14 @@ def ids():
 
 
 @pytest.mark.parametrize("name", [*_params(), pytest.param("invact+int4", id="invact+int4")])
-def test_every_strategy_describes_itself_as_a_plan(name, ids):
+def test_every_strategy_describes_itself_as_a_plan(name, ids, request):
+    # offload runs on CUDA only: here its code path with the streams stubbed
+    cuda_only = name == "offload"
+    with using_streams(request.getfixturevalue("fake_streams")) if cuda_only else nullcontext():
+        _describes_itself(name, ids)
+
+
+def _describes_itself(name, ids):
     model_name = SPECIAL.get(name, "llama-tiny")
     if model_name not in slimact.models.model_names():
         pytest.fail(f"{model_name} is not a registered model")

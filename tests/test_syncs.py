@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import slimact
+from slimact.codecs.offload import using_streams
 from slimact.models import build_model
 from slimact.ops import compiled_ref
 from slimact.planner.evolve import PlanEvolver
@@ -217,6 +218,13 @@ AUTO = "auto@25%,repeats=1,cache=None"
 )
 def test_no_extra_syncs_per_step(spec):
     assert extra(count_syncs(spec)) == {}
+
+
+def test_offload_no_extra_syncs_per_step(fake_streams):
+    """Offload's copies and prefetches are ordered by events only (its streams stubbed on CPU:
+    ``codecs.offload.using_streams``)."""
+    with using_streams(fake_streams):
+        assert extra(count_syncs("offload")) == {}
 
 
 @pytest.mark.slow  # profiles, then six steps with three tracking steps: ~20 s on 2 cores

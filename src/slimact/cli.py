@@ -156,6 +156,9 @@ def memory_lines(res: dict) -> list[str]:
         row("step time (s)", "baseline_step_time_s", "step_time_s", num(".4f")),
         row("loss", "baseline_loss", "loss", num(".5f")),
     ]
+    if res.get("host_saved_bytes"):  # offload: beside the device bytes, not in them
+        lines.append(f"{'saved in host memory':<30} {fmt_bytes(0):>18} "
+                     f"{fmt_bytes(res['host_saved_bytes']):>18}")  # fmt: skip
     spread = res["step_time_ratio_spread"]
     lines.append(
         f"ratio {res['ratio']:.4f}   step-time ratio {res['step_time_ratio']:.3f} "

@@ -231,6 +231,7 @@ def compare(cfg: CompareConfig) -> dict:
         "baseline_saved_bytes": base_report.total_bytes,
         "ratio": report.total_bytes / base_report.total_bytes,
         "param_cast_bytes": report.param_cast_bytes,  # autocast weight copies, not in saved_bytes
+        "host_saved_bytes": report.host_bytes,  # offloaded to pinned host memory, not in saved_bytes
         "block_saved_bytes": report.block_bytes,
         "baseline_block_saved_bytes": base_report.block_bytes,
         "bytes_per_token_per_block": report.bytes_per_token_per_block(),

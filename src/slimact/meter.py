@@ -44,6 +44,7 @@ class SiteRecord:
     shape: tuple[int, ...] = ()
     dtype: str = ""
     shared_with: list[str] = field(default_factory=list)
+    host_bytes: int = 0  # kept in host memory instead (offload): not in ``bytes``
 
 
 @dataclass
@@ -58,6 +59,7 @@ class MemoryReport:
     peak_allocated_bytes: int | None = None
     param_cast_bytes: int = 0  # autocast's parameter copies saved for backward: not activations
     param_casts: int = 0  # how many such saves (a cast saved by several ops counts each time)
+    host_bytes: int = 0  # saved tensors kept in host memory (offload), apart from device bytes
 
     @property
     def per_block(self) -> dict[str, int]:
@@ -94,6 +96,7 @@ class MemoryReport:
             "peak_allocated_bytes": self.peak_allocated_bytes,
             "param_cast_bytes": self.param_cast_bytes,
             "param_casts": self.param_casts,
+            "host_bytes": self.host_bytes,
             "per_block": self.per_block,
             "sites": [asdict(s) for s in self.sites],
         }
@@ -111,6 +114,9 @@ class MemoryReport:
         for b, n in self.per_block.items():
             lines.append(f"{b:<58} {'':<10} {'':<20} {n:>12,}")
         lines.append(f"{'TOTAL':<58} {'':<10} {'':<20} {self.total_bytes:>12,}")
+        if self.host_bytes:
+            label = "(+ offloaded to host memory, not on the device)"
+            lines.append(f"{label:<58} {'':<10} {'':<20} {self.host_bytes:>12,}")
         if self.param_casts:
             label = f"(+ parameter casts, not activations: {self.param_casts} saves)"
             lines.append(f"{label:<58} {'':<10} {'':<20} {self.param_cast_bytes:>12,}")
@@ -165,6 +171,14 @@ class Meter:
                 self.report.total_bytes += storage.nbytes()
             elif owner is not rec and ev.site not in owner.shared_with:
                 owner.shared_with.append(ev.site)
+        for t in ev.host:
+            storage = t.untyped_storage()
+            key = ("host", str(t.device), sites.storage_key(t))
+            if storage.nbytes() and key not in self._by_storage:
+                self._by_storage[key] = rec
+                self._alive.append(t)
+                rec.host_bytes += storage.nbytes()
+                self.report.host_bytes += storage.nbytes()
 
     def compiled_saves(self, block: str, outputs: object, params: set, stop: set) -> None:
         """What the compiled graphs of ``block``'s forward saved: the saved tensors of every

@@ -91,8 +91,9 @@ _REGISTRY: dict[str, _Entry] = {}
 # The built-in strategies whose transform installs a codec policy (see the module docstring);
 # names only, so this layer imports none of them. ``auto@<budget>`` counts as ``auto``.
 CODEC_POLICY_STRATEGIES = frozenset(
-    {"int4", "int4-plain", "int4-paper", "int4-naive", "int8", "prac", "pac", "rac", "auto", "plan"}
-)
+    {"int4", "int4-plain", "int4-paper", "int4-naive", "int8", "prac", "pac", "rac", "auto", "plan",
+     "offload"}
+)  # fmt: skip
 
 
 def register_strategy(

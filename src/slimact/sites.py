@@ -64,6 +64,7 @@ class SavedEvent:
     tensor: torch.Tensor  # the tensor autograd asked to save
     stored: list[torch.Tensor]  # what is actually kept (the tensor itself, or a codec's payload)
     action: str = "keep"
+    host: list[torch.Tensor] = field(default_factory=list)  # kept in host memory (offload)
 
 
 Listener = Callable[[SavedEvent], None]
@@ -83,6 +84,8 @@ class _State(threading.local):
     listeners: list[Listener] = field(default_factory=list)
     cast_listeners: list[CastListener] = field(default_factory=list)
     policies: list[Policy] = field(default_factory=list)
+    blocks: frozenset[str] = frozenset()  # the tracked model's repeated blocks (block_paths)
+    calls: int = 0  # root calls tracked so far on this thread (``call_index``)
 
 
 _state = _State()
@@ -99,6 +102,21 @@ def storage_key(t: torch.Tensor) -> int:
 
 def current_module() -> str:
     return _state.stack[-1] if _state.stack else ""
+
+
+def call_index() -> int:
+    """Which tracked root call is running (counts the router's outermost entries per thread):
+    saves of one forward share it."""
+    return _state.calls
+
+
+def current_block() -> str:
+    """The outermost repeated block running now (a decoder layer, not an expert inside it),
+    else the current module."""
+    for path in _state.stack:
+        if path in _state.blocks:
+            return path
+    return current_module()
 
 
 def _next_site(op: str) -> tuple[str, str]:
@@ -187,7 +205,8 @@ def _pack(t: torch.Tensor) -> Any:
             if stored is None
             else getattr(stored, "action", None) or actions.codec(type(stored).__name__)
         )
-        event = SavedEvent(site, module, op, t, kept, action)
+        host = getattr(stored, "host_tensors", None)
+        event = SavedEvent(site, module, op, t, kept, action, host() if host else [])
         for listener in list(_state.listeners):
             listener(event)
     return t if stored is None else _Unpacker(stored)
@@ -288,6 +307,7 @@ def tracking(model: nn.Module | None = None) -> Iterator[None]:
     handles = []
     if model is not None:
         _state.excluded = _param_storages(model)
+        _state.blocks = frozenset(block_paths(model))
         sealed: list[str] = []  # inside a compiled block, hooks would only cost recompiles
         for path, m in model.named_modules():
             if any(path.startswith(f"{b}.") for b in sealed):
@@ -300,6 +320,7 @@ def tracking(model: nn.Module | None = None) -> Iterator[None]:
                 # (when the router was entered by one of them), hiding the call's own error
                 handles.append(m.register_forward_hook(_post_hook, always_call=True))
     _state.depth = 1
+    _state.calls += 1
     _state.stack.clear()
     _state.counters.clear()
     try:
@@ -310,6 +331,7 @@ def tracking(model: nn.Module | None = None) -> Iterator[None]:
         _state.stack.clear()
         _state.counters.clear()
         _state.excluded = set()
+        _state.blocks = frozenset()
         for h in handles:
             h.remove()
 

@@ -297,9 +297,18 @@ def codec_config(label: str) -> CodecConfig:
     parameters replaced, each ``field=value`` (parsed by the field's annotated type: ``None``,
     ``True``/``False``, an int, a float, else the text) or a short form (``g32``: group_size,
     ``b8``: bits, ``sr``: rounding=stochastic). ``codec_config(codec_label(c)) == c`` for every config ``c`` whose unlabeled
-    fields (``channels``, ``backend``, ...) are at their defaults."""
+    fields (``channels``, ``backend``, ...) are at their defaults. ``<name>+<label>``: codec
+    ``name``, whose config has an ``inner`` field, around the codec ``label`` names
+    (``offload+int8``: INT8's payload offloaded)."""
     if not isinstance(label, str):
         raise ValueError(f"a codec label is a string like 'int4-outlier/g32', got {label!r}")
+    outer, plus, inner = label.partition("+")
+    if plus and "/" not in outer:  # <wrapper>+<inner label>: a codec around another (offload)
+        cfg = codec_config(outer)
+        if "inner" not in {f.name for f in fields(cfg)}:
+            raise ValueError(f"codec label {label!r}: {outer!r} does not wrap another codec")
+        codec_config(inner)  # the inner label is checked here
+        return dataclasses.replace(cfg, inner=inner)
     name, _, params = label.partition("/")
     if name not in _CODECS:
         raise ValueError(f"unknown codec {name!r} in {label!r}; valid codecs: {', '.join(_CODECS)}")
@@ -352,6 +361,6 @@ def get_codec(spec: str | CodecConfig) -> Codec:
     """Build a codec from a registered name, a label (``int4-outlier/g32``) or a config."""
     if isinstance(spec, CodecConfig):
         return spec.build()
-    if spec.partition("/")[0] not in _CODECS:
+    if spec.partition("/")[0].partition("+")[0] not in _CODECS:
         raise ValueError(f"unknown codec {spec!r}; valid codecs: {', '.join(_CODECS)}")
     return codec_config(spec).build()

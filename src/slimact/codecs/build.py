@@ -21,6 +21,10 @@ def build_codec(label: str, t: torch.Tensor, channels: int | None = None) -> Cod
     """Codec ``label`` for tensor ``t``: a ``channels`` field gets ``channels``, else (None)
     ``t``'s hidden channel count (a 0-d ``t``: the label's own)."""
     cfg = codec_config(label)
+    if getattr(cfg, "inner", ""):  # a wrapper (offload+int8): its inner codec sized for ``t``
+        codec = cfg.build()
+        codec.inner = build_codec(cfg.inner, t, channels)
+        return codec
     if "channels" in {f.name for f in dataclasses.fields(cfg)}:
         if channels is None and t.dim() > 0:
             channels = hidden_channels(t)

@@ -91,6 +91,11 @@ class CodecStored:
     def nbytes(self) -> int:
         return self.codec.nbytes(self.packed)
 
+    def host_tensors(self) -> list[torch.Tensor]:
+        """Payload tensors kept in host memory (offload's pinned buffer), for the meter."""
+        host = getattr(self.codec, "host_tensors", None)
+        return host(self.packed) if host is not None else []
+
     @property
     def fallback(self) -> str | None:
         """Why the codec stored this tensor exactly (see ``codecs.base``), or None."""
@@ -129,6 +134,9 @@ class SharedStored:
 
     def nbytes(self) -> int:
         return self.base.nbytes()
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        return self.base.host_tensors()
 
     @property
     def fallback(self) -> str | None:

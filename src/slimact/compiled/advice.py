@@ -59,7 +59,8 @@ CUDA_EVIDENCE = Evidence(
 
 def _eager_codec_parts(strategy: str) -> list[str]:
     parts = [p.strip() for p in strategy.split("+")]
-    return [p for p in parts if p.split("@", 1)[0] in CODEC_POLICY_STRATEGIES - {"plan"}]
+    # offload's policy moves block inputs to the host: the evidence (codecs' time) is not its
+    return [p for p in parts if p.split("@", 1)[0] in CODEC_POLICY_STRATEGIES - {"plan", "offload"}]
 
 
 def documented_dominance(strategy: str, device_type: str) -> str | None:

@@ -11,6 +11,8 @@ between steps (adaptive evolution) and ``slimact.revert`` undoes it all:
 - **reformulate**: ``slimact.reformulate`` swaps the planned norms/activations for inverted
   ops, and the loss head for ``chunked-ce`` (``probe=False``: the profiler already measured what
   they save).
+- **offload** is the codec ``offload`` in the plan's table (``codecs/offload.py``); a plan
+  that offloads is refused on a CPU model (its tensors are in host memory already).
 - **codecs**: one ``CodecPolicy`` whose ``assign`` looks every site up in the plan's table
   (absolute site name -> codec); one codec instance per (block, storage), built for the tensor's
   channel count, so stateful codecs (PRAC) keep one state per storage and block. A site the
@@ -42,6 +44,7 @@ from slimact.checkpointing import checkpointed, guard_cache
 from slimact.classify import call_batch, site_role
 from slimact.codecs.base import Codec
 from slimact.codecs.build import build_codec
+from slimact.codecs.offload import check_device
 from slimact.codecs.saving import CodecPolicy, hidden_channels
 from slimact.patching import override_forward
 from slimact.planner.plan import Plan, abs_path, abs_site, site_module
@@ -174,6 +177,8 @@ class PlanRuntime:
                 f"plan for {plan.model!r} names blocks {missing[:3]} this model does not have; "
                 f"its blocks are {sites.block_paths(self.model)[:3]}..."
             )
+        if any(c.startswith("offload") for lp in plan.layers for c, _ in lp.codecs):
+            check_device(next(iter(self.model.parameters())).device)  # CUDA only: refused here
         self._clear_patches()
         changes: list[AppliedChange] = []
         if filter_fn is not None and plan.rules:  # kept for later plans (a checkpoint's)

@@ -19,6 +19,7 @@ from slimact.budget import Budget
 from slimact.codecs.base import codec_names
 from slimact.hf_inputs import random_token_batch
 from slimact.planner.milp import DEFAULT_MAX_GRAD_ERR, LAYER_MODES
+from slimact.planner.offload import parse_host_budget
 from slimact.planner.plan import Plan
 from slimact.planner.profile import cached_profile, profile_model
 from slimact.planner.solve import solve_plan
@@ -36,7 +37,9 @@ class AutoConfig(StrategyConfig):
     the training-aware cap: per block and parameter, the summed 1 - cosine of the gradient that
     the chosen codecs cost, measured while profiling (``slimact.planner.gradstats``; see
     ``DEFAULT_MAX_GRAD_ERR`` in ``slimact.planner.milp``; None: no cap). ``cache``: profile JSON cache directory
-    ('' = ~/.cache/slimact, None = no cache). ``batch``/``seq``: plan at apply time."""
+    ('' = ~/.cache/slimact, None = no cache). ``batch``/``seq``: plan at apply time.
+    ``host_budget``: pinned host memory the plan may offload saved tensors to ('8GiB' or bytes;
+    None: no offload; CUDA only, refused when planning on a CPU), ``slimact.planner.offload``."""
 
     budget: Budget | str | int | None = None  # a Budget after __post_init__
     layers: str = "ends"
@@ -52,10 +55,12 @@ class AutoConfig(StrategyConfig):
     batch: int | None = None
     seq: int | None = None
     seed: int = 0
+    host_budget: str | int | None = None
 
     def __post_init__(self) -> None:
         if self.budget is not None:  # parsed once, here: a malformed budget raises
             object.__setattr__(self, "budget", Budget.parse(self.budget))
+        parse_host_budget(self.host_budget)  # a malformed or relative one raises here
         if self.layers not in LAYER_MODES:
             raise ValueError(f"AutoConfig.layers must be one of {LAYER_MODES}, got {self.layers!r}")
         if self.codecs is not None:
@@ -121,6 +126,7 @@ _SPEC_FIELDS = {
     "max_grad_err": _none_or(float),
     "max_quality": _none_or(float),
     "cache": _none_or(str),
+    "host_budget": _none_or(str),
 }
 
 
@@ -129,6 +135,7 @@ def solve_options(config: AutoConfig) -> dict:
         layers=config.layers, codecs=config.codecs, recompute=config.recompute,
         reform=config.reform, max_quality=config.max_quality, max_rel_err=config.max_rel_err,
         max_grad_err=config.max_grad_err, include_static=config.include_static,
+        host_budget=config.host_budget,
     )  # fmt: skip
 
 

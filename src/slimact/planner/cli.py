@@ -66,6 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--profile-tokens", type=int, default=64, help="scaled: the twin's batch x seq cap"
     )
+    p.add_argument(
+        "--host-budget",
+        default=None,
+        help="pinned host memory offload may use, e.g. 8GiB (CUDA only; default: no offload)",
+    )
     p.add_argument("--cache", default="", help="profile cache dir ('none' disables)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -96,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         layers=args.layers, codecs=codecs, recompute=not args.no_recompute,
         reform=not args.no_reform, max_quality=args.max_quality,
         max_rel_err=None if args.max_rel_err < 0 else args.max_rel_err,
+        host_budget=args.host_budget,
     )  # fmt: skip
     cache = None if args.cache == "none" else args.cache
     scaled = None

@@ -8,6 +8,8 @@ keyed ``(group index, kind, key)``:
     k  keep storage ``key``            y  store storage ``key[0]`` through codec ``key[1]``
     d  storage ``key`` is dropped       w  codec ``key[1]`` on ``key[0]`` feeds the re-run of a
                                           recomputed module ``key[2]`` (gradient cap only)
+    u, v  the group's offload stall beyond one block's forward / two (continuous, >= 0; only
+          where offload is an option: ``slimact.planner.offload``)
 
 and writes every constraint row of the docstring but the budget's, with the per-column bytes,
 added seconds and quality cost. :func:`run` adds the budget (and quality) rows and the
@@ -27,6 +29,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
+from slimact.planner.offload import inner_of, is_offload
 from slimact.planner.plan import inside, site_module
 
 EPS_S = 1e-9  # seconds per recompute/reformulation: ties go towards doing nothing
@@ -42,6 +45,7 @@ class Rows(NamedTuple):
     mem: dict[int, float]  # column -> activation bytes
     obj: dict[int, float]  # column -> added seconds per step
     qual: dict[int, float]  # column -> quality cost (relative MSE)
+    cont: frozenset[int] = frozenset()  # continuous columns (>= 0, unbounded): the rest binary
 
 
 def build(problem) -> Rows:
@@ -69,6 +73,8 @@ def build(problem) -> Rows:
     mem: dict[int, float] = {}
     obj: dict[int, float] = {}
     qual: dict[int, float] = {}
+    cont: set[int] = set()
+    host: dict[int, float] = {}  # offload column -> host bytes
     for gi, g in enumerate(problem.groups):
         kind, n = g.kind, len(g.blocks)
         cand = problem.candidates(g)
@@ -143,7 +149,21 @@ def build(problem) -> Rows:
             for coefs in grad_rows.values():  # one row per parameter (and the input)
                 if sum(coefs.values()) > problem.max_grad_err:
                     row(coefs, -np.inf, problem.max_grad_err)
-    return Rows(cols, index, rows, lo, hi, mem, obj, qual)
+        off = {index[(gi, "y", (s.id, o))]: (s.id, o) for s in kind.storages
+               for o in g.options[s.id] if is_offload(o)}  # fmt: skip
+        if off:  # in ms: u >= C - T_f, v >= C - 2 T_f (C: the offloaded copies' seconds)
+            t_f = problem.hide_s(g)
+            copies = {y: 1e3 * problem.copy_s(g, sid, o) for y, (sid, o) in off.items()}
+            for name, window in (("u", t_f), ("v", 2 * t_f)):
+                sv = var(gi, name, 0)
+                cont.add(sv)
+                obj[sv] = float(n)
+                row({sv: 1e3, **{y: -c for y, c in copies.items()}}, -1e3 * window, np.inf)
+            for y, (sid, o) in off.items():
+                host[y] = float(problem.bytes_of(g, sid, inner_of(o)))
+    if host:  # the pinned host memory the offloaded storages take, in MiB
+        row({y: b / SCALE for y, b in host.items()}, -np.inf, problem.offload.host_budget / SCALE)
+    return Rows(cols, index, rows, lo, hi, mem, obj, qual, frozenset(cont))
 
 
 def run(
@@ -156,7 +176,15 @@ def run(
     """Solve ``built`` (not changed): minimize added time s.t. bytes <= ``budget_bytes``, or
     minimize bytes (then time, as a tie-break). Returns scipy's ``OptimizeResult``; its ``x``
     is None when infeasible."""
-    cols, _, rows, lo, hi, mem, obj, qual = built
+    cols, rows, lo, hi, mem, obj, qual = (
+        built.cols,
+        built.rows,
+        built.lo,
+        built.hi,
+        built.mem,
+        built.obj,
+        built.qual,
+    )
     rows, lo, hi = list(rows), list(lo), list(hi)
     n = len(cols)
     if budget_bytes is not None:
@@ -181,12 +209,15 @@ def run(
             ci.append(v)
             vals.append(x)
     a = coo_matrix((vals, (ri, ci)), shape=(len(rows), n)).tocsr()
+    integrality, upper = np.ones(n), np.ones(n)
+    for v in built.cont:
+        integrality[v], upper[v] = 0, np.inf
     with _quiet_stdout():
         return milp(
             c,
             constraints=LinearConstraint(a, np.array(lo), np.array(hi)),
-            integrality=np.ones(n),
-            bounds=Bounds(0, 1),
+            integrality=integrality,
+            bounds=Bounds(0, upper),
             options={"time_limit": time_limit, "mip_rel_gap": 1e-9, "disp": False},
         )
 

@@ -31,6 +31,11 @@ from the profile) and the objective (Eq. 4, plus the measured slowdown of reform
     optional:  Σ_g |g| Σ_sc err_sc² y_sc <= max_quality        (sum of relative MSEs)
     optional:  Σ_sc G_scP y_sc + Σ_scA H_scAP w_scA <= max_grad_err   for every group g and
                parameter P of its block,  w_scA >= y_sc + r_A - 1  (s an input of A)
+    optional:  offload as one more "codec" of every block storage (0 device bytes, lossless),
+               and offload+c for each codec c it admits (c's payload moved: c's time, error):
+               Σ_g |g| Σ_s B_s y_s,off <= host_budget, and the copies' stall in the objective,
+               |g| (u_g + v_g) with u_g >= Σ_s B_s/bw y_s,off - T_f, v_g >= ... - 2 T_f,
+               u, v >= 0 continuous (``slimact.planner.offload``: bandwidth, windows)
 
 ``G_scP`` is the measured gradient error (``slimact.planner.gradstats``: 1 - cosine of parameter
 ``P``'s gradient, or of the block's input gradient, with storage s alone through codec c, on the
@@ -59,6 +64,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from slimact.planner import highs
+from slimact.planner.offload import OFFLOAD, OffloadOption, inner_of, is_offload, stall_s
 from slimact.planner.plan import (
     ROOT,
     KindProfile,
@@ -164,6 +170,7 @@ class Problem:
         reform: bool = True,
         max_rel_err: float | None = None,
         max_grad_err: float | None = None,
+        offload: OffloadOption | None = None,
     ) -> None:
         if layers not in LAYER_MODES:
             raise ValueError(f"layers must be one of {LAYER_MODES}, got {layers!r}")
@@ -171,6 +178,7 @@ class Problem:
         self.grad: dict = profile.meta.get(GRAD_KEY) or {}
         self.grad_ckpt: dict = profile.meta.get(GRAD_CKPT_KEY) or {}
         self.max_grad_err = max_grad_err
+        self.offload = offload
         self.groups: list[Group] = []
         for kind in profile.kinds:
             b = kind.blocks
@@ -195,6 +203,9 @@ class Problem:
                         and self._grad_ok(kind.kind, s, c)
                     ]
                     opts[s.id] = ["raw", *ok]
+                    if offload is not None and kind.kind != ROOT and s.bytes > 0:
+                        if "!extern" not in s.sites:  # the tensor, or a codec's payload
+                            opts[s.id] += [OFFLOAD, *(f"{OFFLOAD}+{c}" for c in ok)]
                 rc = list(range(len(kind.modules))) if recompute else []
                 rf = list(range(len(kind.reforms))) if reform else []
                 self.groups.append(Group(kind, blocks, rc, rf, opts))
@@ -206,6 +217,8 @@ class Problem:
 
     @staticmethod
     def time_of(g: Group, sid: int, opt: str) -> float:
+        """Encode + decode seconds (offload's copies are charged per group: ``stall_s``)."""
+        opt = inner_of(opt) if is_offload(opt) else opt
         if opt == "raw":
             return 0.0
         st = g.kind.storages[sid].codecs[opt]
@@ -213,6 +226,7 @@ class Problem:
 
     @staticmethod
     def quality_of(g: Group, sid: int, opt: str) -> float:
+        opt = inner_of(opt) if is_offload(opt) else opt
         if opt == "raw":
             return 0.0
         return len(g.blocks) * g.kind.storages[sid].codecs[opt].rel_err ** 2
@@ -220,6 +234,7 @@ class Problem:
     def grad_terms(self, g: Group, sid: int, opt: str) -> dict[str, float]:
         """``{parameter or "<input>": 1 - cos}`` the gradient of one block loses to codec ``opt``
         on storage ``sid`` (measured; {} for raw or where the profile has no figure)."""
+        opt = inner_of(opt) if is_offload(opt) else opt
         if opt == "raw":
             return {}
         return self.grad.get(g.kind.kind, {}).get(str(sid), {}).get(opt) or {}
@@ -228,6 +243,7 @@ class Problem:
         """What recomputing ``module`` from codec ``opt``'s copy of its input ``sid`` adds to
         ``grad_terms`` (measured jointly; {} where not measured; None where the profiler left the
         pair out: not allowed under a gradient cap)."""
+        opt = inner_of(opt) if is_offload(opt) else opt
         if opt == "raw":
             return {}
         row = self.grad_ckpt.get(g.kind.kind, {}).get(str(sid), {}).get(opt, {})
@@ -273,6 +289,31 @@ class Problem:
         return [("r", g.kind.modules[i].path) for i in g.rc] + [
             ("z", g.kind.reforms[i].path) for i in g.rf
         ]
+
+    # -- offload ---------------------------------------------------------------------------------
+    @staticmethod
+    def hide_s(g: Group) -> float:
+        """T_f: one block's forward, the window a block's copies hide in (0 if unmeasured)."""
+        return next((m.recompute_s for m in g.kind.modules if m.path == ""), 0.0)
+
+    def copy_s(self, g: Group, sid: int, opt: str = OFFLOAD) -> float:
+        """One block's copy of storage ``sid`` under offload option ``opt`` one way (group
+        average), in seconds."""
+        assert self.offload is not None
+        return self.offload.copy_s(self.bytes_of(g, sid, inner_of(opt)) / len(g.blocks))
+
+    def stall_s(self, g: Group, d: Decision) -> float:
+        """The group's copies' stall per step: |g| (max(0, C - T_f) + max(0, C - 2 T_f))."""
+        off = [(sid, c) for sid, c in d.codecs.items() if is_offload(c)]
+        if not off or self.offload is None:
+            return 0.0
+        copies = sum(self.copy_s(g, sid, o) for sid, o in off)
+        return len(g.blocks) * stall_s(copies, self.hide_s(g))
+
+    def host_bytes(self, decisions: list[Decision]) -> int:
+        """Bytes the decisions offload to host memory."""
+        return sum(self.bytes_of(g, sid, inner_of(c)) for g, d in zip(self.groups, decisions)
+                   for sid, c in d.codecs.items() if is_offload(c))  # fmt: skip
 
     # -- evaluation without linearization -------------------------------------------------------
     def dropped(self, g: Group, d: Decision) -> set[int]:
@@ -321,6 +362,7 @@ class Problem:
                 if r.path in d.reform:
                     total_b += n * r.extra_bytes
                     total_t += n * max(r.delta_s, 0.0)
+            total_t += self.stall_s(g, d)
         return total_b, total_t, total_q
 
     @property
@@ -396,6 +438,9 @@ def brute_force(
         b, t, q = problem.evaluate(list(combo))
         cap = problem.max_grad_err
         if cap is not None and problem.grad_load(list(combo)) > cap * (1 + 1e-9):
+            continue
+        off = problem.offload
+        if off is not None and problem.host_bytes(list(combo)) > off.host_budget:
             continue
         if b <= budget_bytes and (max_quality is None or q <= max_quality) and t < best:
             best, arg = t, list(combo)

@@ -112,6 +112,8 @@ class KindProfile:
 
     def bytes_of(self, block: str, sid: int, option: str) -> int:
         """Bytes of storage ``sid`` in ``block`` under ``option`` ('raw' or a codec name)."""
+        if option.startswith("offload"):  # in host memory (``slimact.planner.offload``)
+            return 0
         got = self.per_block.get(block, {}).get(str(sid), {}).get(option)
         if got is not None:
             return int(got)
@@ -412,6 +414,12 @@ class Plan(StrategyConfig):
             f"predicted added time {self.predicted_time_s * 1e3:.2f} ms/step   "
             f"solve {self.solve_s * 1e3:.1f} ms",
         ]
+        meta = dict(self.meta)
+        if "host_bytes" in meta:  # offload (slimact.planner.offload)
+            lines.append(
+                f"offloaded to host memory {fmt_bytes(meta['host_bytes'])} of host budget "
+                f"{fmt_bytes(meta['host_budget'])}   link {meta['link_bandwidth'] / 1e9:.1f} GB/s"
+            )
         return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slimact import actions
+from slimact.planner.offload import stall_s
 from slimact.planner.plan import Plan, Profile
 
 
@@ -38,6 +39,7 @@ def plan_cost(plan: Plan, profile: Profile) -> tuple[int, float]:
     ``solve.make_plan`` costs a solution, so an installed plan and a re-solved one compare."""
     kinds = {(k.kind, b): k for k in profile.kinds for b in k.blocks}
     total_b, total_t = 0, 0.0
+    bandwidth = dict(plan.meta).get("link_bandwidth")  # a plan that offloads (planner.offload)
     for lp in plan.layers:
         kind = kinds.get((lp.kind, lp.block))
         if kind is None:
@@ -46,14 +48,21 @@ def plan_cost(plan: Plan, profile: Profile) -> tuple[int, float]:
         total_t += sum(m.recompute_s for m in kind.modules if m.path in lp.recompute)
         total_t += sum(max(r.delta_s, 0.0) for r in kind.reforms if r.path in lp.reform)
         total_b += sum(r.extra_bytes for r in kind.reforms if r.path in lp.reform)
+        copies = 0.0  # bytes this block offloads (to the host and back)
         for name, action, _, _ in lp.storages:
             s, act = kind.storages[sid[name]], actions.parse(action)
-            if act.kind == actions.CODEC and act.detail in s.codecs:
+            if act.kind in (actions.CODEC, actions.OFFLOAD) and act.detail in s.codecs:
                 st = s.codecs[act.detail]
                 total_t += st.encode_s + st.decode_s
-                total_b += kind.bytes_of(lp.block, s.id, act.detail)
+                if act.kind == actions.CODEC:
+                    total_b += kind.bytes_of(lp.block, s.id, act.detail)
             elif act.kind == actions.KEEP:
                 total_b += kind.bytes_of(lp.block, s.id, "raw")
+            if act.kind == actions.OFFLOAD:
+                copies += kind.bytes_of(lp.block, s.id, act.detail or "raw")
+        if copies and bandwidth:
+            forward = next((m.recompute_s for m in kind.modules if m.path == ""), 0.0)
+            total_t += stall_s(copies / bandwidth, forward)
     return total_b, total_t
 
 

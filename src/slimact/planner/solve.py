@@ -5,7 +5,9 @@ memory counted), the smallest feasible byte count is solved first, so a budget b
 error naming that smallest budget, then the time-optimal decision under the budget is solved
 and turned into one ``LayerPlan`` per block (``make_plan``): recomputed and reformulated modules,
 the codec of each encoded storage with every site that saves it, and one row per storage
-(keep / codec:<name> / recompute, in ``slimact.actions``' words) with its bytes before and after.
+(keep / codec:<name> / recompute / offload, in ``slimact.actions``' words) with its bytes before
+and after. ``host_budget`` (bytes of pinned host memory, CUDA profiles only) adds offload to the
+options (``slimact.planner.offload``); the plan's meta then carries the host bytes it uses.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 from slimact import actions
 from slimact.budget import Budget
 from slimact.planner.milp import DEFAULT_MAX_GRAD_ERR, Problem
+from slimact.planner.offload import inner_of, is_offload, option_for
 from slimact.planner.plan import LayerPlan, Plan, Profile
 from slimact.utils import fmt_bytes
 
@@ -33,14 +36,21 @@ def solve_plan(
     max_rel_err: float | None = None,
     max_grad_err: float | None = DEFAULT_MAX_GRAD_ERR,
     include_static: bool = True,
+    host_budget: str | int | None = None,
+    link_bandwidth: float | None = None,
 ) -> Plan:
     """Solve the MILP for ``budget`` (``"25%"``, ``"6GiB"``, an int of bytes) and return the ``Plan``.
 
     A budget below the smallest feasible one raises ``ValueError`` naming that smallest budget.
     ``max_grad_err`` caps, per block and parameter, the summed measured gradient error of the
     chosen codecs (``slimact.planner.milp``; None: no cap; a profile without figures: no effect).
+    ``host_budget``: pinned host memory offload may use ('8GiB'; None: no offload; refused on a
+    CPU profile); ``link_bandwidth``: bytes/s (None: measured on the profile's device, once).
     """
-    problem = Problem(profile, layers, codecs, recompute, reform, max_rel_err, max_grad_err)
+    offload = option_for(profile.device, host_budget, link_bandwidth)
+    problem = Problem(
+        profile, layers, codecs, recompute, reform, max_rel_err, max_grad_err, offload
+    )
     base = profile.baseline_bytes
     budget = Budget.parse(budget)
     static = profile.static.get("total", 0) if include_static and not budget.relative else 0
@@ -85,8 +95,11 @@ def make_plan(
             by_codec.setdefault(c, []).extend(names)
         t = sum(m.recompute_s for m in kind.modules if m.path in d.recompute)
         t += sum(max(r.delta_s, 0.0) for r in kind.reforms if r.path in d.reform)
+        coded = [(sid, inner_of(c) if is_offload(c) else c) for sid, c in d.codecs.items()]
         t += sum(kind.storages[sid].codecs[c].encode_s + kind.storages[sid].codecs[c].decode_s
-                 for sid, c in d.codecs.items())  # fmt: skip
+                 for sid, c in coded if c != "raw")  # fmt: skip
+        if hasattr(problem, "stall_s"):
+            t += problem.stall_s(g, d) / len(g.blocks)
         extra = sum(r.extra_bytes for r in kind.reforms if r.path in d.reform)
         for b in g.blocks:
             rows = []
@@ -126,6 +139,13 @@ def make_plan(
               ("grad_err", getattr(res, "grad_err", 0.0)),
               ("max_grad_err", getattr(problem, "max_grad_err", None)),
               ("autocast", prof.meta.get("autocast")), ("profile_s", prof.meta.get("profile_s")))
+        + (_offload_meta(problem, res) if getattr(problem, "offload", None) else ())
         + ((("grad_err_skipped", prof.meta["grad_err_skipped"]),)
            if "grad_err_skipped" in prof.meta else ()),
     )  # fmt: skip
+
+
+def _offload_meta(problem: Any, res: Any) -> tuple:
+    off = problem.offload
+    return (("host_bytes", problem.host_bytes(res.decisions)),
+            ("host_budget", off.host_budget), ("link_bandwidth", off.bandwidth))  # fmt: skip
