@@ -29,6 +29,7 @@ recomputation) are reported with :func:`hold`, so the meter sees every stored by
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -86,6 +87,7 @@ class _State(threading.local):
     policies: list[Policy] = field(default_factory=list)
     blocks: frozenset[str] = frozenset()  # the tracked model's repeated blocks (block_paths)
     calls: int = 0  # root calls tracked so far on this thread (``call_index``)
+    tracked: frozenset[int] = frozenset()  # ids of the tracked model's modules
 
 
 _state = _State()
@@ -295,9 +297,19 @@ def block_of(path: str, blocks: list[str]) -> str:
 def tracking(model: nn.Module | None = None) -> Iterator[None]:
     """Enter the router: name sites inside ``model`` and route saves through policies/listeners.
 
-    Re-entrant: an inner ``tracking`` (e.g. an applied strategy inside a meter) is a no-op.
+    Re-entrant: an inner ``tracking`` (e.g. an applied strategy inside a meter) is a no-op. An
+    inner one for a model outside the tracked one warns: its sites would be named and routed as
+    the outer model's, so its plan's actions would not find them.
     """
     if _state.depth > 0:
+        if model is not None and _state.tracked and id(model) not in _state.tracked:
+            warnings.warn(
+                f"slimact's router is already tracking another model; this "
+                f"{type(model).__name__} runs inside it untracked (its sites are not named and "
+                "its plan's actions do not apply). Measure or run one model at a time.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         _state.depth += 1
         try:
             yield
@@ -308,6 +320,7 @@ def tracking(model: nn.Module | None = None) -> Iterator[None]:
     if model is not None:
         _state.excluded = _param_storages(model)
         _state.blocks = frozenset(block_paths(model))
+        _state.tracked = frozenset(id(m) for m in model.modules())
         sealed: list[str] = []  # inside a compiled block, hooks would only cost recompiles
         for path, m in model.named_modules():
             if any(path.startswith(f"{b}.") for b in sealed):
@@ -332,6 +345,7 @@ def tracking(model: nn.Module | None = None) -> Iterator[None]:
         _state.counters.clear()
         _state.excluded = set()
         _state.blocks = frozenset()
+        _state.tracked = frozenset()
         for h in handles:
             h.remove()
 
