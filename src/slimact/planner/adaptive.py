@@ -138,8 +138,8 @@ class BudgetCheck:
         stack.close()
         measured = _max_over_ranks(int(meter.report.total_bytes))
         meter.release()
-        if self.rt.plan is not None and self.rt.plan.layers:
-            self._judge(measured, cond)
+        if self.rt.plan is not None and self.rt.plan.layers and self.rt.plan.budget:
+            self._judge(measured, cond)  # a plan with no budget (merged, written) has none to hold
 
     # -- verdicts -------------------------------------------------------------------------------
     def _conditions(self, ids: torch.Tensor) -> dict[str, Any]:

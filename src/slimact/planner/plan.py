@@ -22,6 +22,10 @@ runtime builds the codec on the first save of each role and channel count. The f
 strategies (``int4``, ``int4-plain``, ``int4-paper``, ``int4-naive``, ``int8``) are plans with one
 rule and no layers. Sites a layer encodes are decided by its table; the rules decide the rest.
 
+Two plans merge (``Plan.merge``, ``plan_a + plan_b``) where their actions can hold together on
+one model; every site where they cannot (two codecs, a codec on a tensor the other plan never
+saves) is named in one error.
+
 ``slimact.planner.solve.solve_plan(profile, budget)`` runs the MILP (``slimact.planner.milp``)
 and turns its decisions into a ``Plan``.
 
@@ -360,6 +364,56 @@ class Plan(StrategyConfig):
     def load(cls, path: str | Path) -> Plan:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
+    def merge(self, other: Plan) -> Plan:
+        """Both plans' actions on one model (``plan_a + plan_b``): per block, the union of what
+        each recomputes, reformulates and encodes, then ``self``'s rules before ``other``'s.
+
+        ``keep`` is no action, so it never conflicts. Everything else that cannot hold together
+        is refused, every such site named in one ``ValueError``: two codecs on one site, one
+        module both recomputed and reformulated, a codec on a site inside a module the other plan
+        recomputes or reformulates (its tensor would never be saved, so the codec would silently
+        do nothing), blocks of different kinds, rules giving one role two codecs, plans of two
+        different models. A merged plan is not solved: it predicts nothing (its bytes are the
+        meter's to measure).
+        """
+        if not isinstance(other, Plan):
+            raise TypeError(f"a Plan merges with a Plan, not {type(other).__name__}")
+        problems: list[str] = []
+        if self.model and other.model and self.model != other.model:
+            problems.append(f"plans of two models: {self.model!r} and {other.model!r}")
+        mine = {lp.block: lp for lp in self.layers}
+        theirs = {lp.block: lp for lp in other.layers}
+        layers = []
+        for block in [*mine, *(b for b in theirs if b not in mine)]:
+            a, b = mine.get(block), theirs.get(block)
+            if a is None or b is None:
+                layers.append(a or b)
+                continue
+            layers.append(_merge_layers(a, b, problems))
+        roles: dict[str, str] = {}
+        for rule in (*self.rules, *other.rules):
+            for role, codec in rule.codecs:
+                if roles.setdefault(role, codec) != codec:
+                    problems.append(
+                        f"the rules give role {role!r} two codecs: {roles[role]} and {codec}"
+                    )
+        if problems:
+            raise ValueError("the plans conflict:\n  " + "\n  ".join(problems))
+        return Plan(
+            model=self.model or other.model,
+            batch=self.batch or other.batch,
+            seq=self.seq or other.seq,
+            dtype=self.dtype or other.dtype,
+            baseline_bytes=max(self.baseline_bytes, other.baseline_bytes),
+            static_bytes=max(self.static_bytes, other.static_bytes),
+            layers=tuple(layers),
+            meta=(("merged", [_plan_name(self), _plan_name(other)]),),
+            rules=(*self.rules, *other.rules),
+        )
+
+    def __add__(self, other: Plan) -> Plan:
+        return self.merge(other)
+
     def table(self) -> str:
         """Per distinct layer plan: its storages' actions; then the predicted totals."""
         groups: dict[tuple, list[LayerPlan]] = {}
@@ -421,6 +475,64 @@ class Plan(StrategyConfig):
                 f"{fmt_bytes(meta['host_budget'])}   link {meta['link_bandwidth'] / 1e9:.1f} GB/s"
             )
         return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# merging (Plan.merge)
+
+
+def _plan_name(plan: Plan) -> str:
+    meta = dict(plan.meta)
+    return str(meta.get("strategy") or meta.get("describes") or plan.budget or "plan")
+
+
+def _merge_layers(a: LayerPlan, b: LayerPlan, problems: list[str]) -> LayerPlan:
+    """One block's two layer plans as one (``Plan.merge``); conflicts appended to ``problems``."""
+    where = a.block or "(outside blocks)"
+    if a.kind != b.kind:
+        problems.append(f"block {where} is a {a.kind} in one plan and a {b.kind} in the other")
+        return a
+    recompute = tuple(dict.fromkeys((*a.recompute, *b.recompute)))
+    reform = tuple(dict.fromkeys((*a.reform, *b.reform)))
+    for path in set(recompute) & set(reform):
+        name = abs_path(path, a.block) or "(the whole block)"
+        problems.append(f"module {name} is recomputed in one plan and reformulated in the other")
+    codec_of: dict[str, str] = {}
+    for lp, rest in ((a, b), (b, a)):
+        for codec, names in lp.codecs:
+            for site in names:
+                full = abs_site(site, a.block)
+                if codec_of.setdefault(site, codec) != codec:
+                    problems.append(f"two codecs on {full}: {codec_of[site]} and {codec}")
+                op = site.rpartition(":")[2].split("#")[0]
+                if op == "checkpoint_input" or op in actions.REFORMULATED_OPS:
+                    continue  # saved by the recomputation / by the reformulated op itself
+                for path, verb in [(p, "recomputes") for p in rest.recompute] + [
+                    (p, "reformulates") for p in rest.reform
+                ]:
+                    if inside(site_module(site), path):
+                        module = abs_path(path, a.block) or "the whole block"
+                        problems.append(
+                            f"codec {codec} on {full}, inside {module}, which the other plan "
+                            f"{verb}: the tensor is never saved there"
+                        )
+    codecs: dict[str, list[str]] = {}
+    for site, codec in codec_of.items():
+        codecs.setdefault(codec, []).append(site)
+    rows: dict[str, tuple[str, str, int, int]] = {}
+    for row in (*a.storages, *b.storages):
+        if row[0] not in rows or rows[row[0]][1] == actions.KEEP:
+            rows[row[0]] = row
+    return LayerPlan(
+        block=a.block,
+        kind=a.kind,
+        recompute=recompute,
+        reform=reform,
+        codecs=tuple((c, tuple(s)) for c, s in codecs.items()),
+        storages=tuple(rows.values()),
+        baseline_bytes=max(a.baseline_bytes, b.baseline_bytes),
+        reform_kinds=tuple(dict.fromkeys((*a.reform_kinds, *b.reform_kinds))),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
