@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -37,6 +38,25 @@ def test_requires_grad_is_part_of_the_key(fresh):
     assert torch.equal(a, x * 2.0 + 1) and torch.equal(b, a)
     keys = [key for key in cr._COMPILED if key[0] is f_good]
     assert len(keys) == 2 and not cr._BROKEN and not cr._EAGER_KEYS
+
+
+class _Mode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_torch_function_modes_are_part_of_the_key(fresh):
+    """Dynamo guards on the types of the active TorchFunctionModes (the site router runs one):
+    a ref called inside and outside such a mode, in many states, compiles each state once and
+    never falls back to eager."""
+    x = torch.randn(1 << 14)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a recompile-limit fallback warns
+        for i in range(12):
+            with _Mode() if i % 2 else contextlib.nullcontext():
+                assert torch.equal(cr.call(f_good, x, k=3.0), x * 3.0 + 1)
+    keys = [key for key in cr._COMPILED if key[0] is f_good]
+    assert len(keys) == 2 and not cr._EAGER_KEYS and not cr._BROKEN
 
 
 def test_a_failure_after_the_compiler_worked_is_that_keys_alone(fresh, monkeypatch):

@@ -11,8 +11,8 @@ outlier channels' sums) through :func:`run`, which decides where compiling pays.
 
 * compiled once per key, lazily at first use, never at import; the key is the function, its
   static arguments (kind, mode, variant) and what dynamo would otherwise recompile for: the
-  tensors' dtypes, ``requires_grad`` and storage layout (contiguous, or a view), grad mode and
-  autocast state (without ``requires_grad`` in it, a codec's saved tensors, some requiring
+  tensors' dtypes, ``requires_grad`` and storage layout (contiguous, or a view), grad mode,
+  autocast state and the active TorchFunctionModes' types (without ``requires_grad`` in it, a codec's saved tensors, some requiring
   grad and some not, made one key recompile past dynamo's limit).
   ``dynamic=True`` (callers pass flat tensors, so one symbolic size serves every shape) with
   ``specialize_int`` (the static arguments, closure cells of the bound function, stay constants:
@@ -42,6 +42,7 @@ from contextlib import contextmanager
 
 import torch
 import torch._dynamo.config as dynamo_config
+from torch.overrides import _get_current_function_mode_stack
 
 MIN_NUMEL = 1 << 14  # below this the eager ref is as fast as a compiled call's dispatch
 
@@ -89,7 +90,10 @@ def _state(tensors: tuple[torch.Tensor | None, ...]) -> tuple:
         for t in tensors
     )
     amp = tuple(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
-    return (layout, torch.is_grad_enabled(), amp)
+    # dynamo also guards on the types of the active TorchFunctionModes (the site router's
+    # op tracker is one: a ref called inside and outside the router is two states)
+    modes = tuple(type(m) for m in _get_current_function_mode_stack())
+    return (layout, torch.is_grad_enabled(), amp, modes)
 
 
 def _key(fn: Callable, tensors: tuple, static: dict) -> tuple:
