@@ -22,6 +22,7 @@ if not torch.cuda.is_available():  # must precede the first kernel build (triton
 
 import slimact  # noqa: E402
 from slimact import compiled as C  # noqa: E402
+from slimact.codecs import base as codec_base  # noqa: E402
 from slimact.codecs.base import (  # noqa: E402
     codec_config,
     codec_label,
@@ -228,6 +229,18 @@ def test_a_codec_outside_a_policy_counts_its_own_encodes():
     a = [c1.encode(x).tensors["codes"] for _ in range(2)]
     b = [c2.encode(x).tensors["codes"] for _ in range(2)]
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and not torch.equal(a[0], a[1])
+
+
+def test_each_rank_draws_its_own_and_rank_0_as_one_process(monkeypatch):
+    """Under torch.distributed the rank is in the seed: ranks' rounding noise is independent,
+    so it averages out in the all-reduce; rank 0 keeps the single-process draws."""
+    alone = site_draw_seed("layers.0.mlp:linear#0", 3)
+    monkeypatch.setattr(codec_base.dist, "is_initialized", lambda: True)
+    seeds = {}
+    for rank in range(3):
+        monkeypatch.setattr(codec_base.dist, "get_rank", lambda r=rank: r)
+        seeds[rank] = site_draw_seed("layers.0.mlp:linear#0", 3)
+    assert seeds[0] == alone and len(set(seeds.values())) == 3
 
 
 def test_deferred_and_checked_outlier_encodes_draw_alike():

@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass
@@ -120,8 +121,13 @@ def check_rounding(cfg: CodecConfig, rounding: str) -> None:
 
 def site_draw_seed(key: str, count: int) -> int:
     """The 62-bit seed of the ``count``-th random encode of ``key`` (a site's name): a hash of
-    both on the host (blake2b), so neighbouring counts give unrelated seeds."""
-    digest = hashlib.blake2b(f"{key}#{count}".encode(), digest_size=8).digest()
+    both on the host (blake2b), so neighbouring counts give unrelated seeds. Under
+    torch.distributed the rank is hashed in too (rank 0 keeps the single-process seeds): ranks
+    encode different data, and draws shared across them would not average out in the gradient
+    all-reduce."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    text = f"{key}#{count}" + (f"@rank{rank}" if rank else "")
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & _SEED_MASK
 
 
