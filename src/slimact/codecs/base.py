@@ -111,7 +111,8 @@ _SEED_MASK = (1 << 62) - 1
 _DRAW_SEED: ContextVar[int | None] = ContextVar("slimact_draw_seed", default=None)
 
 
-def check_rounding(cfg: CodecConfig, rounding: str) -> None:
+def check_rounding(cfg: object, rounding: str) -> None:
+    """The one check of a ``rounding`` field (codec configs, strategy configs, traced codecs)."""
     if rounding not in ROUNDING:
         raise ValueError(
             f"{type(cfg).__name__}.rounding must be one of {ROUNDING} (round to nearest, or "

@@ -97,6 +97,7 @@ import torch.fx
 import torch.nn as nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from slimact.codecs.base import check_rounding
 from slimact.compiled.packing import pack_bits, pack_codes, unpack_bits, unpack_codes
 from slimact.compiled.prac import (
     _SEEDED,
@@ -119,7 +120,6 @@ BITS = (0, 4, 6, 8)
 _ROW_MULTIPLE = {4: 2, 6: 4}  # a row's codes pack into 2 (INT4) or 4 (INT6) contiguous slices
 _SDPA = "scaled_dot_product"
 LAYOUT = "layout"  # a payload coded in memory order: (LAYOUT, inverse permutation, *payload)
-ROUNDING = ("nearest", "stochastic")
 SR_SUFFIX = "-sr"  # resolve_codec("int4-sr"): CODECS["int4"] with stochastic rounding
 
 
@@ -168,11 +168,7 @@ class CompiledCodec:
             raise ValueError(f"CompiledCodec.outliers must be in [0, 1), got {self.outliers!r}")
         if self.prac is not None and not isinstance(self.prac, TracedPrac):
             raise ValueError(f"CompiledCodec.prac must be a TracedPrac or None, got {self.prac!r}")
-        if self.rounding not in ROUNDING:
-            raise ValueError(
-                f"CompiledCodec.rounding must be one of {ROUNDING} (stochastic: unbiased), "
-                f"got {self.rounding!r}"
-            )
+        check_rounding(self, self.rounding)
 
     @property
     def identity(self) -> bool:

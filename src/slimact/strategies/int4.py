@@ -76,7 +76,13 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from slimact.classify import ROLES
-from slimact.codecs.base import CodecConfig, codec_config, codec_label, codec_names
+from slimact.codecs.base import (
+    CodecConfig,
+    check_rounding,
+    codec_config,
+    codec_label,
+    codec_names,
+)
 from slimact.codecs.token import TokenQuantConfig
 from slimact.planner.apply import PlanAssign, install
 from slimact.planner.plan import Plan, SiteRule
@@ -88,7 +94,6 @@ from slimact.registry import (
     resolve,
 )
 
-ROUNDING = ("nearest", "stochastic")
 _SPEC_FIELDS = {"rounding": str, "group_size": int, "threshold": float, "min_numel": int}
 
 
@@ -134,11 +139,7 @@ class Int4Config(StrategyConfig):
         for flag in ("paper_scale", "sdpa_out"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"Int4Config.{flag} must be a bool, got {getattr(self, flag)!r}")
-        if self.rounding not in ROUNDING:
-            raise ValueError(
-                f"Int4Config.rounding must be one of {ROUNDING} (stochastic: unbiased), "
-                f"got {self.rounding!r}"
-            )
+        check_rounding(self, self.rounding)
 
     @property
     def name(self) -> str:
