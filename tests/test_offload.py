@@ -13,6 +13,7 @@ import slimact
 from slimact import actions
 from slimact.codecs.base import get_codec
 from slimact.codecs.offload import engine_for, using_streams
+from slimact.codecs.saving import CodecPolicy
 from slimact.models import build_model
 
 
@@ -348,3 +349,14 @@ def test_memory_reports_host_bytes_beside_device_bytes():
            "timing": {"load_before": 0.0}}  # fmt: skip
     line = next(x for x in memory_lines(res) if x.startswith("saved in host memory"))
     assert "1.00 MiB" in line
+
+
+def test_an_empty_saved_tensor_is_kept_as_is():
+    """``torch.utils.checkpoint`` (torch 2.11) saves a 0-element CPU dummy beside a CUDA block's
+    inputs. The policy keeps an empty tensor as is (there is nothing to code), so the offload
+    codec, which refuses a tensor already in host memory, never sees it: on an H200 the strategy
+    failed on that dummy (torch 2.13 no longer saves it, so a whole step cannot show it here)."""
+    policy = CodecPolicy(lambda site, t: get_codec("offload"))
+    assert policy("layers.0:checkpoint_input#0", torch.empty(0, requires_grad=True)) is None
+    with pytest.raises(ValueError, match="in host memory already"):  # the codec was assigned
+        policy("layers.0:checkpoint_input#1", torch.ones(3))

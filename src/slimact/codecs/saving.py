@@ -360,6 +360,8 @@ class CodecPolicy:
         prefix = site.rpartition("#")[0]
         prev, exact_next = self.__dict__.get("_prev"), self.__dict__.get("_exact_next")
         self._prev = self._exact_next = None  # only back-to-back saves of one op are siblings
+        if t.numel() == 0:  # nothing to code (checkpoint's CPU-side dummy input, say): kept as is
+            return None
         key = self._key(t)
         stored = self._lookup(key)
         if stored is not None:
