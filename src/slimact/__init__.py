@@ -14,6 +14,7 @@ from slimact.strategies import (
     revert,
     strategy_names,
 )
+from slimact.strategies.presets import plan_of
 
 __version__ = "0.1.0"
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "measure",
     "measure_step",
     "model_names",
+    "plan_of",
     "register_strategy",
     "revert",
     "strategy_names",

@@ -7,9 +7,6 @@ a file.
 
 import importlib
 import pkgutil
-from dataclasses import dataclass
-
-import torch.nn as nn
 
 from slimact.registry import (
     AppliedChange,
@@ -24,16 +21,8 @@ from slimact.registry import (
     strategy_names,
     unregister_strategies,
 )
+from slimact.strategies.none import NoneConfig, apply_none
 from slimact.strategies.recompute import RecomputeConfig, apply_recompute, checkpoint_module
-
-
-@dataclass(frozen=True)
-class NoneConfig(StrategyConfig):
-    """The baseline: every site keeps its tensor."""
-
-
-def _apply_none(model: nn.Module, config: NoneConfig, filter_fn=None) -> list[AppliedChange]:
-    return []
 
 
 def _register_all() -> None:
@@ -41,7 +30,7 @@ def _register_all() -> None:
     takes back what this import registered and its own error propagates unchanged."""
     before = set(strategy_names())
     try:
-        register_strategy("none", NoneConfig(), _apply_none, "baseline: keep every saved tensor")
+        register_strategy("none", NoneConfig(), apply_none, "baseline: keep every saved tensor")
         register_strategy(
             "recompute",
             RecomputeConfig(),
@@ -49,7 +38,7 @@ def _register_all() -> None:
             "non-reentrant checkpointing of every block",
         )
         for mod in pkgutil.iter_modules(__path__):
-            if mod.name not in ("registry", "recompute"):
+            if mod.name not in ("registry", "recompute", "none"):
                 importlib.import_module(f"{__name__}.{mod.name}")
         importlib.import_module("slimact.compiled")  # compiled-none/-int8/-int4/...
     except BaseException:

@@ -82,12 +82,12 @@ def apply_plan(model: nn.Module, plan: Plan, filter_fn: FilterFn | None = None):
             f"this Plan describes what strategy {described!r} does (slimact.planner.describe); "
             f"apply the strategy itself: slimact.apply(model, {described!r})"
         )
-    if not plan.layers and not plan.rules:
+    if plan == Plan():  # the registry's default: ``apply(model, "plan")``
         raise ValueError(
             "strategy 'plan' needs a solved Plan: slimact.apply(model, Plan.load(path)) or "
             "slimact.planner.plan_for(...); the bare name carries no plan"
         )
-    if not plan.layers:  # lazy rules only (e.g. Int4Config().plan()): no budget to check
+    if not plan.layers:  # rules only (Int4Config().plan()) or nothing: no budget to check
         return install(model, plan=plan, filter_fn=filter_fn)
     return _checked(model, install(model, plan=plan, filter_fn=filter_fn))
 

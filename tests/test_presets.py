@@ -1,0 +1,108 @@
+"""The fixed-rule strategies as plans (``slimact.plan_of``): applying ``plan_of(model, name)``
+does what applying ``name`` does, with the same saved bytes, the same action per site and
+bit-identical gradients, alone and composed with ``+``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import slimact
+from slimact.models import build_model
+from slimact.planner.apply import runtime_of
+from slimact.planner.plan import Plan
+
+PRESETS = [
+    "none",
+    "recompute",
+    "invact",
+    "invact-act",
+    "chunked-ce",
+    "int4",
+    "int8",
+    "int4-plain",
+    "int4-paper",
+    "int4-naive",
+    "int4@sr",
+    "invact+int4",
+    "recompute+int4",
+    "invact+recompute+chunked-ce",
+    "invact+chunked-ce+int4",  # the runtime's order: reformulate, then codecs (module doc)
+]
+
+
+def _step(model, ids):
+    with slimact.measure(model) as m:
+        loss = model(ids, targets=ids).loss
+    loss.backward()
+    return loss.detach(), m.report
+
+
+@pytest.mark.parametrize("model_name", ["llama-tiny", "gpt2-tiny"])
+@pytest.mark.parametrize("name", PRESETS)
+def test_a_preset_plan_applies_like_its_strategy(name, model_name):
+    torch.manual_seed(0)
+    base = build_model(model_name)
+    plan = slimact.plan_of(base, name)
+    assert isinstance(plan, Plan) and slimact.applied(base) == []  # the model is left as it was
+    ids = torch.randint(
+        0, base.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0)
+    )
+    by_name, by_plan = (slimact.apply(copy.deepcopy(base), s) for s in (name, plan))
+    assert runtime_of(by_plan).plan == plan
+    for _ in range(2):  # the second step runs the codecs' deferred encodes
+        for m in (by_name, by_plan):
+            m.zero_grad(set_to_none=True)
+        (loss_a, rep_a), (loss_b, rep_b) = _step(by_name, ids), _step(by_plan, ids)
+        assert torch.equal(loss_a, loss_b)
+        assert rep_a.total_bytes == rep_b.total_bytes
+        assert {s.site: s.action for s in rep_a.sites} == {s.site: s.action for s in rep_b.sites}
+        for (pname, p), q in zip(by_name.named_parameters(), by_plan.parameters()):
+            assert (p.grad is None) == (q.grad is None), pname
+            assert p.grad is None or torch.equal(p.grad, q.grad), pname
+
+
+def test_plans_say_what_each_preset_does():
+    model = build_model("llama-tiny")
+    assert slimact.plan_of(model, "none").site_actions() == {}
+    assert slimact.plan_of(model, "recompute").site_actions() == {
+        "layers.0:": "recompute",
+        "layers.1:": "recompute",
+    }
+    acts = slimact.plan_of(model, "invact+chunked-ce").site_actions()
+    assert acts["layers.1.mlp.act_fn:"] == "reformulate:inv_silu"
+    assert acts["norm:"] == "reformulate:inv_rms_norm" and acts["lm_head:"] == (
+        "reformulate:chunked_ce"
+    )
+    assert set(slimact.plan_of(model, "invact-act").site_actions()) == {
+        "layers.0.mlp.act_fn:",
+        "layers.1.mlp.act_fn:",
+    }
+    (rule,) = slimact.plan_of(model, "int4").rules
+    assert dict(rule.codecs)["act"] == "int4-outlier-g16"
+    only_first = slimact.plan_of(model, "recompute", filter_fn=lambda m, p: p == "layers.0")
+    assert only_first.site_actions() == {"layers.0:": "recompute"}
+
+
+def test_what_has_no_preset_is_refused_by_name():
+    model = build_model("llama-tiny")
+    with pytest.raises(ValueError, match="'prac' has no preset plan; presets: none, recompute"):
+        slimact.plan_of(model, "prac")
+    with pytest.raises(ValueError, match="chunk_size=256 has no preset"):
+        slimact.plan_of(model, "chunked-ce@256")
+    with pytest.raises(ValueError, match="bf16='exact-near-branch' has no preset"):
+        slimact.plan_of(model, "invact@bf16=exact-near-branch")
+    with pytest.raises(ValueError, match="unknown strategy 'int3'"):
+        slimact.plan_of(model, "int3")
+    slimact.apply(model, "recompute")
+    with pytest.raises(ValueError, match="without slimact changes"):
+        slimact.plan_of(model, "int4")
+
+
+def test_a_conflicting_composition_names_the_site():
+    """``+`` of presets is ``Plan.merge``: two codec rules for one role are refused by role."""
+    model = build_model("llama-tiny")
+    with pytest.raises(ValueError, match="act"):
+        slimact.plan_of(model, "int4") + slimact.plan_of(model, "int8")
