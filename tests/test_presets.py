@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import slimact
+from slimact.budget import BudgetWarning
 from slimact.models import build_model
 from slimact.planner.apply import runtime_of
 from slimact.planner.plan import Plan
@@ -29,7 +30,8 @@ PRESETS = [
     "invact+int4",
     "recompute+int4",
     "invact+recompute+chunked-ce",
-    "invact+chunked-ce+int4",  # the runtime's order: reformulate, then codecs (module doc)
+    "invact+int4+chunked-ce",
+    "int4+chunked-ce",
 ]
 
 
@@ -106,3 +108,29 @@ def test_a_conflicting_composition_names_the_site():
     model = build_model("llama-tiny")
     with pytest.raises(ValueError, match="act"):
         slimact.plan_of(model, "int4") + slimact.plan_of(model, "int8")
+
+
+def test_a_probe_is_not_a_step():
+    """``invact`` and ``chunked-ce`` probe the model on a dummy batch. Applied after a plan, that
+    probe used to run through the plan's codecs (their state moved: ``int4+chunked-ce`` stored
+    other bytes than ``chunked-ce+int4``) and was taken for the first step, whose budget check
+    then judged the dummy batch, leaving the real first step unchecked."""
+    model = build_model("llama-tiny")
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    tiny = Plan(
+        budget="1KiB",
+        budget_bytes=1024,
+        layers=slimact.plan_of(model, "recompute").layers,
+    )
+    slimact.apply(model, tiny)
+    slimact.apply(model, "invact+chunked-ce")  # both probe, after the plan's hooks
+    with pytest.warns(BudgetWarning, match="the first step stored"):
+        model(ids, targets=ids).loss.backward()
+    totals = []
+    for spec in ("int4+chunked-ce", "chunked-ce+int4"):
+        torch.manual_seed(0)
+        m = slimact.apply(build_model("llama-tiny"), spec)
+        with slimact.measure(m) as meter:
+            m(ids, targets=ids).loss.backward()
+        totals.append(meter.report.total_bytes)
+    assert totals[0] == totals[1]

@@ -88,9 +88,29 @@ class _State(threading.local):
     blocks: frozenset[str] = frozenset()  # the tracked model's repeated blocks (block_paths)
     calls: int = 0  # root calls tracked so far on this thread (``call_index``)
     tracked: frozenset[int] = frozenset()  # ids of the tracked model's modules
+    probing: int = 0  # > 0 inside ``probing()``
 
 
 _state = _State()
+
+
+@contextmanager
+def probing() -> Iterator[None]:
+    """Inside, a strategy's probe runs the model on a dummy batch (``slimact.reformulate``), and
+    the call is not a training step: saves skip every policy (kept as they are, so no codec's
+    state, capacity or draw counter moves), listeners still hear them, and the hooks that act
+    once per step (the plan runtime's lazy planning, the first-step budget check and re-plan,
+    compiled-auto's lazy planning) let it pass. Without this, a probe run after such a hook was
+    installed (``apply(m, plan)`` then ``apply(m, "invact")``) was taken for the first step."""
+    _state.probing += 1
+    try:
+        yield
+    finally:
+        _state.probing -= 1
+
+
+def is_probing() -> bool:
+    return _state.probing > 0
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -196,7 +216,7 @@ def _pack(t: torch.Tensor) -> Any:
     op = _state.roles[-1] if _state.roles else (_state.op or "saved")
     site, module = _next_site(op)
     stored: Stored | None = None
-    for policy in reversed(_state.policies):
+    for policy in () if _state.probing else reversed(_state.policies):
         stored = policy(site, t)
         if stored is not None:
             break

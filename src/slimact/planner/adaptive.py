@@ -114,6 +114,7 @@ class BudgetCheck:
         ids, tgt = call_batch(self.model, args, kwargs)
         if (
             self.phase == "done"
+            or sites.is_probing()
             or threading.current_thread().name == PLANNER_THREAD
             or not torch.is_grad_enabled()
             or not isinstance(ids, torch.Tensor)

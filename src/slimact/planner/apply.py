@@ -282,7 +282,7 @@ class PlanRuntime:
         return self._pre(module, args, kwargs)
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if getattr(_tls, "busy", False):
+        if getattr(_tls, "busy", False) or sites.is_probing():
             self._stacks.append(None)
             self._parked.append(False)
             return None

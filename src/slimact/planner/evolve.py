@@ -158,7 +158,7 @@ class PlanEvolver:
         self.rt.observer = self._observe if self._armed else None
 
     def _pre(self, module: nn.Module, args: tuple) -> None:
-        live = self._armed and torch.is_grad_enabled()
+        live = self._armed and torch.is_grad_enabled() and not sites.is_probing()
         if not live or threading.current_thread().name == PLANNER_THREAD:
             self._open.append(None)
             return

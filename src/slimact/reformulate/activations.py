@@ -171,7 +171,7 @@ def _probe(model: nn.Module, paths: list[str]) -> dict[str, list[str]] | None:
     handles = [modules[p].register_forward_hook(hook_for(p)) for p in paths]
     try:
         model.train()
-        with torch.enable_grad(), sites.tracking(model), sites.listening(listen):
+        with torch.enable_grad(), sites.probing(), sites.tracking(model), sites.listening(listen):
             call()
     finally:
         for h in handles:

@@ -45,6 +45,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from slimact import sites
 from slimact.classify import label_arg
 from slimact.ops.chunked_ce import BACKENDS, MODES, chunked_linear_cross_entropy
 from slimact.patching import override_forward, overrides, run_all
@@ -284,7 +285,7 @@ def _probe(model: nn.Module, state: HeadState) -> str:
     pairs = []
     try:
         model.eval()  # no dropout: both runs see the same function
-        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        with torch.random.fork_rng(devices=[]), torch.enable_grad(), sites.probing():
             for scale in scales:
                 with torch.no_grad():
                     weight.copy_(saved * scale)

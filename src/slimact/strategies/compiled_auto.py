@@ -236,7 +236,7 @@ class _LazyPlanner:
         )
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if not (module.training and torch.is_grad_enabled()):
+        if not (module.training and torch.is_grad_enabled()) or sites.is_probing():
             return None
         if self.error is not None:
             raise RuntimeError(
