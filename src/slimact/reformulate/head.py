@@ -294,7 +294,9 @@ def _probe(model: nn.Module, state: HeadState) -> str:
                     state.off = off
                     losses.append(getattr(model(**batch), "loss", None))
                 pairs.append(losses)
-    except Exception as e:  # e.g. an output type the loss cannot be set on
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, RuntimeError) as e:
+        # the model's own failures (e.g. an output type the loss cannot be set on); a bug of
+        # ours (NameError, ImportError, ...) propagates instead of reading as a skipped head
         return f"MISMATCH: {type(e).__name__}: {e}"
     finally:
         state.off = False
