@@ -428,6 +428,8 @@ class Plan(StrategyConfig):
                 lines.append(f"   {path or '(whole block)'}: {actions.RECOMPUTE}")
             for path in lp.reform:
                 lines.append(f"   {path or '(whole block)'}: {lp.reform_action(path)}")
+            if not (lp.storages or lp.baseline_bytes):  # a preset's row: actions, no storages
+                continue
             lines.append(f"   {'storage':<44} {'action':<26} {'bytes':>11} {'planned':>11}")
             for name, action, before, after in lp.storages:
                 lines.append(
@@ -457,6 +459,10 @@ class Plan(StrategyConfig):
         if not self.layers:  # rules alone (int4 ...): nothing solved, nothing predicted
             strategy = dict(self.meta).get("strategy", "")
             return "\n".join([*lines, "", f"lazy rules{f' of {strategy}' if strategy else ''}"])
+        if not (self.baseline_bytes or self.budget_bytes):  # a preset or a merge: not solved
+            strategy = dict(self.meta).get("strategy", "")
+            what = f"the actions of {strategy}" if strategy else "fixed actions"
+            return "\n".join([*lines, "", f"{what}; not solved, nothing predicted"])
         lines += [
             "",
             f"model {self.model}  batch {self.batch} x seq {self.seq}  {self.dtype}",
