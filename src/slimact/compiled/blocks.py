@@ -281,6 +281,15 @@ def compile_block(
     return functools.partial(_compiled_forward, compiled, choice, forward or block.forward)
 
 
+def without_copies(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` (from :func:`compile_block`) with an offload choice's input kept on the device
+    instead of copied to the host: the compiled planner times the option without the link,
+    whose cost it models (``slimact.planner.compiled``). Other choices: ``forward`` as is."""
+    if isinstance(forward, functools.partial) and isinstance(forward.args[0], OffloadedCall):
+        forward.args[0].copies = False
+    return forward
+
+
 def compiled_choice(block: nn.Module) -> BlockChoice | None:
     """The choice ``block``'s installed compiled forward runs under (None: not compiled here)."""
     fwd = block.__dict__.get("forward")
