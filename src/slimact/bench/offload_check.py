@@ -290,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(value, tuple):
             kind = float if name == "budgets" else str
             p.add_argument(flag, type=_tuple(kind), default=value, help="'/'-separated")
-        elif isinstance(value, bool) or value is None:
+        elif isinstance(value, bool):
+            p.add_argument(flag, type=lambda v: v.lower() in ("1", "true", "yes"), default=value)
+        elif value is None:
             conv = float if name == "link_bw" else (int if name == "vocab_size" else str)
             p.add_argument(flag, type=conv, default=value)
         else:
