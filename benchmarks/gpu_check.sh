@@ -68,6 +68,17 @@ timeout "${OFFLOAD_S:-60}" $py -m pytest -q -p no:cacheprovider -m gpu tests/tes
   tests/test_codecs.py -k offload --junitxml="$OUT/offload.xml" 2>&1 | tail -15 | tee -a "$OUT/log"
 echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/log"
 
+# b3: offload under compile=True against the same compiled-auto without offload and eager none
+# (src/slimact/bench/offload_check.py); no file of its own ($OUT brings back 8): its table and
+# its JSON (one line) go to $OUT/log
+log "b3. offload under compile=True: llama-1b bf16 4 x 2048 (none, compiled-auto without and with offload, longest seq at batch 1)"
+timeout "${OFFCOMPILE_S:-150}" $py -m slimact.bench.offload_check --model llama-1b --batch 4 \
+  --seq 2048 --dtype bfloat16 --device cuda --budget 10% --offload-budget 2% \
+  --host-budget 64GiB --budgets 1/0 --codecs none/int8 --rounds 3 --seq-start 4096 \
+  --seq-cap 65536 --point-limit-s 20 --json - 2>&1 \
+  | grep -v -i warn | tail -40 | tee -a "$OUT/log"
+echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/log"
+
 # what is left of the call, less a margin for the process to start and write its last files
 bench_s=$(($(left) - 15))
 log "c. slimact bench gpu, ${bench_s} s"

@@ -63,8 +63,11 @@ def test_offload_is_refused_on_cpu():
         get_codec("offload").encode(torch.randn(4))
 
 
-def test_offload_has_no_compiled_form(fake_streams):
-    with using_streams(fake_streams), pytest.raises(ValueError, match="no compiled form"):
+def test_offload_under_compile_is_compiled_offload():
+    from slimact.registry import compiled_spec
+
+    assert compiled_spec("offload") == "compiled-offload"  # tests/test_compiled_offload.py
+    with pytest.raises(ValueError, match="in host memory already"):
         slimact.apply(build_model("llama-tiny"), "offload", compile=True)
 
 

@@ -257,6 +257,7 @@ COMPILED_FORMS = {
     "recompute": "compiled-recompute",  # compile's partitioner at region budget 0
     "prac": "compiled-prac",  # traced PRAC: the basis from every step's X (no state in a hook)
     "auto": "compiled-auto",  # the compiled planner: region budgets x traced codecs per block
+    "offload": "compiled-offload",  # block inputs in host memory, an eager wrapper per block
 }
 COMPILE_SAFE = frozenset({"invact", "invact-act", "chunked-ce", "cola"})
 

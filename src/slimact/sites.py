@@ -238,8 +238,9 @@ def _unpack(obj: Any) -> torch.Tensor:
     return obj.stored.unpack() if isinstance(obj, _Unpacker) else obj
 
 
-def hold(t: torch.Tensor, role: str) -> None:
-    """Report a tensor a strategy keeps alive for backward outside autograd's saved tensors.
+def hold(t: torch.Tensor, role: str, host: list[torch.Tensor] | None = None) -> None:
+    """Report a tensor a strategy keeps alive for backward outside autograd's saved tensors;
+    ``host``: it is kept in host memory instead, as these tensors (offload), not on its device.
 
     Under ``torch.compile`` nothing is reported: the compiled graph's own saves (which include
     what a checkpoint keeps) reach the router as saved tensors of the graph."""
@@ -251,7 +252,10 @@ def hold(t: torch.Tensor, role: str) -> None:
     ):
         return
     site, module = _next_site(role)
-    event = SavedEvent(site, module, role, t, [t], actions.KEEP)  # kept as is, outside autograd
+    if host is not None:
+        event = SavedEvent(site, module, role, t, [], actions.OFFLOAD, list(host))
+    else:
+        event = SavedEvent(site, module, role, t, [t], actions.KEEP)  # kept as is, outside autograd
     for listener in list(_state.listeners):
         listener(event)
 

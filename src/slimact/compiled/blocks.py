@@ -12,7 +12,10 @@ A compiled block has two knobs, one per action it can take on what it saves (a
   (``torch.autograd.graph.region_activation_memory_budget``) would do the same but rejects
   graphs with dropout (inductor's RNG seeds op falls outside the region);
 * **codec**: a traced codec (``slimact.compiled.codec``) applied to what the partition still
-  saves, inlined into the compiled graphs.
+  saves, inlined into the compiled graphs;
+* **offload** (with budget 0 and no codec): the block keeps nothing but its input, and that
+  input in pinned host memory, by an eager wrapper around the compiled call
+  (``slimact.compiled.offload``; CUDA, or CPU with the streams stubbed in tests).
 
 The two compose: the partitioner first decides what to keep, the pack hook then encodes each
 kept tensor, so ``BlockChoice(0.25, "int8")`` keeps about a quarter of the block's tensors, each
@@ -57,6 +60,7 @@ from torch.profiler import ProfilerActivity, profile
 from slimact import actions, sites
 from slimact.compiled.codec import codec_hooks, codec_names
 from slimact.compiled.devices import check_device
+from slimact.compiled.offload import OffloadedCall
 from slimact.patching import NotCopyable
 from slimact.registry import AppliedChange, FilterFn
 
@@ -66,10 +70,13 @@ class BlockChoice:
     """``budget`` in [0, 1]: compile's activation-memory budget for the block's region (1.0:
     compile's default partition); ``codec``: a traced codec name of ``slimact.compiled.CODECS``
     (``none``: store what is kept as it is), ``-sr`` appended for stochastic rounding
-    (``int4-sr``: ``slimact.compiled.codec.resolve_codec``)."""
+    (``int4-sr``: ``slimact.compiled.codec.resolve_codec``); ``offload``: the block's input
+    kept in pinned host memory and everything else recomputed (budget 0, codec ``none`` only:
+    ``slimact.compiled.offload``)."""
 
     budget: float = 1.0
     codec: str = "none"
+    offload: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
@@ -81,6 +88,15 @@ class BlockChoice:
             raise ValueError(
                 f"BlockChoice.codec must be one of {', '.join(codec_names())}, got {self.codec!r}"
             )
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"BlockChoice.offload must be a bool, got {self.offload!r}")
+        if self.offload and (self.budget != 0.0 or self.codec != "none"):
+            raise ValueError(
+                f"BlockChoice(offload=True) keeps only the block's input (in host memory) and "
+                f"recomputes the rest: it takes budget 0 and codec 'none', not budget "
+                f"{self.budget:g} with codec {self.codec!r}; valid: BlockChoice(0, 'none', "
+                "offload=True), or BlockChoice(budget, codec) without offload"
+            )
 
     @property
     def label(self) -> str:
@@ -89,10 +105,19 @@ class BlockChoice:
         parts = [f"{actions.RECOMPUTE}/budget={self.budget:g}"] if self.budget < 1.0 else []
         if self.codec != "none":
             parts.append(actions.codec(f"compiled-{self.codec}"))
+        if self.offload:
+            parts.append(actions.OFFLOAD)
         return "+".join(parts) or actions.KEEP
 
     def to_dict(self) -> dict[str, Any]:
-        return {"budget": self.budget, "codec": self.codec}
+        d: dict[str, Any] = {"budget": self.budget, "codec": self.codec}
+        if self.offload:  # (absent: older plans and profiles read back as they were)
+            d["offload"] = True
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BlockChoice:
+        return cls(d["budget"], d["codec"], bool(d.get("offload", False)))
 
 
 class CompileFallbackWarning(UserWarning):
@@ -160,6 +185,18 @@ def _compiled_forward(
     **kwargs: Any,
 ) -> Any:
     check_device(choice.codec, _device_types(args, kwargs))
+    if isinstance(compiled, OffloadedCall):  # its compiled calls come back through _run_compiled
+        return compiled(forward, args, kwargs)
+    return _run_compiled(compiled, choice, forward, *args, **kwargs)
+
+
+def _run_compiled(
+    compiled: Callable[..., Any],
+    choice: BlockChoice,
+    forward: Callable[..., Any],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
     with (
         codec_hooks(choice.codec),
         functorch_config.patch(activation_memory_budget=choice.budget),
@@ -231,8 +268,26 @@ def compile_block(
     # lengths reuse that graph (the codecs' shape rules hold for symbolic sizes)
     kw.setdefault("dynamic", None)
     kw.setdefault("backend", os.environ.get(BACKEND_VARIABLE) or "inductor")
+    if choice.offload:
+        # the replay in backward consumes its saves at once: compile's default partition
+        # (budget 1), whose code object compiled-none blocks of this class share
+        inner = BlockChoice()
+        fn = torch.compile(_block_fn(inner.budget, inner.codec, type(block)), **kw)
+        run = functools.partial(_run_compiled, fn, inner)
+        return functools.partial(
+            _compiled_forward, OffloadedCall(run, block), choice, forward or block.forward
+        )
     compiled = torch.compile(_block_fn(choice.budget, choice.codec, type(block)), **kw)
     return functools.partial(_compiled_forward, compiled, choice, forward or block.forward)
+
+
+def without_copies(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` (from :func:`compile_block`) with an offload choice's input kept on the device
+    instead of copied to the host: the compiled planner times the option without the link,
+    whose cost it models (``slimact.planner.compiled``). Other choices: ``forward`` as is."""
+    if isinstance(forward, functools.partial) and isinstance(forward.args[0], OffloadedCall):
+        forward.args[0].copies = False
+    return forward
 
 
 def compiled_choice(block: nn.Module) -> BlockChoice | None:

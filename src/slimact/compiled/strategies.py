@@ -4,6 +4,9 @@ compile's region budget (``compiled-int8@0.25``); the quantizing ones also take 
 ``rounding=stochastic``) for stochastic rounding (``compiled-int4@sr``, ``compiled-int8@0.25,sr``;
 ``int4@sr`` under ``compile=True``), their codec then ``int4-sr`` (``compiled.codec``).
 
+``compiled-offload`` (``offload`` under ``compile=True``): every block keeps only its input, in
+pinned host memory (``slimact.compiled.offload``; CUDA only, refused on a CPU model).
+
 One :class:`~slimact.compiled.blocks.BlockChoice` for every block; ``compiled-auto@<budget>``
 (``slimact.planner.compiled``) picks one per block instead.
 """
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from slimact.codecs.offload import check_device
 from slimact.compiled.blocks import BlockChoice, compile_blocks_with
 from slimact.compiled.codec import SR_SUFFIX, resolve_codec
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
@@ -28,6 +32,7 @@ class CompiledCodecConfig(StrategyConfig):
 
     codec: str = "int8"
     budget: float = 1.0
+    offload: bool = False
 
     def __post_init__(self) -> None:
         resolve_codec(self.codec)
@@ -44,6 +49,8 @@ class CompiledCodecConfig(StrategyConfig):
         """The spec that reads this config back (``compiled-int8@0.25,sr``): the registered
         name of its codec (``compiled-recompute`` for no codec at budget 0), then the budget
         where it is not that name's default, and ``sr`` for stochastic rounding."""
+        if self.offload:
+            return f"{PREFIX}offload"
         base = self.codec.removesuffix(SR_SUFFIX)
         recompute = base == "none" and self.budget == 0.0
         args = [] if recompute or self.budget == 1.0 else [f"{self.budget:g}"]
@@ -54,13 +61,21 @@ class CompiledCodecConfig(StrategyConfig):
 
     @property
     def choice(self) -> BlockChoice:
-        return BlockChoice(self.budget, self.codec)
+        return BlockChoice(self.budget, self.codec, self.offload)
 
     @classmethod
     def from_spec(cls, spec: str) -> CompiledCodecConfig:
         """``compiled-int8@0.25`` -> codec ``int8`` under region budget 0.25;
         ``compiled-int4@sr`` (or ``@rounding=stochastic``, ``@0.25,sr``) -> codec ``int4-sr``."""
         name, _, arg = spec.partition("@")
+        if name == f"{PREFIX}offload":
+            if arg.strip():
+                raise ValueError(
+                    f"{spec!r}: compiled-offload takes no arguments (every block keeps only its "
+                    "input, in host memory); for a mix of offload and other choices use "
+                    "'compiled-auto@<budget>,host_budget=<bytes>'"
+                )
+            return cls("none", 0.0, offload=True)
         codec = "none" if name == f"{PREFIX}recompute" else name.removeprefix(PREFIX)
         budget = 0.0 if name == f"{PREFIX}recompute" else 1.0
         for item in filter(None, (part.strip() for part in arg.split(","))):
@@ -83,6 +98,10 @@ class CompiledCodecConfig(StrategyConfig):
 def apply_compiled_codec(
     model: nn.Module, config: CompiledCodecConfig, filter_fn: FilterFn | None = None
 ) -> list[AppliedChange]:
+    if config.offload:
+        for t in (*model.parameters(), *model.buffers()):
+            check_device(t.device)  # one line: a CPU model's tensors are in host memory already
+            break
     return compile_blocks_with(model, config.choice, filter_fn)
 
 
@@ -135,4 +154,11 @@ register_strategy(
     CompiledCodecConfig("none", 0.0),
     apply_compiled_codec,
     "torch.compile per block with region budget 0: compile recomputes all but block inputs",
+)
+register_strategy(
+    "compiled-offload",
+    CompiledCodecConfig("none", 0.0, offload=True),
+    apply_compiled_codec,
+    "torch.compile per block, each block's input offloaded to pinned host memory by an eager "
+    "wrapper, the rest recomputed in backward (CUDA only)",
 )

@@ -43,6 +43,16 @@ is a feasible point, so the solution is never slower than the best single option
 ``activation_memory_budget`` is the column ``c = none``; its partition is one of the options,
 not a competitor.
 
+Offload (``host_budget`` given, CUDA only): one more option per kind, ``o_off`` =
+``BlockChoice(0, "none", offload=True)`` (``slimact.compiled.offload``): the block keeps nothing
+on the device, its input ``B`` bytes in pinned host memory. It is measured as the others with the
+copies left out (bytes 0, seconds, error), plus its forward time ``T_f`` (the compiled block
+without grad, what the wrapper runs in forward); the link is charged at solve time with
+``slimact.planner.offload``'s stall model, ``time(o_off) = seconds + stall(B / bw, T_f)`` (one
+input per block, so the stall is a constant per block), and the host bytes take one row,
+``sum_k n_k,off * B_k <= host_budget``. The profile does not depend on the link, so one profile
+serves any bandwidth and host budget.
+
 Budgets are ``slimact.budget.Budget``: a share of the eager model's activation bytes (the
 meter's count), or device memory with parameters, gradients and AdamW states included. After the plan is installed, :func:`verify` measures the whole model;
 ``CompiledAutoConfig`` (``compiled-auto@25%``) re-solves with the overshoot taken off the budget
@@ -67,7 +77,12 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from slimact import sites
 from slimact.budget import Budget, BudgetWarning
-from slimact.compiled.blocks import BlockChoice, compile_block, compiled_saved_tensors
+from slimact.compiled.blocks import (
+    BlockChoice,
+    compile_block,
+    compiled_saved_tensors,
+    without_copies,
+)
 from slimact.compiled.devices import usable_codecs
 from slimact.gradcheck import grad_error
 from slimact.meter import MemoryReport, measure
@@ -78,6 +93,7 @@ from slimact.planner.compiled_root import (
     model_loss,
     profile_root,
 )
+from slimact.planner.offload import OffloadOption, stall_s
 from slimact.planner.profile import _warn_uncached, cache_path, profile_key, static_memory
 from slimact.planner.profiler import kind_signature
 from slimact.timing import interleaved, load_average
@@ -96,6 +112,7 @@ MAX_GRAD_ERR = 2e-3  # as auto's: 1 - cos of any parameter's (or the input's) bl
 # options' measured times are medians of interleaved rounds, ~1-3% apart run to run)
 TIME_TOLERANCE = 0.01
 EXACT_ERR = 1e-9  # 1 - cos at or below this is rounding (exact options measure ~5e-13)
+OFFLOAD_CHOICE = BlockChoice(0.0, "none", offload=True)  # the offload option (module docstring)
 
 
 @dataclass
@@ -106,15 +123,29 @@ class OptionStat:
     bytes: int
     seconds: float
     grad_err: float = 0.0  # max over input and parameters of 1 - cos vs the eager block's
+    host_bytes: int = 0  # offload: the input's bytes in host memory (``bytes``: the device's)
+    forward_s: float = 0.0  # offload: the block's forward seconds, the window its copy hides in
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.choice.to_dict(), "bytes": self.bytes, "seconds": self.seconds,
-                "grad_err": self.grad_err}  # fmt: skip
+        d = {**self.choice.to_dict(), "bytes": self.bytes, "seconds": self.seconds,
+             "grad_err": self.grad_err}  # fmt: skip
+        if self.choice.offload:
+            d.update(host_bytes=self.host_bytes, forward_s=self.forward_s)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> OptionStat:
-        choice = BlockChoice(d["budget"], d["codec"])
-        return cls(choice, int(d["bytes"]), float(d["seconds"]), float(d.get("grad_err", 0.0)))
+        return cls(
+            BlockChoice.from_dict(d), int(d["bytes"]), float(d["seconds"]),
+            float(d.get("grad_err", 0.0)), int(d.get("host_bytes", 0)),
+            float(d.get("forward_s", 0.0)),
+        )  # fmt: skip
+
+    def seconds_with(self, offload: OffloadOption | None) -> float:
+        """fwd+bwd seconds, the link's stall added for the offload option (module docstring)."""
+        if not self.choice.offload or offload is None:
+            return self.seconds
+        return self.seconds + stall_s(offload.copy_s(self.host_bytes), self.forward_s)
 
 
 @dataclass
@@ -212,9 +243,11 @@ class CompiledPlan:
         root = self.root.label if self.root is not None else "keep"
         kept = self.measured_bytes if self.measured_bytes is not None else self.predicted_bytes
         word = "keeps" if self.measured_bytes is not None else "predicted to keep"
+        host = self.meta.get("measured_host_bytes", self.meta.get("host_bytes", 0))
         return (
             f"blocks {blocks}; root {root}; {word} {fmt_bytes(kept)} of "
             f"{fmt_bytes(self.allowed_bytes)} allowed"
+            + (f", {fmt_bytes(host)} offloaded to host memory" if host else "")
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -231,7 +264,7 @@ class CompiledPlan:
     def from_dict(cls, d: dict[str, Any]) -> CompiledPlan:
         """Inverse of :meth:`to_dict` (``rows`` is derived and ignored)."""
         return cls(
-            choices={p: BlockChoice(c["budget"], c["codec"]) for p, c in d["choices"].items()},
+            choices={p: BlockChoice.from_dict(c) for p, c in d["choices"].items()},
             budget=str(d["budget"]),
             allowed_bytes=int(d["allowed_bytes"]),
             predicted_bytes=int(d["predicted_bytes"]),
@@ -293,6 +326,10 @@ class _BlockRun:
             self.forward()
         return _unique_bytes(stored, set(self.skip))
 
+    def forward_no_grad(self) -> None:
+        with torch.no_grad():
+            self.fwd(self.x, *self.args[1:], **self.kwargs)
+
     def step(self, upstream: torch.Tensor | None = None) -> list[torch.Tensor | None]:
         """fwd + bwd; the gradients of the input and the parameters (``upstream``: dL/d out)."""
         out = self.forward()
@@ -311,9 +348,11 @@ def profile_compiled(
     progress: Callable[[str], None] | None = None,
     root_codecs: Sequence[str] = ROOT_CODECS,
     root_reform: bool = True,
+    offload: bool = False,
 ) -> CompiledProfile:
-    """Measure every option of the grid on one block of each kind (module docstring); the
-    model is not changed (options run on copies of its blocks; the RNG state is restored)."""
+    """Measure every option of the grid on one block of each kind (module docstring), and the
+    offload option if ``offload``; the model is not changed (options run on copies of its
+    blocks; the RNG state is restored)."""
     t0, load0 = time.perf_counter(), load_average()
     mods = dict(model.named_modules())
     kinds: dict[str, list[str]] = {}
@@ -323,6 +362,8 @@ def profile_compiled(
         raise ValueError(f"{type(model).__name__} has no repeated blocks to compile")
     codecs = usable_codecs(codecs, ids.device.type)  # lossy traced codecs: not on CUDA
     choices = [BlockChoice(b, c) for b in budgets for c in codecs]
+    if offload:
+        choices.append(OFFLOAD_CHOICE)
     with torch.random.fork_rng(devices=[]):
         probes = {k: list(dict.fromkeys((ps[0], ps[-1]))) for k, ps in kinds.items()}
         inputs = capture_inputs(model, ids, targets, [p for ps in probes.values() for p in ps])
@@ -345,16 +386,23 @@ def profile_compiled(
                     if progress:
                         progress(f"compiling {path} under {ch.label}")
                     blk = copy.deepcopy(mods[path])
-                    run = _BlockRun(compile_block(blk, ch), blk, a, kw)
+                    run = _BlockRun(without_copies(compile_block(blk, ch)), blk, a, kw)
                     errs[ch] = max(errs[ch], grad_error(run.step(upstream), ref))  # (compiles)
                     runs.setdefault(ch, run)  # bytes and time: on the first block
             stats = {ch: r.saved_bytes() for ch, r in runs.items()}
+            fns = {ch.label: r.step for ch, r in runs.items()}
+            if offload:  # the offload wrapper's forward: the compiled block without grad
+                fns[FORWARD] = runs[OFFLOAD_CHOICE].forward_no_grad
             timing = interleaved(  # 21 options a round: the reversed rounds cancel drift
-                {ch.label: r.step for ch, r in runs.items()}, rounds, warmup=1, alternate=True
+                fns, rounds, warmup=1, alternate=True
             )
             ref = choices[0].label  # seconds: per-round ratios to it (load cancels) x its median
             secs = {c: timing.median_s(ref) * timing.ratio(c.label, ref).median for c in choices}
             options[kind] = [OptionStat(c, stats[c], secs[c], errs[c]) for c in choices]
+            if offload:
+                off = options[kind][-1]
+                off.host_bytes = runs[OFFLOAD_CHOICE].x.untyped_storage().nbytes()
+                off.forward_s = timing.median_s(ref) * timing.ratio(FORWARD, ref).median
         root_bytes = base.total_bytes - sum(eager[k] * len(ps) for k, ps in kinds.items())
         if progress:
             progress("measuring the root's options")
@@ -372,6 +420,7 @@ def profile_compiled(
     )
 
 
+FORWARD = "forward (no grad)"  # the timing key of the offload option's forward window
 COMPILED_PROFILE_FORMAT = 1  # bumped when what a compiled profile records changes
 
 
@@ -437,6 +486,7 @@ def solve_compiled(
     budget: Budget | str | int,
     max_grad_err: float | None = MAX_GRAD_ERR,
     time_tolerance: float = TIME_TOLERANCE,
+    offload: OffloadOption | None = None,
 ) -> CompiledPlan:
     """The fastest choice per block, and for the eager root, whose predicted bytes fit
     ``budget`` (module docstring), among the options whose measured gradient error is at most
@@ -444,24 +494,29 @@ def solve_compiled(
     seconds, the one with the fewest bytes that takes no option with a larger gradient error
     than the fastest plan's worst (options equally fast within measurement noise can differ
     much in bytes, e.g. compile budget 0.7 against 1.0 with the same codec; an exact plan
-    stays exact)."""
+    stays exact). ``offload`` admits the profile's offload option, its stall charged by the
+    link's bandwidth and its host bytes capped by the host budget (module docstring)."""
     if not time_tolerance >= 0:
         raise ValueError(f"time_tolerance must be >= 0, got {time_tolerance!r}")
     budget = Budget.parse(budget)
     allowed = _allowed(profile, budget)
     ok = lambda s: max_grad_err is None or s.grad_err <= max_grad_err  # noqa: E731
-    var = [(k, s) for k, stats in profile.options.items() for s in stats if ok(s)]
+    admit = lambda s: ok(s) and (offload is not None or not s.choice.offload)  # noqa: E731
+    var = [(k, s) for k, stats in profile.options.items() for s in stats if admit(s)]
     roots = [r for r in profile.roots() if ok(r)]
     kinds = list(profile.options)
     nv, nr = len(var), len(roots)
-    cost = np.array([s.seconds for _, s in var] + [r.seconds for r in roots])
+    cost = np.array([s.seconds_with(offload) for _, s in var] + [r.seconds for r in roots])
     size = np.array([float(s.bytes) for _, s in var] + [float(r.bytes) for r in roots])
+    host = np.array([float(s.host_bytes) for _, s in var] + [0.0] * nr)
     counts = np.zeros((len(kinds) + 1, nv + nr))  # blocks per kind; one root option
     for j, (k, _) in enumerate(var):
         counts[kinds.index(k), j] = 1.0
     counts[-1, nv:] = 1.0
     n = np.array([float(len(profile.blocks[k])) for k in kinds] + [1.0])
     cons = [LinearConstraint(counts, n, n), LinearConstraint(size[None, :], -np.inf, allowed)]
+    if offload is not None and host.any():
+        cons.append(LinearConstraint(host[None, :], -np.inf, offload.host_budget))
     bounds, integral = Bounds(0, n.max()), np.ones(nv + nr)
     res = milp(cost, constraints=cons, integrality=integral, bounds=bounds)
     if res.x is not None and time_tolerance > 0:
@@ -495,14 +550,19 @@ def solve_compiled(
         ordered = sorted(picks[k], key=lambda s: (s.bytes, s.seconds))
         choices.update({p: s.choice for p, s in zip(profile.blocks[k], ordered)})
     flat = [s for k in kinds for s in picks[k]]
+    meta: dict[str, Any] = {"profile_time_s": round(profile.profile_time_s, 2),
+                            "solver": "scipy HiGHS"}  # fmt: skip
+    if offload is not None:
+        meta.update(host_bytes=int(sum(s.host_bytes for s in flat)),
+                    host_budget=offload.host_budget, link_bandwidth=offload.bandwidth)  # fmt: skip
     return CompiledPlan(
         choices={p: choices[p] for ps in profile.blocks.values() for p in ps},
         budget=str(budget),
         allowed_bytes=int(allowed),
         predicted_bytes=int(root.bytes + sum(s.bytes for s in flat)),
-        predicted_seconds=float(root.seconds + sum(s.seconds for s in flat)),
+        predicted_seconds=float(root.seconds + sum(s.seconds_with(offload) for s in flat)),
         baseline_bytes=profile.baseline_bytes,
-        meta={"profile_time_s": round(profile.profile_time_s, 2), "solver": "scipy HiGHS"},
+        meta=meta,
         root=None if root.keeps else root,
     )
 
@@ -517,8 +577,11 @@ def metered_bytes(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) ->
 def verify(plan: CompiledPlan, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> int:
     """Measure the installed plan: the meter's bytes of one forward of the whole model."""
     with torch.random.fork_rng(devices=[]):
-        live = metered_bytes(model, ids, targets).total_bytes
+        report = metered_bytes(model, ids, targets)
+    live = report.total_bytes
     plan.measured_bytes = int(live)
+    if report.host_bytes or "host_bytes" in plan.meta:
+        plan.meta["measured_host_bytes"] = int(report.host_bytes)
     if live > plan.allowed_bytes:
         warnings.warn(
             f"compiled plan for budget {plan.budget} keeps {fmt_bytes(live)}, "

@@ -12,7 +12,10 @@ random tokens of that shape. The solved plan is ``slimact.state_of(model).compil
 ``slimact.apply(model, "auto@25%", compile=True)`` is this strategy (see ``registry``).
 Specs: ``compiled-auto@25%``, ``compiled-auto@25%,codecs=none/int8,budgets=1/0.5/0,rounds=3``,
 ``compiled-auto@10%,max_grad_err=none`` (admit every option, traced INT4 included),
-``compiled-auto@25%,time_tolerance=0`` (the fastest plan, not the leanest as fast within 1%).
+``compiled-auto@25%,time_tolerance=0`` (the fastest plan, not the leanest as fast within 1%),
+``compiled-auto@10%,host_budget=8GiB`` (offload admitted: a block may keep only its input, in
+pinned host memory; CUDA only, the link's bandwidth measured once, ``link_bw=<bytes/s>`` to
+give it instead).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch.nn as nn
 from slimact import sites
 from slimact.budget import Budget
 from slimact.classify import call_batch
+from slimact.codecs.offload import check_device
 from slimact.compiled.blocks import compile_blocks_with
 from slimact.compiled.codec import CODECS as TRACED_CODECS
 from slimact.hf_inputs import random_token_batch, refuse_unless_token_ids
@@ -43,6 +47,7 @@ from slimact.planner.compiled import (
     verify,
 )
 from slimact.planner.compiled_root import install_root
+from slimact.planner.offload import OffloadOption, link_bandwidth, parse_host_budget
 from slimact.registry import (
     AppliedChange,
     FilterFn,
@@ -65,7 +70,9 @@ class CompiledAutoConfig(StrategyConfig):
     ``batch``/``seq``: plan at apply time on random tokens of that shape (else on the first
     training forward); ``cache``: the profile's JSON cache directory ('' = ~/.cache/slimact,
     as ``auto``'s; None = no cache), so that a run planned again on the same model, weights
-    and batch shape solves the same profile and takes the same plan."""
+    and batch shape solves the same profile and takes the same plan; ``host_budget``: bytes of
+    pinned host memory offload may use ('8GiB'; None: no offload option), ``link_bw``: the host
+    link's bandwidth in bytes/s (None: measured on the device)."""
 
     budget: Budget | str | int | None = None
     budgets: tuple[float, ...] = BUDGETS
@@ -77,6 +84,8 @@ class CompiledAutoConfig(StrategyConfig):
     seq: int | None = None
     seed: int = 0
     cache: str | None = ""
+    host_budget: str | int | None = None
+    link_bw: float | None = None
     compile_kwargs: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -94,6 +103,9 @@ class CompiledAutoConfig(StrategyConfig):
             raise ValueError(f"time_tolerance must be a number >= 0, got {self.time_tolerance!r}")
         if not isinstance(self.rounds, int) or self.rounds < 1:
             raise ValueError(f"rounds must be an int >= 1, got {self.rounds!r}")
+        parse_host_budget(self.host_budget)  # a share or a typo: refused here, in one line
+        if self.link_bw is not None and not self.link_bw > 0:
+            raise ValueError(f"link_bw must be bytes/s > 0, got {self.link_bw!r}")
         if (self.batch is None) != (self.seq is None):
             raise ValueError("give both batch and seq (plan at apply time) or neither")
 
@@ -118,10 +130,14 @@ class CompiledAutoConfig(StrategyConfig):
                 kw["time_tolerance"] = float(value)
             elif key == "cache":
                 kw["cache"] = None if value.lower() == "none" else value
+            elif key == "host_budget":
+                kw["host_budget"] = value
+            elif key == "link_bw":
+                kw["link_bw"] = float(value)
             else:
                 raise ValueError(
                     f"{spec!r}: unknown option {key!r}; valid: codecs, budgets, rounds, "
-                    "max_grad_err, time_tolerance, cache"
+                    "max_grad_err, time_tolerance, cache, host_budget, link_bw"
                 )
         return cls(budget=budget or None, **kw)
 
@@ -141,11 +157,15 @@ def plan_compiled(
             "compiled-auto plans a model that carries no other slimact plan (one plan runtime "
             "per model: it plans the root's codec too); slimact.revert(model) first"
         )
+    offload = offload_option(config, ids.device)
     if profile is None:
         profile = cached_compiled_profile(
-            model, ids, targets, config.budgets, config.codecs, config.rounds, config.cache
-        )
-    plan = solve_compiled(profile, config.budget, config.max_grad_err, config.time_tolerance)
+            model, ids, targets, config.budgets, config.codecs, config.rounds, config.cache,
+            **({"offload": True} if offload is not None else {}),
+        )  # fmt: skip
+    plan = solve_compiled(
+        profile, config.budget, config.max_grad_err, config.time_tolerance, offload
+    )
     changes = _install(model, plan, config)
     try:
         measured = verify(plan, model, ids, targets)
@@ -156,7 +176,7 @@ def plan_compiled(
             retry = solve_compiled(profile, f"{tighter + profile.static_bytes}B"
                                    if not config.budget.relative else
                                    f"{100 * tighter / profile.baseline_bytes:.6f}%",
-                                   config.max_grad_err)  # fmt: skip
+                                   config.max_grad_err, offload=offload)  # fmt: skip
             retry.budget, retry.allowed_bytes = plan.budget, plan.allowed_bytes
             retry.meta["resolved_for"] = tighter
             changes, plan = _install(model, retry, config), retry
@@ -167,6 +187,16 @@ def plan_compiled(
     plan.meta["profile"] = profile_summary(profile)
     state_of(model).compiled_plan = plan
     return changes
+
+
+def offload_option(config: CompiledAutoConfig, device: torch.device) -> OffloadOption | None:
+    """The offload option of ``config`` on ``device`` (None without a host budget); a host
+    budget where offload cannot run (a CPU) is refused in one line."""
+    total = parse_host_budget(config.host_budget)
+    if total is None:
+        return None
+    check_device(device)
+    return OffloadOption(config.link_bw or link_bandwidth(device), total)
 
 
 def install_plan(model: nn.Module, plan: CompiledPlan) -> list[AppliedChange]:
@@ -300,6 +330,10 @@ def apply_compiled_auto(
     if filter_fn is not None:
         raise ValueError("strategy 'compiled-auto' plans every block; filter_fn is not supported")
     refuse_unless_token_ids(model, "compiled-auto", "its planner profiles blocks on token ids")
+    if config.host_budget is not None:  # refused at apply, not at the first training forward
+        for t in (*model.parameters(), *model.buffers()):
+            check_device(t.device)
+            break
     lazy = _LazyPlanner(model, config)
     if config.batch is not None:
         ids, targets = random_token_batch(
