@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from slimact.bench.offload_check import OffloadCheckConfig, main, run, table
 from slimact.codecs.offload import using_streams
 
@@ -42,11 +44,12 @@ def test_offload_check_on_llama_tiny(fake_streams, tmp_path):
 
 def test_offload_check_command_line(tmp_path, monkeypatch):
     """A CPU run without stubbed streams is refused in one line (the link is measured on
-    CUDA); with ``--link-bw`` the host budget is (offload needs CUDA)."""
-    import pytest
-
+    CUDA); with ``--link-bw`` the host budget is (offload needs CUDA). ``--cache none`` is no
+    cache, not a folder named ``none``."""
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="CUDA device"):
         main(["--model", "llama-tiny", "--device", "cpu", "--dtype", "float32"])
     with pytest.raises(ValueError, match="in host memory already"):
         main(["--model", "llama-tiny", "--device", "cpu", "--dtype", "float32",
               "--link-bw", "1e10", "--cache", "none", "--rounds", "1", "--budgets", "0"])  # fmt: skip
+    assert list(tmp_path.iterdir()) == []

@@ -81,7 +81,7 @@ class OffloadCheckConfig:
         "offload", "plan", "anchor:compile-block@0", "anchor:torch-checkpoint",
     )  # fmt: skip
     point_limit_s: float = 60.0
-    cache: str | None = ""
+    cache: str | None = ""  # the profile cache ('' = ~/.cache/slimact; None or 'none': none)
     root_options: bool = True  # the root's codecs and reformulations among the plans' options
     seed: int = 0
 
@@ -299,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument(flag, type=type(value), default=value)
     p.add_argument("--json", default=None, help="write the result JSON here ('-': stdout)")
     args = vars(p.parse_args(argv))
+    if isinstance(args["cache"], str) and args["cache"].lower() == "none":
+        args["cache"] = None  # no profile cache (as compiled-auto's ``cache=none``)
     path = args.pop("json")
     out = run(OffloadCheckConfig(**args))
     text = table(out)
