@@ -143,4 +143,4 @@ def test_cuda_statistics_compiled_match_the_eager_refs():
     assert not cr._EAGER_KEYS and cr.available()
     assert any(key[2][0][0][0] == "cuda" for key in cr._COMPILED)
     for a, b in zip(eager, fused):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=0, equal_nan=True)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-4, equal_nan=True)  # z near 0: atol
