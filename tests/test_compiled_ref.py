@@ -81,3 +81,66 @@ def test_a_failure_after_the_compiler_worked_is_that_keys_alone(fresh, monkeypat
         assert torch.equal(cr.call(f_bad, x, k=3.0), x * 3.0 - 1)
         assert torch.equal(cr.call(f_good, x, k=3.0), x * 3.0 + 1)  # compiled, as before
     assert any(key[0] is f_good for key in cr._COMPILED) and cr.available()
+
+
+class _CudaLike:
+    """What :func:`cr.run` reads of its first tensor: a CUDA tensor of ``MIN_NUMEL`` values."""
+
+    is_cuda = True
+
+    def numel(self) -> int:
+        return cr.MIN_NUMEL
+
+
+def test_cuda_tensors_run_eagerly_unless_the_switch_is_on(monkeypatch):
+    """The CUDA A/B switch: off by default, on inside ``compiled_refs_on_cuda()`` (nested, and
+    restored on exit); ``run_cuda`` leaves CPU tensors eager even inside."""
+    calls = []
+    monkeypatch.setattr(cr, "call", lambda fn, *t, **s: calls.append(fn) or "compiled")
+    monkeypatch.setattr(cr, "_ON_CUDA", [False])
+    t = _CudaLike()
+
+    def eager(x):
+        return "eager"
+
+    assert cr.run(eager, t) == "eager" and cr.run_cuda(eager, t) == "eager" and not calls
+    with cr.compiled_refs_on_cuda():
+        assert (
+            cr.on_cuda() and cr.run(eager, t) == "compiled" and cr.run_cuda(eager, t) == "compiled"
+        )
+        with cr.compiled_refs_on_cuda(False):
+            assert cr.run(eager, t) == "eager"
+        assert cr.run_cuda(eager, torch.randn(cr.MIN_NUMEL)) == "eager"  # CPU: eager
+        assert cr.run(eager, torch.randn(cr.MIN_NUMEL)) == "compiled"  # the CPU path as ever
+    assert not cr.on_cuda() and len(calls) == 3
+
+
+@pytest.mark.parametrize(("value", "on"), [("1", True), ("0", False), ("", False)])
+def test_the_environment_variable_sets_the_default(monkeypatch, value, on):
+    monkeypatch.setenv(cr.CUDA_ENV, value)
+    assert cr.env_on_cuda() is on
+
+
+@pytest.mark.gpu
+def test_cuda_statistics_compiled_match_the_eager_refs():
+    """The codecs' statistics compiled on CUDA (the switch on) agree with their eager refs, and
+    were compiled (no eager fallback)."""
+    from slimact.codecs import outlier
+    from slimact.codecs import quant as cq
+    from slimact.ops.quant import quantize
+
+    x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    x[:, 3] *= 40
+    x[5, 7] = float("nan")
+    q = quantize(x, bits=4, group_size=16)
+
+    def stats():
+        return cq.row_stats(x, 0, 256.0), outlier.outlier_scores(x), cq.scale_stats(q)
+
+    eager = stats()
+    with cr.compiled_refs_on_cuda():
+        fused = stats()
+    assert not cr._EAGER_KEYS and cr.available()
+    assert any(key[2][0][0][0] == "cuda" for key in cr._COMPILED)
+    for a, b in zip(eager, fused):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-4, equal_nan=True)  # z near 0: atol

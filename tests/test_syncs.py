@@ -156,9 +156,15 @@ def _step(model, opt, ids) -> None:
 
 
 def count_syncs(
-    spec, *, compile: bool = False, warmup: int = 2, steps: int = 1, evolve: bool = False
+    spec,
+    *,
+    compile: bool = False,
+    warmup: int = 2,
+    steps: int = 1,
+    evolve: bool = False,
+    shape: tuple[int, int] = (2, 64),
 ) -> SyncCounter:
-    """The sync-forcing ops of ``steps`` training steps of llama-tiny (2 x 64 tokens) under
+    """The sync-forcing ops of ``steps`` training steps of llama-tiny (``shape`` tokens) under
     ``spec`` after ``warmup`` steps (``evolve``: with a ``PlanEvolver`` told of every step, as
     ``slimact train`` runs it). The CPU refs run eagerly in the counted steps
     (``compiled_ref.eager_refs``: the same ops, which dynamo would not compile under a dispatch
@@ -169,7 +175,7 @@ def count_syncs(
         slimact.apply(model, spec, compile=compile)
     evolver = PlanEvolver(model) if evolve else None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(1))
 
     def step(i: int) -> None:
         _step(model, opt, ids)
@@ -187,18 +193,18 @@ def count_syncs(
     return counter
 
 
-_BASELINE: dict[int, SyncCounter] = {}
+_BASELINE: dict[tuple, SyncCounter] = {}
 
 
-def baseline(steps: int = 1) -> SyncCounter:
-    if steps not in _BASELINE:
-        _BASELINE[steps] = count_syncs("none", steps=steps)
-    return _BASELINE[steps]
+def baseline(steps: int = 1, shape: tuple[int, int] = (2, 64)) -> SyncCounter:
+    if (steps, shape) not in _BASELINE:
+        _BASELINE[steps, shape] = count_syncs("none", steps=steps, shape=shape)
+    return _BASELINE[steps, shape]
 
 
-def extra(counter: SyncCounter, steps: int = 1) -> dict[str, int]:
+def extra(counter: SyncCounter, steps: int = 1, shape: tuple[int, int] = (2, 64)) -> dict[str, int]:
     """Ops the strategy adds over ``none`` (with where they came from, for the message)."""
-    more = counter.counts - baseline(steps).counts
+    more = counter.counts - baseline(steps, shape).counts
     return {f"{k} at {dict(counter.where[k])}": v for k, v in more.items()}
 
 
@@ -218,6 +224,14 @@ AUTO = "auto@25%,repeats=1,cache=None"
 )
 def test_no_extra_syncs_per_step(spec):
     assert extra(count_syncs(spec)) == {}
+
+
+def test_int4_no_extra_syncs_where_sdpa_saves_a_large_logsumexp():
+    """At 2 x 64 tokens SDPA's saved logsumexp (batch x heads x tokens: 512 values) is below the
+    int4 rules' ``min_numel`` and no rule looks at it; at 4 x 128 (2,048) the rules ask its role,
+    and reading whether a tensor SDPA saves without grad is a 0/1 mask was a sync per layer and
+    step (``classify.role_of``: a logsumexp is never one, and is not read)."""
+    assert extra(count_syncs("int4", shape=(4, 128)), shape=(4, 128)) == {}
 
 
 def test_offload_no_extra_syncs_per_step(fake_streams):

@@ -85,6 +85,10 @@ def role_of(site: str, t: torch.Tensor, min_numel: int = 1024) -> str | None:
             return "mask"
         return None
     if not t.requires_grad and op in MASK_OPS and t.numel() >= min_numel:
+        if op == "scaled_dot_product_attention" and (t.dim() != 4 or t.shape[-1] == 1):
+            # its logsumexp (3-D, or ending in 1): never a mask, and reading it would be a
+            # device-to-host sync at every save (a layer's each step)
+            return None
         return "mask" if two_valued(t) is not None else None  # CPU dropout noise {0, 1/(1-p)}
     if not t.requires_grad or t.numel() < min_numel or t.dim() == 0 or t.shape[-1] == 1:
         return None

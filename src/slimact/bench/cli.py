@@ -7,6 +7,9 @@
     slimact bench quick --only-models llama-20m --only-strategies invact,int4
     slimact bench quick --compile        # every strategy in its compiled form, beside the anchors
     slimact bench --report-only          # regenerate the report from existing JSON
+    slimact bench gpu --profile int4,compiled-refs:int4,invact --time-budget 85 --out-dir D
+                                         # where a step's time goes, per point beside none:
+                                         # D/gpu.profile.json, markdown on stdout
 
 ``python -m slimact.bench ...`` takes the same arguments.
 """
@@ -20,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from slimact.bench.profile import markdown, profile_suite
 from slimact.bench.report import write_report
 from slimact.bench.runner import default_results_dir, run_suite
 from slimact.bench.suites import get_suite, suite_names
@@ -66,6 +70,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds the run may take (the gpu suite's own: 450); points that would start past "
         "it are recorded as not run, and the max-batch phase keeps its reserve",
     )
+    p.add_argument(
+        "--profile",
+        type=_csv,
+        default=None,
+        metavar="POINTS",
+        help="instead of the suite's table: profile a few warm eager steps of these points "
+        "(strategies, anchor:NAME, compiled-refs:STRATEGY; none is added first) on the suite's "
+        "first model case and print where the time goes (slimact.bench.profile); writes "
+        "<out-dir>/<suite>.profile.json",
+    )
     add_compile_argument(p)
 
 
@@ -80,6 +94,8 @@ def report_paths(out_dir: Path) -> tuple[Path, Path | None]:
 
 def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir) if args.out_dir else default_results_dir()
+    if args.profile is not None:
+        return _run_profile(args, out_dir)
     if not args.report_only:
         if args.suite is None:
             raise ValueError(f"name a suite ({', '.join(suite_names())}) or pass --report-only")
@@ -115,6 +131,33 @@ def run(args: argparse.Namespace) -> int:
     bench_md, benchmarks_md = report_paths(out_dir)
     for path in write_report(out_dir, bench_md, benchmarks_md=benchmarks_md):
         print(f"wrote {path}")
+    return 0
+
+
+def _run_profile(args: argparse.Namespace, out_dir: Path) -> int:
+    """``--profile POINTS``: :func:`slimact.bench.profile.profile_suite` on the suite's first
+    case (after ``--only-models``)."""
+    if args.suite is None or args.report_only or args.compile or args.only_strategies:
+        raise ValueError(
+            "--profile takes a suite name and its own points (no --report-only, --compile or "
+            "--only-strategies)"
+        )
+    suite = get_suite(args.suite)
+    if args.only_models:
+        suite = suite.select(args.only_models)
+    if args.time_budget is not None:
+        if not args.time_budget > 0:
+            raise ValueError(f"--time-budget must be > 0 seconds, got {args.time_budget}")
+        suite = suite.override(time_budget_s=args.time_budget)
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    path = out_dir / f"{suite.name}.profile.json"
+    command = "slimact bench " + " ".join(
+        sys.argv[1:] if sys.argv[1:2] != ["bench"] else sys.argv[2:]
+    )
+    result = profile_suite(suite, args.profile, path, data=args.data, command=command)
+    print(markdown(result))
     return 0
 
 

@@ -85,13 +85,27 @@ def channel_abs_sums_ref(x2d: torch.Tensor) -> torch.Tensor:
 def outlier_scores(x2d: torch.Tensor) -> torch.Tensor:
     """fp32 [C] abs-sum Z-scores of the channels, on the device (no sync): +inf for a channel
     with a non-finite sum, -inf for every channel when there are fewer than two finite sums or
-    they do not vary (no outliers then). Mean and std are over the finite sums."""
-    s = channel_abs_sums(x2d)
-    finite = torch.isfinite(s)
-    n = finite.sum()
+    they do not vary (no outliers then). Mean and std are over the finite sums.
+
+    On CUDA the sums and the scores are one ref (compiled inside
+    ``compiled_ref.compiled_refs_on_cuda()``, else the same ops eagerly); on CPU the sums are
+    compiled and the scores of the ``[C]`` sums run eagerly."""
+    if x2d.is_cuda:
+        return compiled_ref.run(outlier_scores_ref, x2d.detach())
+    return _z_scores(channel_abs_sums(x2d))
+
+
+def outlier_scores_ref(x2d: torch.Tensor) -> torch.Tensor:
+    return _z_scores(channel_abs_sums_ref(x2d))
+
+
+def _z_scores(s: torch.Tensor) -> torch.Tensor:
+    """:func:`outlier_scores` of the channels' abs sums ``s`` (>= 0, or +inf / NaN)."""
+    finite = s < float("inf")  # isfinite for sums of magnitudes (NaN compares false)
+    n = finite.sum().clamp_min(1)
     sf = torch.where(finite, s, 0.0)
-    mu = sf.sum() / n.clamp_min(1)
-    sigma = (torch.where(finite, s - mu, 0.0).square().sum() / n.clamp_min(1)).sqrt()
+    mu = sf.sum() / n
+    sigma = (torch.where(finite, s - mu, 0.0).square().sum() / n).sqrt()
     z = (s - mu) / sigma.clamp_min(torch.finfo(torch.float32).tiny)
     valid = (n >= 2) & (sigma > 0)
     return torch.where(finite, torch.where(valid, z, -float("inf")), float("inf"))
@@ -203,7 +217,7 @@ class OutlierCodec(Codec):
         if k:  # the top-k scores: every outlier while the count is within the capacity
             idx = torch.topk(scores, k, sorted=False).indices.sort().values
             flags = outlier.index_select(0, idx)
-            keep = ~torch.zeros_like(outlier).index_fill(0, idx, True) | ~outlier
+            keep = torch.ones_like(outlier).index_copy_(0, idx, ~flags)  # the flagged zeroed
         q = quantize(
             x2d, bits=c.bits, group_size=c.group_size, symmetric=c.symmetric,
             paper_scale=c.paper_scale, keep_cols=keep, backend=c.backend, **rounding_args(self),

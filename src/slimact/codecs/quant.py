@@ -117,8 +117,10 @@ def row_stats(x: torch.Tensor, channels: int, max_range: float | None) -> torch.
 
 
 def row_stats_ref(rows: torch.Tensor) -> torch.Tensor:
-    """:func:`row_stats` of an ``[R, C]`` view: ``[max row norm, every (R // 256)-th norm]``."""
-    rn = _row_norms(torch.where(torch.isfinite(rows), rows, 0.0))
+    """:func:`row_stats` of an ``[R, C]`` view: ``[max row norm, every (R // 256)-th norm]``.
+    Non-finite values become 0 in one pass (``nan_to_num``: eager, ``where(isfinite(x), x, 0)``
+    is five)."""
+    rn = _row_norms(rows.nan_to_num(0.0, 0.0, 0.0))
     return torch.cat([rn.max().view(1), rn[:: max(1, rn.numel() // _MEDIAN_SAMPLE)]])
 
 
@@ -186,11 +188,18 @@ def scale_stats(q: Quantized) -> torch.Tensor | None:
     a group cannot decode within ``|x - x^| <= S/2``."""
     if q.scale.numel() == 0:
         return None
-    mag = q.scale.abs()
+    if q.offset is None:  # on CUDA, compiled inside compiled_ref.compiled_refs_on_cuda()
+        return compiled_ref.run_cuda(scale_stats_ref, q.scale)
+    return compiled_ref.run_cuda(scale_stats_ref, q.scale, q.offset)
+
+
+def scale_stats_ref(scale: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`scale_stats` of the scales (and offsets)."""
+    mag = scale.abs()
     lo, hi = torch.aminmax(torch.where(mag == 0, 1.0, mag))
     parts = [lo.view(1), hi.view(1)]
-    if q.offset is not None:
-        parts.append(q.offset.abs().amax().view(1))
+    if offset is not None:
+        parts.append(offset.abs().amax().view(1))
     return torch.cat(parts)
 
 

@@ -30,11 +30,21 @@ outlier channels' sums) through :func:`run`, which decides where compiling pays.
   recompile-limit hit in one codec had turned the whole process's CPU path eager: a benchmark
   suite's later cases ran ``invact`` at 2-3x ``none``).
 
+On CUDA, :func:`run` calls the refs eagerly by default: the quantize/dequantize have Triton
+kernels there, but the codecs' range checks and outlier statistics then run as a chain of small
+kernels each (BENCHMARKS.md §8). :func:`compiled_refs_on_cuda` (or ``SLIMACT_COMPILED_REFS_ON_CUDA=1``
+in the environment, read at import) routes CUDA tensors through :func:`call` as well, where
+inductor generates a few fused Triton kernels per ref instead; it is an A/B switch until a GPU run
+measures which is faster (``slimact bench gpu --profile int4,compiled-refs:int4``). The keys
+include the device type, and a compile failure on CUDA is always its key's alone (the CPU path
+stays compiled).
+
 The refs themselves stay the reference: tests compare this path against them.
 """
 
 from __future__ import annotations
 
+import os
 import types
 import warnings
 from collections.abc import Callable
@@ -51,6 +61,16 @@ _BROKEN: list[str] = []  # why compiling was given up (at most one entry)
 _WORKED: list[bool] = []  # non-empty once a compiled call has succeeded in this process
 _EAGER_KEYS: dict[tuple, str] = {}  # keys whose compiled call failed after _WORKED: why
 _EAGER: list[bool] = []  # non-empty inside eager_refs()
+CUDA_ENV = "SLIMACT_COMPILED_REFS_ON_CUDA"
+
+
+def env_on_cuda() -> bool:
+    """Whether ``SLIMACT_COMPILED_REFS_ON_CUDA`` asks for the compiled refs on CUDA (set, not 0)."""
+    return os.environ.get(CUDA_ENV, "") not in ("", "0")
+
+
+# the last entry says whether run() compiles the refs of CUDA tensors (module docstring)
+_ON_CUDA: list[bool] = [env_on_cuda()]
 
 
 @contextmanager
@@ -62,6 +82,22 @@ def eager_refs():
         yield
     finally:
         _EAGER.pop()
+
+
+@contextmanager
+def compiled_refs_on_cuda(enabled: bool = True):
+    """Inside, :func:`run` compiles the refs of CUDA tensors too (``enabled=False``: calls them
+    eagerly, the default outside); nests, and restores the previous choice on exit."""
+    _ON_CUDA.append(bool(enabled))
+    try:
+        yield
+    finally:
+        _ON_CUDA.pop()
+
+
+def on_cuda() -> bool:
+    """Whether :func:`run` compiles the refs of CUDA tensors now."""
+    return _ON_CUDA[-1]
 
 
 def available() -> bool:
@@ -84,7 +120,7 @@ def _bind(fn: Callable, static: dict) -> Callable:
 def _state(tensors: tuple[torch.Tensor | None, ...]) -> tuple:
     """What dynamo guards on besides sizes (module docstring): one code object per value."""
     layout = tuple(
-        (t.dtype, t.requires_grad, t.is_contiguous(), t._base is not None)
+        (t.device.type, t.dtype, t.requires_grad, t.is_contiguous(), t._base is not None)
         if isinstance(t, torch.Tensor)
         else t
         for t in tensors
@@ -124,7 +160,9 @@ def call(fn: Callable, *tensors: torch.Tensor, **static):
             out = c(*tensors)
     except Exception as e:  # the compiler is optional: any failure of it means eager
         why = f"{type(e).__name__}: {e}"
-        if _WORKED:  # the compiler works: this key alone runs eagerly from now on
+        # the compiler works (or the failure is a CUDA key's, beside the CPU path): this key
+        # alone runs eagerly from now on
+        if _WORKED or any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
             _EAGER_KEYS[key] = why
             warnings.warn(
                 f"slimact: torch.compile of {fn.__name__} failed for one input state "
@@ -149,12 +187,21 @@ def call(fn: Callable, *tensors: torch.Tensor, **static):
 
 def run(fn: Callable, *tensors: torch.Tensor, **static):
     """``fn(*tensors, **static)`` where it pays: :func:`call` (compiled) when the first tensor
-    is a CPU tensor of at least ``MIN_NUMEL`` values, ``fn`` eagerly otherwise (CUDA has the
-    Triton kernels or its own fast eager ops; small tensors do not repay a compiled call)."""
+    holds at least ``MIN_NUMEL`` values and is not on CUDA (or is, inside
+    :func:`compiled_refs_on_cuda`), ``fn`` eagerly otherwise (CUDA has the Triton kernels or its
+    own eager ops; small tensors do not repay a compiled call)."""
     t = tensors[0]
-    if t.is_cuda or t.numel() < MIN_NUMEL:
+    if t.numel() < MIN_NUMEL or (t.is_cuda and not _ON_CUDA[-1]):
         return fn(*tensors, **static)
     return call(fn, *tensors, **static)
+
+
+def run_cuda(fn: Callable, *tensors: torch.Tensor, **static):
+    """:func:`run` for CUDA tensors, ``fn`` eagerly on other devices: for refs whose eager ops
+    are cheap there (statistics of small tensors) but one kernel launch each on CUDA."""
+    if not tensors[0].is_cuda:
+        return fn(*tensors, **static)
+    return run(fn, *tensors, **static)
 
 
 def eager(fn: Callable, *tensors: torch.Tensor, **static):
