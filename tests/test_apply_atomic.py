@@ -259,7 +259,13 @@ def test_codec_policy_names_match_what_the_transforms_do():
             slimact.apply(model, name)
         except ValueError:  # 'auto'/'compiled-auto' without a budget, 'plan' without a plan,
             # 'offload' on a CPU (CUDA only)
-            assert name.split("@")[0] in ("auto", "compiled-auto", "plan", "offload"), name
+            assert name.split("@")[0] in (
+                "auto",
+                "compiled-auto",
+                "plan",
+                "offload",
+                "compiled-offload",
+            ), name
             continue
         is_codec = name.split("@")[0] in CODEC_POLICY_STRATEGIES
         assert _installs_policy(model) == is_codec, name

@@ -59,7 +59,7 @@ def ids():
 @pytest.mark.parametrize("name", [*_params(), pytest.param("invact+int4", id="invact+int4")])
 def test_every_strategy_describes_itself_as_a_plan(name, ids, request):
     # offload runs on CUDA only: here its code path with the streams stubbed
-    cuda_only = name == "offload"
+    cuda_only = name in ("offload", "compiled-offload")
     with using_streams(request.getfixturevalue("fake_streams")) if cuda_only else nullcontext():
         _describes_itself(name, ids)
 
@@ -81,7 +81,13 @@ def _describes_itself(name, ids):
         assert dict(plan.meta)["describes"] == spec
         assert sum(lp.predicted_bytes for lp in plan.layers) == plan.predicted_bytes
         assert sum(lp.baseline_bytes for lp in plan.layers) == plan.baseline_bytes
-    if name.startswith("compiled-"):
+    if name == "compiled-offload":  # its blocks save nothing in their graphs: the input, offloaded
+        blocks = [lp for lp in plan.layers if lp.block]
+        assert blocks and all(
+            lp.kind.endswith("+offload") and lp.predicted_bytes == 0 for lp in blocks
+        )
+        assert all((":checkpoint_input#0", "offload", 0, 0) in lp.storages for lp in blocks)
+    elif name.startswith("compiled-"):
         _check_compiled_rows(plan)
     if not planned and name != "compiled-auto":  # (its choices follow measured times)
         m = slimact.apply(_model(model_name), spec)
