@@ -18,3 +18,8 @@ def test_demote_drops_the_title_pushes_headings_down_and_rebases_links():
     assert demote(md) == (
         "### Part\n![plot](benchmarks/results/p.png) [web](https://x.org)\n```\n# code\n```"
     )
+
+
+def test_a_later_study_keeps_its_title_under_the_section():
+    md = "# Study two\n\n## Part\ntext\n```\n# code\n```\n"
+    assert demote(md, keep_title=True) == "### Study two\n\n#### Part\ntext\n```\n# code\n```"

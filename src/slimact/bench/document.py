@@ -43,7 +43,14 @@ SECTIONS: list[tuple[str, list[str]]] = [
     ("5. CoLA and CoLA-M (cola.txt)", ["cola.md"]),
     (
         "6. The planner (adacc.txt §3.3-3.4, every action)",
-        ["planner.md", "auto_quality.md", "head_plan.md", "maxbatch.md"],
+        [
+            "planner.md",
+            "auto_quality.md",
+            "head_plan.md",
+            "maxbatch.md",
+            "evolution.md",
+            "planner_scaled.md",
+        ],
     ),
     (
         "7. Hugging Face models, torch.compile, distributed",
@@ -65,18 +72,25 @@ SECTIONS: list[tuple[str, list[str]]] = [
 _LINK = re.compile(r"\]\((?!https?://|/|#)([^)]+)\)")
 
 
-def demote(md: str, prefix: str = "benchmarks/results/") -> str:
-    """Drop a leading '# ' title, push every other heading one level down, and rebase relative
-    links (plots) from benchmarks/results/ to the repository root."""
+def demote(md: str, prefix: str = "benchmarks/results/", keep_title: bool = False) -> str:
+    """Push a summary's headings under its section, and rebase relative links (plots) from
+    benchmarks/results/ to the repository root. A leading '# ' title is dropped (the section's
+    own title stands for it), every other heading goes one level down; ``keep_title``: the title
+    becomes a '### ' heading and the others go two levels down (a section's later studies)."""
     md = _LINK.sub(rf"]({prefix}\1)", md)
     lines = md.strip("\n").splitlines()
+    push = "#"
     if lines and lines[0].startswith("# "):
-        lines = lines[1:]
+        if keep_title:
+            lines[0], push = "##" + lines[0], "##"
+        else:
+            lines = lines[1:]
     out, fenced = [], False
-    for ln in lines:
+    for i, ln in enumerate(lines):
         if ln.lstrip().startswith("```"):
             fenced = not fenced
-        out.append("#" + ln if ln.startswith("#") and not fenced else ln)
+        title = keep_title and i == 0 and ln.startswith("### ")
+        out.append(push + ln if ln.startswith("#") and not fenced and not title else ln)
     return "\n".join(out).strip("\n")
 
 
@@ -99,7 +113,7 @@ def build(results: Path) -> str:
         if not found:
             continue
         parts.append(f"## {title}\n")
-        parts.extend(demote(p.read_text()) + "\n" for p in found)
+        parts.extend(demote(p.read_text(), keep_title=i > 0) + "\n" for i, p in enumerate(found))
     return "\n".join(parts)
 
 
