@@ -44,3 +44,16 @@ def test_benchmarks_md_is_generated_from_the_results():
         "BENCHMARKS.md differs from its sources: edit benchmarks/results/*.md (and "
         "slimact.bench.document.SECTIONS), then run python benchmarks/build_report.py"
     )
+
+
+def test_src_names_no_issue_numbers():
+    """Comments and docstrings in src/ point to BENCHMARKS.md or ARCHITECTURE.md, never to an
+    issue: the numbers mean nothing to a reader of the code and go stale."""
+    pattern = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+        for p in sorted((ROOT / "src").rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not hits, "\n".join(hits)

@@ -1,4 +1,4 @@
-"""``slimact bench``: one command reproduces the benchmark report (issue #9).
+"""``slimact bench``: one command reproduces the benchmark report.
 
 A *suite* (``quick`` | ``full`` | ``gpu`` | ``compiled``, :mod:`slimact.bench.suites`; what it is
 made of, :mod:`slimact.bench.cases`) lists models and points

@@ -23,10 +23,8 @@ Lazy updates (Alg. 1): Q1 is recomputed when t % T1 == 0 and Q2 redrawn when t %
 is the step clock (the strategy's count of training forwards, or this codec's count of encodes).
 Defaults T1 = 5 (randomized range finder), T2 = 1, not the paper's 500/500 (exact SVD): a Q2 kept
 for T2 steps is a fixed draw, so its error acts as a bias for that window, and a Q1 from one small
-batch goes stale within a few steps (measured on llama-20m, 300 steps at 8 x 256: +0.08% val
-loss against none with T1 = 5, +2.65% with T1 = 20, +21% with T1 = T2 = 30 at 4 x 96; cola-20m
-diverged under 500/500 in a 60-step run). T1 = 5 costs about 5% of none's step time more than
-T1 = 20 on that model (CPU, interleaved). A seeded Q2 costs one QR of n × r2 per step; ``prac@t1=500,t2=500,svd=exact`` restores the
+batch goes stale within a few steps (the loss gap to none grows with T1, and cola-20m diverged under
+500/500: BENCHMARKS.md §4). A shorter T1 costs more step time (more range finders). A seeded Q2 costs one QR of n × r2 per step; ``prac@t1=500,t2=500,svd=exact`` restores the
 paper's schedule.
 Q2 must lie in Q1's complement for k to be right, so Q2 is also redrawn whenever Q1 changes (with
 T1 a multiple of T2, e.g. the paper's T1 = T2, that is exactly Alg. 1). Q1 comes from an exact SVD

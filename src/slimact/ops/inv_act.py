@@ -20,12 +20,11 @@ Variants (``variant=``), i.e. what is saved beside y:
 in y (half an ulp of |f(T)| ≈ 0.17–0.28: 1e-3 in bf16, 6e-5 in fp16) moves the recovered f' by
 ``≈ δ/|x−T|``, capped at ``√(2Cδ)`` at T: 1.2–1.5e-2 (bf16), 5–7e-3 (fp16). No 1-bit scheme does
 better: y no longer tells those x apart. torch's own autograd reads x and only rounds dx (half an
-ulp of |f'| ≤ 1.1: 3.9e-3 in bf16, 4.9e-4 in fp16). Measured (``bench_inv_act.py bf16``, vs the
-float64 truth, dy = 1): bf16 1-bit worst error 3.1–3.9× torch's, all of it within |x−T| < 0.3
-(1.6% of llama-20m's SiLU inputs, 11–15% of N(0, 1.5²)); elsewhere 1.1×; RMS 1.3–1.8×.
-``near-branch`` reads the exact x there: worst 1.06–1.12× torch's, RMS 1.02×. In fp16 its window
-(±0.06) is narrower than the region that needs it: worst 1.8–2.0×. Trade-off: 8× the mask's
-bytes. The ``invact`` strategy offers it as ``invact@bf16=exact-near-branch`` and keeps 1 bit by
+ulp of |f'| ≤ 1.1: 3.9e-3 in bf16, 4.9e-4 in fp16). The 1-bit form's worst error is a few times
+torch's, all of it near the branch point; ``near-branch`` reads the exact x there and comes
+within a few percent of torch's own error in bf16 (measured against the float64 truth:
+``bench_inv_act.py bf16``, BENCHMARKS.md §2). In fp16 its window (±0.06) is narrower than the
+region that needs it. Trade-off: 8× the mask's bytes. The ``invact`` strategy offers it as ``invact@bf16=exact-near-branch`` and keeps 1 bit by
 default: the excess is small in norm and confined to where |f'| < 0.1.
 
 Paths: CUDA tensors with triton installed run the Triton kernels (``ops.inv_act_triton``; also on

@@ -314,7 +314,7 @@ def dinv_table(y: torch.Tensor, s: torch.Tensor, kind: str, table: torch.Tensor)
     t = pos - seg
     idx = seg.to(torch.int64) + torch.where(tail, 2 * (n + 1), torch.where(s, n + 1, 0))
     # idx, idx + 1 lie in [0, 3n + 2] by construction (pos clamped, NaN mapped to 0): the unchecked
-    # read spares inductor's per-lane bounds check and negative wrap (~13% of the compiled loop)
+    # read spares inductor's per-lane bounds check and negative wrap (BENCHMARKS.md §2)
     lo = torch.ops.aten._unsafe_index(table, [idx])
     p = lo + t * (torch.ops.aten._unsafe_index(table, [idx + 1]) - lo)
     out = torch.where(tail, p * yc, p)

@@ -1,8 +1,8 @@
 """The root's part of a compiled plan: what stays eager around the compiled blocks.
 
 ``slimact.compiled`` compiles the repeated blocks; the *root* (embedding, final norm, output
-projection, loss) stays eager, and so keeps what eager autograd keeps there: on llama-20m, 8 x 256
-tokens, 14.0 MiB, 2.7% of the model's bytes, but 38% of a 7.5% budget. Being eager, the root can
+projection, loss) stays eager, and so keeps what eager autograd keeps there: a small share of the
+model's bytes, but a large share of a tight budget (BENCHMARKS.md §7). Being eager, the root can
 take the eager actions through the one plan runtime (``slimact.planner.apply``): a root-only
 ``Plan`` whose single ``LayerPlan`` (block ``""``) reformulates root modules and encodes the
 root's storages with one codec.
