@@ -83,17 +83,13 @@ class _Entry:
     default: StrategyConfig
     transform: Transform
     description: str
-    codec_policy: bool = False
+    codec_policy: bool = False  # its transform installs a codec policy (module docstring)
+    checkpointing: bool = False  # it checkpoints blocks (does not compose with compiled blocks)
+    compiled_form: str | None = None  # what ``apply(..., compile=True)`` applies instead
+    compile_safe: bool = False  # applied as it is under ``compile=True`` (its ops compile)
 
 
 _REGISTRY: dict[str, _Entry] = {}
-
-# The built-in strategies whose transform installs a codec policy (see the module docstring);
-# names only, so this layer imports none of them. ``auto@<budget>`` counts as ``auto``.
-CODEC_POLICY_STRATEGIES = frozenset(
-    {"int4", "int4-plain", "int4-paper", "int4-naive", "int8", "prac", "pac", "rac", "auto", "plan",
-     "offload"}
-)  # fmt: skip
 
 
 def register_strategy(
@@ -101,23 +97,31 @@ def register_strategy(
     default: StrategyConfig,
     transform: Transform,
     description: str = "",
-    codec_policy: bool | None = None,
+    codec_policy: bool = False,
+    *,
+    checkpointing: bool = False,
+    compiled_form: str | None = None,
+    compile_safe: bool = False,
 ) -> None:
     """Register ``name``. Registering the same name again from the same transform (a module that
     is imported a second time, e.g. after an earlier import of the package failed half-way)
     replaces the entry; a different transform under a taken name is an error.
 
-    ``codec_policy``: the transform installs a codec policy (at most one per model); None reads
-    it from ``CODEC_POLICY_STRATEGIES``."""
+    What decides how it composes is said here, by the strategy itself: ``codec_policy``, its
+    transform installs a codec policy (at most one per model); ``checkpointing``, it checkpoints
+    blocks (which compiled blocks do not compose with); ``compiled_form``, the strategy
+    ``apply(..., compile=True)`` applies in its place (``"compiled-int8"``); ``compile_safe``,
+    it is applied as it is under ``compile=True``."""
     old = _REGISTRY.get(name)
     if old is not None and _qualname(old.transform) != _qualname(transform):
         raise ValueError(
             f"strategy {name!r} is already registered by {_qualname(old.transform)}; "
             f"cannot register it again for {_qualname(transform)}"
         )
-    if codec_policy is None:
-        codec_policy = name.split("@", 1)[0] in CODEC_POLICY_STRATEGIES
-    _REGISTRY[name] = _Entry(type(default), default, transform, description, codec_policy)
+    _REGISTRY[name] = _Entry(
+        type(default), default, transform, description, codec_policy, checkpointing,
+        compiled_form, compile_safe,
+    )  # fmt: skip
 
 
 def _qualname(fn: Callable[..., object]) -> str:
@@ -136,6 +140,21 @@ def strategy_names() -> list[str]:
 
 def describe_strategies() -> dict[str, str]:
     return {n: e.description for n, e in _REGISTRY.items()}
+
+
+def codec_policy_names() -> frozenset[str]:
+    """The registered strategies whose transform installs a codec policy."""
+    return frozenset(n for n, e in _REGISTRY.items() if e.codec_policy)
+
+
+def compiled_form_of(name: str) -> str | None:
+    """The strategy ``apply(..., compile=True)`` applies for strategy ``name``, if it has one."""
+    entry = _REGISTRY.get(name)
+    return entry.compiled_form if entry is not None else None
+
+
+def _entry_named(label: str) -> _Entry | None:
+    return _REGISTRY.get(label) or _REGISTRY.get(label.split("@", 1)[0])
 
 
 def resolve(strategy: str | StrategyConfig) -> list[StrategyConfig]:
@@ -213,14 +232,13 @@ def _check_composition(parts: list[tuple[str, StrategyConfig]], spec: object) ->
 
 
 COMPILED_PREFIX = "compiled-"  # slimact.compiled: blocks compiled with traced codec hooks
-CHECKPOINTING = frozenset({"recompute", "cola-m"})  # per-block checkpointing transforms
 
 
 def _check_compiled(labels: list[str], spec: object) -> None:
     """Compiled blocks (``compiled-*``) and per-block checkpointing do not compose: compiling a
     checkpointed block fails inside inductor, and checkpointing a compiled one is untested."""
     compiled = [x for x in labels if x.startswith(COMPILED_PREFIX)]
-    ckpt = [x for x in labels if x.split("@", 1)[0] in CHECKPOINTING]
+    ckpt = [x for x in labels if (e := _entry_named(x)) is not None and e.checkpointing]
     if compiled and ckpt:
         raise ValueError(
             f"strategy {spec!r}: {compiled[0]!r} compiles each block with its codec inside, "
@@ -246,24 +264,12 @@ def _check_compiled_again(before: list[str], labels: list[str]) -> None:
 
 _ONE_POLICY = "only one codec policy can decide how each saved tensor is stored"
 
-# ``apply(model, spec, compile=True)``: each part of the spec by its compiled form (names only,
-# so this layer imports none of them). Block strategies become the one ``compiled-*`` strategy
-# that compiles every block with its actions inside; transforms whose ops compile as they are
-# (custom ops, plain modules) are applied first, then the blocks are compiled.
-COMPILED_FORMS = {
-    "none": "compiled-none",
-    "int8": "compiled-int8",  # traced INT8, one scale per row
-    "int4": "compiled-int4",  # traced INT4 (groups of 32, SDPA tensors INT8), not outlier-aware
-    "recompute": "compiled-recompute",  # compile's partitioner at region budget 0
-    "prac": "compiled-prac",  # traced PRAC: the basis from every step's X (no state in a hook)
-    "auto": "compiled-auto",  # the compiled planner: region budgets x traced codecs per block
-    "offload": "compiled-offload",  # block inputs in host memory, an eager wrapper per block
-}
-COMPILE_SAFE = frozenset({"invact", "invact-act", "chunked-ce", "cola"})
-
 
 def compiled_spec(strategy: str) -> str:
-    """The spec ``apply(..., compile=True)`` applies for ``strategy`` (see ``COMPILED_FORMS``):
+    """The spec ``apply(..., compile=True)`` applies for ``strategy``: each part by its compiled
+    form (``register_strategy(compiled_form=...)``; block strategies become the one ``compiled-*``
+    strategy that compiles every block with its actions inside), the parts whose ops compile as
+    they are (``compile_safe``) first, then the blocks are compiled:
     ``"auto@25%"`` -> ``"compiled-auto@25%"``, ``"invact+int4"`` ->
     ``"invact@ops=none+compiled-int4"`` (under compile, norms only), ``"int8+recompute"`` ->
     ``"compiled-int8@0"`` (the codec under region budget 0), ``"invact"`` ->
@@ -275,19 +281,21 @@ def compiled_spec(strategy: str) -> str:
         base, at, arg = part.partition("@")
         if base.startswith(COMPILED_PREFIX):
             blocks.append(part)
-        elif base in COMPILED_FORMS:
-            blocks.append(COMPILED_FORMS[base] + at + arg)
+        elif compiled_form_of(base) is not None:
+            blocks.append(compiled_form_of(base) + at + arg)
         elif base == "invact" and "ops=" not in arg:
             # norms only: under inductor a block already keeps an activation's input and
             # recomputes its output, so an inverted GELU/SiLU adds its bit mask and an opaque op
             # and saves nothing (BENCHMARKS.md §7)
             eager.append(f"{part},ops=none" if at and arg else "invact@ops=none")
-        elif base in COMPILE_SAFE:
+        elif (e := _REGISTRY.get(base)) is not None and e.compile_safe:
             eager.append(part)
         else:
+            forms = [n for n, e in _REGISTRY.items() if e.compiled_form]
+            safe = sorted(n for n, e in _REGISTRY.items() if e.compile_safe)
             raise ValueError(
                 f"strategy {part!r} has no compiled form (compile=True); strategies that do: "
-                f"{', '.join([*COMPILED_FORMS, *sorted(COMPILE_SAFE)])}, and the compiled-* ones"
+                f"{', '.join([*forms, *safe])}, and the compiled-* ones"
             )
     if "compiled-recompute" in blocks and len(blocks) == 2:
         other = next(b for b in blocks if b != "compiled-recompute")

@@ -23,12 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slimact.budget import Budget
-from slimact.registry import (
-    CODEC_POLICY_STRATEGIES,
-    COMPILED_FORMS,
-    COMPILED_PREFIX,
-    compiled_spec,
-)
+from slimact.registry import COMPILED_PREFIX, codec_policy_names, compiled_form_of, compiled_spec
 from slimact.utils import fmt_bytes
 
 
@@ -60,7 +55,10 @@ CUDA_EVIDENCE = Evidence(
 def _eager_codec_parts(strategy: str) -> list[str]:
     parts = [p.strip() for p in strategy.split("+")]
     # offload's policy moves block inputs to the host: the evidence (codecs' time) is not its
-    return [p for p in parts if p.split("@", 1)[0] in CODEC_POLICY_STRATEGIES - {"plan", "offload"}]
+    policies = codec_policy_names() - {"plan", "offload"}
+    return [
+        p for p in parts if p.split("@", 1)[0] in policies and not p.startswith(COMPILED_PREFIX)
+    ]
 
 
 def documented_dominance(strategy: str, device_type: str) -> str | None:
@@ -133,5 +131,5 @@ def compiled_rivals(strategy: str) -> list[str]:
         out.append(compiled_spec(strategy))
     except ValueError:
         pass
-    out.append(COMPILED_FORMS["recompute"])
+    out.append(compiled_form_of("recompute") or "compiled-recompute")
     return [r for r in dict.fromkeys(out) if r != strategy]

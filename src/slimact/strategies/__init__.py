@@ -30,12 +30,20 @@ def _register_all() -> None:
     takes back what this import registered and its own error propagates unchanged."""
     before = set(strategy_names())
     try:
-        register_strategy("none", NoneConfig(), apply_none, "baseline: keep every saved tensor")
+        register_strategy(
+            "none",
+            NoneConfig(),
+            apply_none,
+            "baseline: keep every saved tensor",
+            compiled_form="compiled-none",
+        )
         register_strategy(
             "recompute",
             RecomputeConfig(),
             apply_recompute,
             "non-reentrant checkpointing of every block",
+            checkpointing=True,
+            compiled_form="compiled-recompute",  # compile's partitioner at region budget 0
         )
         for mod in pkgutil.iter_modules(__path__):
             if mod.name not in ("registry", "recompute", "none"):

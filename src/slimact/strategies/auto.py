@@ -97,9 +97,17 @@ register_strategy(
     AutoConfig(),
     apply_auto,
     "MILP planner over recompute/codecs/invact per storage under a budget (needs a budget)",
+    codec_policy=True,
+    compiled_form="compiled-auto",  # the compiled planner: region budgets x traced codecs
 )
 for _pct in ("10%", "25%", "50%"):
     register_strategy(
-        f"auto@{_pct}", AutoConfig(budget=_pct), apply_auto, f"auto with budget {_pct}"
+        f"auto@{_pct}",
+        AutoConfig(budget=_pct),
+        apply_auto,
+        f"auto with budget {_pct}",
+        codec_policy=True,
     )
-register_strategy("plan", Plan(), apply_plan, "apply a solved slimact.planner.Plan object")
+register_strategy(
+    "plan", Plan(), apply_plan, "apply a solved slimact.planner.Plan object", codec_policy=True
+)

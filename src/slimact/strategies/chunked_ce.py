@@ -16,4 +16,5 @@ register_strategy(
     ChunkedCEConfig(),
     apply_chunked_ce,
     "loss head: linear + cross-entropy in token chunks, no stored logits (recomputed in backward)",
+    compile_safe=True,
 )

@@ -95,10 +95,12 @@ register_strategy(
     CoLAConfigMarker(),
     _apply_cola,
     "CoLA architecture marker: only valid on cola-* models (cola.txt §3)",
+    compile_safe=True,
 )
 register_strategy(
     "cola-m",
     CoLAMConfig(),
     _apply_colam,
     "CoLA-M: keep x, h and rank-r A·x per block, recompute up-projections + attention",
+    checkpointing=True,
 )

@@ -273,12 +273,15 @@ register_strategy(
     Int4Config(),
     apply_int4,
     "Adacc layer-specific INT4: outlier-separated act inputs, exact q/k, channel-wise INT8 v, bit masks",
+    codec_policy=True,
+    compiled_form="compiled-int4",  # traced INT4 (groups of 32, SDPA tensors INT8), no outliers
 )
 register_strategy(
     "int4-plain",
     Int4Config(act="int4"),
     apply_int4,
     "Adacc w/o outlier separation: per-group INT4 for linear/norm/activation inputs",
+    codec_policy=True,
 )
 register_strategy(
     "int4-paper",
@@ -292,6 +295,7 @@ register_strategy(
     ),
     apply_int4,
     "adacc.txt §3.2 as written: divisors 8/16, INT4 Q/K/V, SDPA output compressed, groups of 128",
+    codec_policy=True,
 )
 register_strategy(
     "int4-naive",
@@ -305,4 +309,6 @@ register_strategy(
     Int4Config(act="int8", qkv="int8-channel", scores="int8-asym", group_size=128),
     apply_int4,
     "layer-specific INT8 (same roles as int4: q/k exact)",
+    codec_policy=True,
+    compiled_form="compiled-int8",  # traced INT8, one scale per row
 )

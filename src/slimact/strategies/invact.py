@@ -16,10 +16,12 @@ register_strategy(
     InvActConfig(),
     apply_invact,
     "inverted GELU/SiLU (y + 1 bit) and RMSNorm/LayerNorm (y + rstd) saving outputs (invact.txt)",
+    compile_safe=True,
 )
 register_strategy(
     "invact-act",
     InvActConfig(norms=False),
     apply_invact,
     "invact.txt as published: inverted GELU/SiLU only (y + 1 bit instead of x)",
+    compile_safe=True,
 )

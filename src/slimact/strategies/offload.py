@@ -69,4 +69,6 @@ register_strategy(
     OffloadStrategyConfig(),
     apply_offload,
     "recompute every block, its input offloaded to pinned host memory (CUDA only)",
+    codec_policy=True,
+    compiled_form="compiled-offload",  # block inputs in host memory, an eager wrapper per block
 )

@@ -352,18 +352,22 @@ register_strategy(
     PracConfig(),
     apply_prac,
     _DESC.format("principal+random", "r1=r2=0.3n linear, 0.2n nonlinear"),
+    codec_policy=True,
+    compiled_form="compiled-prac",  # traced PRAC: the basis from every step's X (no hook state)
 )
 register_strategy(
     "pac",
     PacConfig(),
     apply_prac,
     _DESC.format("principal-only (ablation)", "r1=0.6n linear, 0.4n nonlinear"),
+    codec_policy=True,
 )
 register_strategy(
     "rac",
     RacConfig(),
     apply_prac,
     _DESC.format("random-only (ablation)", "r2=0.6n linear, 0.4n nonlinear"),
+    codec_policy=True,
 )
 
 __all__ = [
