@@ -40,7 +40,7 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (3, ("slimact.planner.plan", "slimact.planner.milp", "slimact.planner.highs")),
     (3, ("slimact.planner.solve", "slimact.planner.offload")),
     (3, ("slimact.reformulate", "slimact.checkpointing")),
-    (4, ("slimact.planner.apply",)),
+    (4, ("slimact.planner.apply", "slimact.planner.prac_sites")),
     (5, ("slimact.strategies", "slimact.planner", "slimact.cola")),
     (5, ("slimact.compiled",)),
     (6, ("slimact.compare", "slimact.train", "slimact.hf", "slimact.dist", "slimact.bench")),

@@ -1,10 +1,12 @@
 """The fixed-rule strategies as plans (``slimact.plan_of``): applying ``plan_of(model, name)``
 does what applying ``name`` does, with the same saved bytes, the same action per site and
-bit-identical gradients, alone and composed with ``+``."""
+bit-identical gradients, alone and composed with ``+``; PRAC's over several steps, its state
+checkpointed and resumed."""
 
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -14,6 +16,8 @@ from slimact.budget import BudgetWarning
 from slimact.models import build_model
 from slimact.planner.apply import runtime_of
 from slimact.planner.plan import Plan
+from slimact.state import state_of
+from slimact.strategies.prac import PracConfig, prac_report
 
 PRESETS = [
     "none",
@@ -66,6 +70,88 @@ def test_a_preset_plan_applies_like_its_strategy(name, model_name):
             assert p.grad is None or torch.equal(p.grad, q.grad), pname
 
 
+PRAC_PRESETS = [
+    *((name, model) for name in ("prac", "pac", "rac") for model in ("llama-tiny", "gpt2-tiny")),
+    ("prac@t1=2,svd=exact", "llama-tiny"),
+    ("prac@q2=store,fuse_norms=false", "llama-tiny"),
+    ("invact+prac", "llama-tiny"),
+    ("invact+prac", "gpt2-tiny"),
+    ("recompute+prac", "llama-tiny"),
+]
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize(("name", "model_name"), PRAC_PRESETS)
+def test_a_prac_preset_applies_like_its_strategy_and_resumes(name, model_name):
+    """PRAC draws random subspaces on a step clock: over several steps (Q1 and Q2 updates), the
+    preset's plan stores the same bytes, per site, and gives bit-identical gradients; its state
+    (``stateful["prac"]``, the runtime's per-storage codecs) checkpoints and resumes alike. At
+    4 x 128 tokens PRAC compresses the linear inputs of both tiny models (``prac_report``)."""
+    torch.manual_seed(0)
+    base = build_model(model_name)
+    plan = slimact.plan_of(base, name)
+    assert slimact.applied(base) == [] and Plan.from_dict(plan.to_dict()) == plan
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, base.config.vocab_size, (4, 128), generator=gen) for _ in range(4)]
+    by_name, by_plan = (slimact.apply(copy.deepcopy(base), s) for s in (name, plan))
+    assert runtime_of(by_plan).plan == plan
+    saved = None
+    for i, ids in enumerate(batches):
+        if i == 2:  # a checkpoint of the plan's state, resumed by a fresh copy below
+            saved = copy.deepcopy(
+                {k: v.state_dict() for k, v in state_of(by_plan).stateful.items()}
+            )
+        for m in (by_name, by_plan):
+            m.zero_grad(set_to_none=True)
+        (loss_a, rep_a), (loss_b, rep_b) = _step(by_name, ids), _step(by_plan, ids)
+        assert torch.equal(loss_a, loss_b)
+        assert rep_a.total_bytes == rep_b.total_bytes
+        assert {s.site: s.action for s in rep_a.sites} == {s.site: s.action for s in rep_b.sites}
+        grads = _grads(by_plan)
+        assert _grads(by_name).keys() == grads.keys()
+        assert all(torch.equal(g, grads[k]) for k, g in _grads(by_name).items())
+    report = prac_report(by_plan)
+    assert report == prac_report(by_name) and report["forwards"] == 4
+    linear = [c for c in report["compressed"].values() if c["role"] in ("linear", "output")]
+    assert linear and all(c["updates"]["q2"] >= 1 for c in linear)
+    resumed = slimact.apply(copy.deepcopy(base), plan)
+    for k, sd in saved.items():
+        state_of(resumed).stateful[k].load_state_dict(sd)
+    for ids in batches[2:]:
+        resumed.zero_grad(set_to_none=True)
+        _step(resumed, ids)
+    for m in (resumed, by_plan):
+        m.zero_grad(set_to_none=True)
+        _step(m, batches[0])
+    grads = _grads(by_plan)
+    assert all(torch.equal(g, grads[k]) for k, g in _grads(resumed).items())
+    ranks = [
+        {k: c["ranks"] for k, c in prac_report(m)["compressed"].items()} for m in (resumed, by_plan)
+    ]
+    assert ranks[0] == ranks[1]
+
+
+def test_a_prac_plan_names_its_ranks():
+    model = build_model("llama-tiny")
+    plan = slimact.plan_of(model, "prac")
+    (rule,) = plan.rules
+    assert rule.roles == "prac" and dict(rule.codecs)["linear"] == "prac/r1=0.3,r2=0.3"
+    table = plan.table()
+    assert "codec:prac/r1=0.3,r2=0.3" in table and "codec:prac/r1=0.2,r2=0.2" in table
+    assert "codec:pac/r1=0.6,r2=0" in slimact.plan_of(model, "pac").table()
+    assert plan.site_actions()["layers.0.input_layernorm:"] == "reformulate:rms_norm"
+    overridden = slimact.plan_of(
+        model, PracConfig(overrides=(("*down_proj*", 4, 4),), keep=("*lm_head*",))
+    )
+    assert "ranks r1=4, r2=4 (override)" in overridden.table()
+    assert Plan.from_dict(json.loads(overridden.to_json())) == overridden
+    acts = slimact.plan_of(model, "invact+prac").site_actions()
+    assert acts["layers.0.input_layernorm:"] == "reformulate:inv_rms_norm"  # invact's stays
+
+
 def test_plans_say_what_each_preset_does():
     model = build_model("llama-tiny")
     assert slimact.plan_of(model, "none").site_actions() == {}
@@ -90,8 +176,10 @@ def test_plans_say_what_each_preset_does():
 
 def test_what_has_no_preset_is_refused_by_name():
     model = build_model("llama-tiny")
-    with pytest.raises(ValueError, match="'prac' has no preset plan; presets: none, recompute"):
-        slimact.plan_of(model, "prac")
+    with pytest.raises(ValueError, match="'cola-m' has no preset plan; presets: none, recompute"):
+        slimact.plan_of(model, "cola-m")
+    with pytest.raises(ValueError, match="prac: a filter_fn has no preset form"):
+        slimact.plan_of(model, "prac", filter_fn=lambda m, p: True)
     with pytest.raises(ValueError, match="chunk_size=256 has no preset"):
         slimact.plan_of(model, "chunked-ce@256")
     with pytest.raises(ValueError, match="bf16='exact-near-branch' has no preset"):

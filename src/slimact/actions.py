@@ -121,6 +121,9 @@ def normalize(text: str) -> str:
         return codec(text)
 
 
+FUSED_RMS = "rms-norm"  # the kind of PRAC's fused RMSNorm in plans (``reformulate/norms.py``)
+
+
 def reform_op(kind: str) -> str:
     """The op a reformulation kind swaps in: ``invact:silu`` -> ``inv_silu``, ``invnorm:rms`` ->
     ``inv_rms_norm``, ``chunked-ce`` -> ``chunked_ce`` (the names its saves are reported under)."""
@@ -143,6 +146,7 @@ __all__ = [
     "CODEC",
     "EXACT",
     "KEEP",
+    "FUSED_RMS",
     "KINDS",
     "OFFLOAD",
     "OFFLOAD_CODEC",

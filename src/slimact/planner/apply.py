@@ -18,7 +18,10 @@ between steps (adaptive evolution) and ``slimact.revert`` undoes it all:
   channel count, so stateful codecs (PRAC) keep one state per storage and block. A site the
   table does not encode goes to the plan's lazy rules (``SiteRule``): its role
   (``slimact.classify.site_role``) -> the rule's codec label, one instance per (rule, role,
-  channel count); ``filter_fn`` at install restricts the rules to the modules it accepts.
+  channel count); ``filter_fn`` at install restricts the rules to the modules it accepts. A
+  PRAC rule (``roles="prac"``) goes to the runtime's PRAC state (``planner.prac_sites``): its
+  per-site decisions, one codec per compressed storage, the step clock every codec reads
+  (advanced per training forward), checkpointed as ``stateful["prac"]``.
 
 The router and the policy are entered around every root forward by the runtime's own hooks.
 *Lazy planning* (strategy ``auto`` without a batch shape): on the first grad-enabled forward the
@@ -48,10 +51,13 @@ from slimact.codecs.offload import check_device
 from slimact.codecs.saving import CodecPolicy, hidden_channels
 from slimact.patching import override_forward
 from slimact.planner.plan import Plan, abs_path, abs_site, site_module
+from slimact.planner.prac_sites import PracPolicy, PracState
 from slimact.reformulate import (
+    FUSED_RMS,
     ChunkedCEConfig,
     InvActConfig,
     apply_chunked_ce,
+    apply_fused_rms,
     apply_invact,
     find_head,
     loss_output,
@@ -85,6 +91,7 @@ class PlanAssign:
         self.rules = plan.rules
         self.modules = modules
         self.rule_codecs: dict[tuple[int, str, int], Codec] = {}  # (rule, role, channels)
+        self.prac: PracState | None = None  # a PRAC rule's state (the runtime sets it)
 
     def __call__(self, site: str, t: torch.Tensor) -> Codec | None:
         observer = self.runtime.observer if self.runtime is not None else None
@@ -103,9 +110,17 @@ class PlanAssign:
         return codec
 
     def _by_rule(self, site: str, t: torch.Tensor) -> Codec | None:
-        if self.modules is not None and site_module(site) not in self.modules:
-            return None
+        blocked = self.modules is not None and site_module(site) not in self.modules
         for i, rule in enumerate(self.rules):
+            if rule.roles == "prac":  # its state filters (and reports what it filters out)
+                if self.prac is None:
+                    raise ValueError("a PRAC rule needs the plan runtime's PRAC state")
+                codec = self.prac.assign(site, t)
+                if codec is not None:
+                    return codec
+                continue
+            if blocked:
+                continue
             role = site_role(site, t, rule.min_numel, rule.sdpa_out)
             label = rule.codec(role) if role is not None else None
             if role is None or label is None:
@@ -190,6 +205,7 @@ class PlanRuntime:
         kept = tuple(lp for lp in plan.layers if lp.block in allowed)
         plan = dataclasses.replace(plan, layers=kept) if len(kept) != len(plan.layers) else plan
         targets: set[str] = set()
+        kinds: dict[str, str] = {}
         for lp in plan.layers:
             for path in lp.recompute:
                 full = abs_path(path, lp.block)
@@ -201,8 +217,9 @@ class PlanRuntime:
                 self._undo.append(undo)
                 changes.append(AppliedChange(full, "recompute"))
             targets.update(abs_path(p, lp.block) for p in lp.reform)
+            kinds.update((abs_path(p, lp.block), k) for p, k in lp.reform_kinds)
         if targets:
-            changes.extend(self._reformulate(targets))
+            changes.extend(self._reformulate(targets, kinds))
         old = self.assign
         self.plan = plan
         self.assign = PlanAssign(plan, self, self.rule_modules)
@@ -213,7 +230,11 @@ class PlanRuntime:
                     self.assign.codecs[key] = codec
             if old.rules == plan.rules:
                 self.assign.rule_codecs = old.rule_codecs
-        self.policy = CodecPolicy(self.assign, carry=self.policy)
+        self._set_prac(plan, old)
+        if self.assign.prac is not None:
+            self.policy = PracPolicy(self.assign.prac, self.assign, carry=self.policy)
+        else:
+            self.policy = CodecPolicy(self.assign, carry=self.policy)
         if self.sites.pending:
             self.policy.load_site_state_dict(self.sites.pending)
             self.sites.pending = {}
@@ -223,15 +244,43 @@ class PlanRuntime:
         changes.append(AppliedChange("", "codec-policy", detail))
         return changes
 
-    def _reformulate(self, targets: set[str]) -> list[AppliedChange]:
+    def _set_prac(self, plan: Plan, old: PlanAssign | None) -> None:
+        """A PRAC rule's state (``planner.prac_sites``): the codecs, one per compressed storage,
+        and their step clock, kept across plans with the same rule; checkpointed as
+        ``stateful["prac"]`` (``prac_report``, DDP's subspace sync and checkpoints find it)."""
+        rules = [r for r in plan.rules if r.roles == "prac"]
+        if len(rules) > 1:
+            raise ValueError("a plan carries at most one PRAC rule")
+        stateful = state_of(self.model).stateful
+        prev = old.prac if old is not None else None
+        if not rules:
+            if prev is not None and stateful.get("prac") is prev:
+                del stateful["prac"]
+            return
+        if prev is not None and prev.rule == rules[0]:
+            self.assign.prac = prev
+            return
+        if stateful.get("prac") not in (None, prev):
+            raise ValueError(
+                f"a PRAC-family strategy ({stateful['prac'].name}) is already applied to this "
+                f"model; revert it before installing a plan with a PRAC rule"
+            )
+        self.assign.prac = PracState(self.model, rules[0], self.rule_modules)
+        stateful["prac"] = self.assign.prac
+
+    def _reformulate(self, targets: set[str], kinds: dict[str, str]) -> list[AppliedChange]:
         """Swap the planned modules: the loss head (``chunked-ce``), activations and norms
-        (inverted ops); ``probe=False`` since the profiler measured what they save."""
+        (inverted ops), RMSNorms saving (x, rstd) (kind ``rms-norm``: PRAC's fused norms);
+        ``probe=False`` since the profiler measured what they save."""
         head = find_head(self.model)[0]
         done: list[AppliedChange] = []
         self._head_planned = head in targets
         if head in targets:
             done += apply_chunked_ce(self.model, ChunkedCEConfig(probe=False))
-        rest = targets - {head}
+        fused = {p for p in targets if kinds.get(p) == FUSED_RMS} - {head}
+        if fused:
+            done += apply_fused_rms(self.model, fused)
+        rest = targets - {head} - fused
         if rest:
             done += apply_invact(self.model, InvActConfig(probe=False), lambda m, p: p in rest)
         applied = [c for c in done if not c.skipped]
@@ -256,6 +305,9 @@ class PlanRuntime:
             h.remove()
         state_of(self.model).runtime = None
         state_of(self.model).stateful.pop("codec-sites", None)
+        prac = self.assign.prac if self.assign is not None else None
+        if prac is not None and state_of(self.model).stateful.get("prac") is prac:
+            del state_of(self.model).stateful["prac"]
         prune(self.model)
         self.plan = self.assign = self.policy = None
 

@@ -2,8 +2,8 @@
 
 ``auto`` and a loaded ``Plan`` are plans already: after one step the runtime holds the plan it
 runs. The fixed-rule strategies decide per site while the step runs: ``int4`` and its variants
-through a plan of lazy rules (role -> codec, ``SiteRule``) on the same runtime, ``prac``,
-``invact``, ``recompute``, ``cola-m`` and ``chunked-ce`` through rules of their own. So their
+and ``prac``/``pac``/``rac`` through a plan of lazy rules (role -> codec, ``SiteRule``) on the
+same runtime, ``invact``, ``recompute``, ``cola-m`` and ``chunked-ce`` through rules of their own. So their
 plan (and their ``+`` compositions') is *read* here, with the lazy rules where there are any:
 one forward+backward of a copy of the model under ``none`` and one under the strategy, both
 through the meter, give for every storage of every block

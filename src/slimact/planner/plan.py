@@ -260,21 +260,43 @@ class SiteRule:
     ``codecs``: (role, codec label) pairs, a role absent is kept; ``min_numel`` and ``sdpa_out``
     are ``slimact.classify.site_role``'s options; ``sized``: the roles whose codec gets the
     tensor's hidden channel count (``slimact.codecs.saving.hidden_channels``), the others 0 (a
-    per-channel codec then takes the last dimension of the memory-order tensor)."""
+    per-channel codec then takes the last dimension of the memory-order tensor).
+
+    ``roles="prac"``: PRAC's roles instead (linear / output / norm / act / gate, decided per
+    site by ``slimact.planner.prac_sites``), each labelled with a PRAC-family codec whose ranks are
+    fractions of the feature size or absolute (``prac/r1=0.3,r2=0.3``); ``overrides``: (pattern,
+    r1, r2), first match wins; ``keep``: patterns of sites kept; ``gate_modules``: modules whose
+    product saves are the ``gate`` role; ``min_features``; ``only_if_smaller``: keep a site whose
+    payload plus basis would not be smaller than its tensor. The runtime builds one codec per
+    compressed storage, all reading one step clock (the count of training forwards)."""
 
     codecs: tuple[tuple[str, str], ...] = ()
     min_numel: int = 1024
     sdpa_out: bool = False
     sized: tuple[str, ...] = ("act", "qk", "qkv")
+    roles: str = "site"
+    keep: tuple[str, ...] = ()
+    overrides: tuple[tuple[str, int | float, int | float], ...] = ()
+    gate_modules: tuple[str, ...] = ()
+    min_features: int = 0
+    only_if_smaller: bool = False
 
     def __post_init__(self) -> None:  # tuples also when read from JSON lists
         object.__setattr__(self, "codecs", tuple((r, c) for r, c in self.codecs))
         object.__setattr__(self, "sized", tuple(self.sized))
+        object.__setattr__(self, "keep", tuple(self.keep))
+        object.__setattr__(self, "overrides", tuple((p, a, b) for p, a, b in self.overrides))
+        object.__setattr__(self, "gate_modules", tuple(self.gate_modules))
         roles = [r for r, _ in self.codecs]
         if len(set(roles)) != len(roles):
             raise ValueError(f"SiteRule names a role twice: {roles}")
         if not isinstance(self.min_numel, int) or self.min_numel < 0:
             raise ValueError(f"SiteRule.min_numel must be an int >= 0, got {self.min_numel!r}")
+        if self.roles not in ("site", "prac"):
+            raise ValueError(f"SiteRule.roles must be 'site' or 'prac', got {self.roles!r}")
+        prac_only = ("keep", "overrides", "gate_modules", "min_features", "only_if_smaller")
+        if self.roles == "site" and any(getattr(self, f) for f in prac_only):
+            raise ValueError(f"SiteRule: {', '.join(prac_only)} are options of roles='prac'")
 
     def codec(self, role: str) -> str | None:
         """The codec label of ``role``, or None (kept)."""
@@ -283,6 +305,24 @@ class SiteRule:
     def describe(self) -> str:
         """``act=int4-outlier-g16, qkv=int8-channel, ...``."""
         return ", ".join(f"{r}={c}" for r, c in self.codecs)
+
+    def table_lines(self) -> list[str]:
+        """The rule's rows in ``Plan.table``."""
+        if self.roles == "prac":
+            head = (
+                "== rule (PRAC's roles, on each site's first save"
+                f"{'; kept where payload + basis would not be smaller' if self.only_if_smaller else ''}"
+                f"; features >= {self.min_features})"
+            )
+        else:
+            head = (
+                f"== rule (on the first save of each role; {self.min_numel}+ values"
+                f"{', SDPA output as act' if self.sdpa_out else ''})"
+            )
+        lines = [head, *(f"   {role:<44} {actions.codec(codec)}" for role, codec in self.codecs)]
+        lines += [f"   {p:<44} ranks r1={a}, r2={b} (override)" for p, a, b in self.overrides]
+        lines += [f"   {p:<44} {actions.KEEP}" for p in self.keep]
+        return lines
 
 
 @dataclass(frozen=True)
@@ -440,12 +480,7 @@ class Plan(StrategyConfig):
                 f", +{lp.predicted_time_s * 1e3:.2f} ms"
             )
         for rule in self.rules:
-            lines.append(
-                f"== rule (on the first save of each role; {rule.min_numel}+ values"
-                f"{', SDPA output as act' if rule.sdpa_out else ''})"
-            )
-            for role, codec in rule.codecs:
-                lines.append(f"   {role:<44} {actions.codec(codec)}")
+            lines.extend(rule.table_lines())
         ratio = self.predicted_bytes / self.baseline_bytes if self.baseline_bytes else 0.0
         described = dict(self.meta).get("describes")
         if described:  # slimact.planner.describe: read from one measured step, not solved
@@ -537,8 +572,24 @@ def _merge_layers(a: LayerPlan, b: LayerPlan, problems: list[str]) -> LayerPlan:
         codecs=tuple((c, tuple(s)) for c, s in codecs.items()),
         storages=tuple(rows.values()),
         baseline_bytes=max(a.baseline_bytes, b.baseline_bytes),
-        reform_kinds=tuple(dict.fromkeys((*a.reform_kinds, *b.reform_kinds))),
+        reform_kinds=_merge_kinds(a.reform_kinds, b.reform_kinds),
     )
+
+
+def _merge_kinds(a: tuple, b: tuple) -> tuple[tuple[str, str], ...]:
+    """Both plans' (module, reformulation kind) rows; PRAC's fused RMSNorm (``rms-norm``) yields
+    to another reformulation of the same norm (``invact+prac``: the inverted norm stays)."""
+    kinds: dict[str, str] = {}
+    rows = []
+    for path, kind in dict.fromkeys((*a, *b)):
+        old = kinds.get(path)
+        if old is not None and kind == actions.FUSED_RMS:
+            continue
+        if old == actions.FUSED_RMS:
+            rows.remove((path, old))
+        kinds[path] = kind
+        rows.append((path, kind))
+    return tuple(rows)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """``prac`` / ``pac`` / ``rac``: store saved activations through principal + random subspaces.
 
-prac.txt §5.1 and App. B, Table 6. A codec policy (``codecs/saving.py``) stores, per site,
-Z = [XQ1, k·XQ2] and P = [Q1, Q2] instead of X (``codecs/prac.py`` has the math):
+prac.txt §5.1 and App. B, Table 6. A plan on the plan runtime (``presets.prac_plan``: one lazy
+``SiteRule(roles="prac")`` and the fused norms; ``planner/prac_sites.py`` decides each site and
+holds the codecs) stores, per site, Z = [XQ1, k·XQ2] and P = [Q1, Q2] instead of X
+(``codecs/prac.py`` has the math):
 
 - inputs of linear layers (q/k/v, gate/up, down, lm_head; o_proj see below): r1 = r2 = ⌊0.3n⌋;
 - saves inside norms (the norm's input x; ``fuse_norms`` swaps an RMSNorm for ``ops/rms_norm``,
@@ -46,237 +48,40 @@ GPT-2's GELU) and the first saver of a storage fixes its ranks, so ``inv_*`` sav
 
 from __future__ import annotations
 
-import fnmatch
-import functools
-import logging
 from typing import Any
 
-import torch
 import torch.nn as nn
 
-from slimact.classify import classify_norm, is_nonlinearity, is_norm, parse_site, rms_eps
-from slimact.codecs.prac import (
-    PracCodec,
-    resolve_rank,
-)
-from slimact.codecs.saving import CodecPolicy, dense_order, install_policy
-from slimact.ops.rms_norm import rms_norm
-from slimact.patching import override_forward, run_all
-from slimact.registry import (
-    AppliedChange,
-    FilterFn,
-    register_strategy,
-)
-from slimact.state import drop_stateful, peek, state_of
+from slimact.classify import is_norm
+from slimact.codecs.prac import resolve_rank
+from slimact.planner.apply import install
+from slimact.planner.prac_sites import PracPolicy, PracState
+from slimact.registry import AppliedChange, FilterFn, register_strategy
+from slimact.state import peek, state_of
 from slimact.strategies.prac_config import PacConfig, PracConfig, RacConfig
-
-logger = logging.getLogger("slimact")
-
-ATTENTION_OPS = ("scaled_dot_product_attention", "flash_attn", "attention")
-
-
-class PracState:
-    """All of one model's PRAC codecs, the step clock and the per-site decisions."""
-
-    def __init__(self, model: nn.Module, config: PracConfig, filter_fn: FilterFn | None) -> None:
-        self.config = config
-        self.modules = dict(model.named_modules())
-        self.filter_fn = filter_fn
-        self.forwards = 0
-        self.codecs: dict[str, PracCodec] = {}
-        self.plan: dict[str, str | None] = {}  # site -> codec key, or None (kept)
-        self.skipped: dict[str, str] = {}
-        self.sharers: dict[str, list[str]] = {}
-
-    def clock(self) -> int:
-        return max(self.forwards - 1, 0)
-
-    def role(self, site: str) -> str | None:
-        path, op, _ = parse_site(site)
-        m = self.modules.get(path)
-        if m is None or any(a in op for a in ATTENTION_OPS):
-            return None
-        if isinstance(m, nn.Linear):
-            return "linear" if op == "linear" else None
-        if op.startswith("inv_") and not op.endswith("_fallback"):
-            return "output"  # an output-saving op (invact): its y is the next layer's input
-        if is_norm(m):
-            return "norm"
-        if is_nonlinearity(m):
-            return "act"
-        if op == "mul" and any(fnmatch.fnmatchcase(path, p) for p in self.config.gate_modules):
-            return "gate"
-        return None
-
-    def skip(self, site: str, reason: str) -> None:
-        if site not in self.skipped:
-            self.skipped[site] = reason
-            logger.info("prac: %s keeps its tensor: %s", site, reason)
-
-    def codec_for(
-        self, site: str, t: torch.Tensor, raw_owner: str | None = None
-    ) -> PracCodec | None:
-        """The codec of ``site`` (built on its first save), or None to keep the tensor.
-
-        ``raw_owner``: a site that already keeps this tensor's storage uncompressed.
-        """
-        if not t.is_floating_point() or t.dim() < 2:
-            return None
-        if site in self.plan:
-            key = self.plan[site]
-            return None if key is None else self.codecs[key]
-        self.plan[site] = None
-        role = self.role(site)
-        if role is None:
-            return None
-        path, _, _ = parse_site(site)
-        cfg = self.config
-        if any(fnmatch.fnmatchcase(site, p) or fnmatch.fnmatchcase(path, p) for p in cfg.keep):
-            self.skip(site, "matches a keep pattern")
-            return None
-        if self.filter_fn is not None and not self.filter_fn(self.modules[path], path):
-            self.skip(site, "filtered out by filter_fn")
-            return None
-        n = t.shape[-1]
-        order = dense_order(t) if t.numel() else None
-        if order is not None and order[-1] != t.dim() - 1 and t.shape[-1] > 1:
-            # the policy encodes in memory order, whose innermost dim is not the features
-            self.skip(site, f"feature dim of shape {tuple(t.shape)} is not innermost in memory")
-            return None
-        r1, r2 = cfg.ranks_for(role, site, path)
-        a1, a2 = resolve_rank(r1, n), resolve_rank(r2, n)
-        if n < cfg.min_features or a1 + a2 == 0:
-            self.skip(
-                site,
-                f"feature size {n} too small (min_features={cfg.min_features}, "
-                f"ranks ({r1}, {r2}) -> ({a1}, {a2}))",
-            )
-            return None
-        if raw_owner is not None:
-            self.skip(site, f"its storage is kept uncompressed by {raw_owner}")
-            return None
-        codec = PracCodec(cfg.codec_config(a1, a2, role), clock=self.clock, name=site, role=role)
-        codec._setup(n)  # ranks vs n are checked here: a bad override raises now, naming the site
-        tokens, itemsize = t.numel() // n, t.element_size()
-        stored = tokens * (a1 + a2) * itemsize + codec.basis_nbytes()
-        if cfg.only_if_smaller and stored >= t.numel() * itemsize:
-            need = codec.basis_nbytes() // ((n - a1 - a2) * itemsize) + 1
-            self.skip(
-                site,
-                f"compressing would store {stored:,} B (payload + basis) for a "
-                f"{t.numel() * itemsize:,} B tensor: {tokens} tokens x n={n}, ranks ({a1}, {a2}); "
-                f"it pays off from {need} tokens per micro-batch (only_if_smaller=True)",
-            )
-            return None
-        self.codecs[site] = codec
-        self.plan[site] = site
-        self.sharers[site] = [site]
-        return codec
-
-    # -- checkpoints -------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "forwards": self.forwards,
-            "codecs": {k: c.state_dict() for k, c in self.codecs.items()},
-            "roles": {k: c.role for k, c in self.codecs.items()},
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.forwards = int(state["forwards"])
-        self.codecs.clear()
-        self.plan.clear()
-        for key, sd in state["codecs"].items():
-            role = state["roles"][key]
-            cfg = self.config.codec_config(int(sd["r1"]), int(sd["r2"]), role)
-            codec = PracCodec(cfg, clock=self.clock, name=key, role=role)
-            codec.load_state_dict(sd)
-            self.codecs[key] = codec
-            self.plan[key] = key
-            self.sharers.setdefault(key, [key])
-
-    def report(self) -> dict[str, Any]:
-        return {
-            "strategy": self.config.name,
-            "forwards": self.forwards,
-            "compressed": {
-                k: {**c.metadata(), "role": c.role, "sites": self.sharers.get(k, [k])}
-                for k, c in self.codecs.items()
-            },
-            "skipped": dict(self.skipped),
-        }
-
-
-class PracPolicy:
-    """A ``sites`` policy: a ``CodecPolicy`` over ``PracState``, treating storages as the unit.
-
-    Remembers which storages a site kept uncompressed during this forward, so a later saver of
-    the same storage (o_proj after SDPA) is not compressed for nothing.
-    """
-
-    def __init__(self, state: PracState) -> None:
-        self.state = state
-        self.inner = CodecPolicy(self._assign)
-        self._raw: dict[tuple[str, int], str] = {}
-        self._assigned = False
-
-    @staticmethod
-    def _storage(t: torch.Tensor) -> tuple[str, int]:
-        return str(t.device), t.untyped_storage().data_ptr()
-
-    def reset(self) -> None:
-        self.inner.reset()
-        self._raw.clear()
-        if torch.is_grad_enabled():
-            self.state.forwards += 1
-
-    def end(self) -> None:
-        self.inner.end()
-
-    def _assign(self, site: str, t: torch.Tensor) -> PracCodec | None:
-        self._assigned = True
-        owner = self._raw.get(self._storage(t))
-        if owner is not None and self.state.plan.get(site) is not None:
-            return None  # compressed in earlier forwards; this time another site keeps it raw
-        return self.state.codec_for(site, t, owner)
-
-    def __call__(self, site: str, t: torch.Tensor):
-        self._assigned = False
-        stored = self.inner(site, t)
-        if stored is None:
-            key = self._storage(t)
-            owner = self._raw.setdefault(key, site)
-            if owner != site and not self._assigned and site not in self.state.plan:
-                self.state.codec_for(site, t, owner)  # records why it is kept (no codec built)
-        elif not self._assigned:  # encode-once cache hit: another member of a sharing group
-            members = self.state.sharers.setdefault(stored.codec.name, [stored.codec.name])
-            if site not in members:
-                members.append(site)
-        return stored
+from slimact.strategies.presets import prac_plan
 
 
 def apply_prac(
     model: nn.Module, config: PracConfig, filter_fn: FilterFn | None = None
 ) -> list[AppliedChange]:
+    """Install PRAC's plan (``presets.prac_plan``: its rule and fused norms) on the plan runtime;
+    ``filter_fn`` restricts the rule through the runtime's PRAC state (``planner.prac_sites``)."""
     registry = state_of(model).stateful
     if "prac" in registry:
         raise ValueError(
-            f"a PRAC-family strategy ({registry['prac'].config.name}) is already applied to this "
+            f"a PRAC-family strategy ({registry['prac'].name}) is already applied to this "
             f"model; revert it before applying {config.name}"
         )
-    state = PracState(model, config, filter_fn)
-    change = install_policy(model, PracPolicy(state))
-    registry["prac"] = state
-    change.undo = functools.partial(
-        run_all, change.undo, functools.partial(drop_stateful, model, "prac")
-    )  # picklable, and deep copies undo the copy (see slimact.patching)
-    change.action = config.name
-    change.detail = (
+    changes = install(model, prac_plan(model, config, filter_fn))
+    if filter_fn is not None:
+        state = registry["prac"]
+        state.allowed = frozenset(p for p, m in state.modules.items() if filter_fn(m, p))
+    changes[0].action = config.name
+    changes[0].detail = (
         f"linear ranks {config.linear}, nonlinear {config.nonlinear} (of n), "
         f"T1={config.t1} T2={config.t2}, svd={config.svd}"
     )
-    changes = [change]
-    if config.fuse_norms:
-        changes.extend(_fuse_rms_norms(model, config, filter_fn))
     for path, m in model.named_modules():  # what is known before the first forward
         role = "linear" if isinstance(m, nn.Linear) else "norm" if is_norm(m) else None
         if role is None:
@@ -299,29 +104,6 @@ def apply_prac(
             )
         else:
             changes.append(AppliedChange(path, config.name, f"{role} n={n} r1={a1} r2={a2}"))
-    return changes
-
-
-def _fused_rms_forward(inner, module: nn.Module, eps: float | None, x: torch.Tensor):
-    return rms_norm(x, module.weight, eps=eps)
-
-
-def _fuse_rms_norms(
-    model: nn.Module, config: PracConfig, filter_fn: FilterFn | None
-) -> list[AppliedChange]:
-    """RMSNorms save (x, rstd) instead of (x, x̂): one compressed tensor per norm (ops/rms_norm)."""
-    changes = []
-    for path, m in model.named_modules():
-        if "forward" in m.__dict__ or (filter_fn is not None and not filter_fn(m, path)):
-            continue  # already patched (e.g. by invact, applied first) or filtered out
-        w = getattr(m, "weight", None)
-        kind, _ = classify_norm(m, w.device if isinstance(w, torch.Tensor) else torch.device("cpu"))
-        if kind != "rms":
-            continue
-        _, undo = override_forward(m, _fused_rms_forward, m, rms_eps(m))
-        changes.append(
-            AppliedChange(path, config.name, "RMSNorm saves (x, rstd), not (x, x̂)", undo=undo)
-        )
     return changes
 
 

@@ -10,6 +10,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from slimact.codecs.base import codec_label
 from slimact.codecs.prac import (
     SVD_METHODS,
     PacCodecConfig,
@@ -17,6 +18,8 @@ from slimact.codecs.prac import (
     RacCodecConfig,
     validate_rank_pair,
 )
+from slimact.planner.plan import SiteRule
+from slimact.planner.prac_sites import ROLES
 from slimact.registry import StrategyConfig
 
 
@@ -135,11 +138,33 @@ class PracConfig(StrategyConfig):
             q2=self.q2,
         )
 
+    def label(self, role: str) -> str:
+        """The codec label of ``role``'s sites, its ranks spelled out (``prac/r1=0.3,r2=0.3``)."""
+        r1, r2 = self._role_ranks(role)
+        name, _, params = codec_label(self.codec_config(r1, r2, role)).partition("/")
+        rest = [p for p in params.split(",") if p and not p.startswith(("r1=", "r2="))]
+        return f"{name}/{','.join([f'r1={r1}', f'r2={r2}', *rest])}"
+
+    def _role_ranks(self, role: str) -> tuple[int | float, int | float]:
+        return self.linear if role in ("linear", "output") else self.nonlinear
+
+    def rule(self) -> SiteRule:
+        """The lazy rule the plan runtime applies (``SiteRule(roles="prac")``)."""
+        return SiteRule(
+            codecs=tuple((role, self.label(role)) for role in ROLES),
+            roles="prac",
+            keep=self.keep,
+            overrides=self.overrides,
+            gate_modules=self.gate_modules,
+            min_features=self.min_features,
+            only_if_smaller=self.only_if_smaller,
+        )
+
     def ranks_for(self, role: str, site: str, module: str) -> tuple[int | float, int | float]:
         for pattern, r1, r2 in self.overrides:
             if fnmatch.fnmatchcase(site, pattern) or fnmatch.fnmatchcase(module, pattern):
                 return r1, r2
-        return self.linear if role in ("linear", "output") else self.nonlinear
+        return self._role_ranks(role)
 
 
 @dataclass(frozen=True)

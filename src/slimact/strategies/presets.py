@@ -10,12 +10,14 @@ checks each). Each config type has one handler (torchao's shape: dispatch by con
     int4, int8, ...       the config's lazy rule, role -> codec (``Int4Config.plan``)
     invact, invact-act    the modules the strategy would invert, as ``reform`` per block
     chunked-ce            the loss head, as ``reform`` of the root's row
+    prac, pac, rac        PRAC's lazy rule (its roles -> codec labels with the ranks) and its
+                          fused RMSNorms as ``reform`` (``prac_plan``; the strategy installs it)
 
 ``invact`` and ``chunked-ce`` find their modules as the strategy does (its probe included):
 the strategy is applied to the model, its changes read, and undone, so the model is left as it
 was. The runtime reformulates with the default settings, so a config with other settings
 (``invact@bf16=exact-near-branch``, ``chunked-ce@256``) has no preset yet and is refused, as
-are the strategies that are not presets (``prac``, ``cola-m``, ``auto``: a solved plan comes
+are the strategies that are not presets (``cola-m``, ``auto``: a solved plan comes
 from ``slimact plan``; ``compiled-*``). A spec with ``+`` merges its parts' plans
 (``Plan.merge``), which names every site where two parts conflict. A plan is applied in the
 runtime's one order (reformulate, recompute, then codecs), whatever the order of the spec's
@@ -34,12 +36,20 @@ from collections.abc import Callable
 import torch.nn as nn
 
 from slimact import sites
+from slimact.actions import FUSED_RMS
 from slimact.planner.plan import LayerPlan, Plan
-from slimact.reformulate import ChunkedCEConfig, InvActConfig, apply_chunked_ce, apply_invact
+from slimact.reformulate import (
+    ChunkedCEConfig,
+    InvActConfig,
+    apply_chunked_ce,
+    apply_invact,
+    fusable_rms_norms,
+)
 from slimact.registry import FilterFn, StrategyConfig, resolve
 from slimact.state import peek
 from slimact.strategies.int4 import Int4Config, NaiveInt4Config
 from slimact.strategies.none import NoneConfig
+from slimact.strategies.prac_config import PacConfig, PracConfig, RacConfig
 from slimact.strategies.recompute import RecomputeConfig
 
 
@@ -133,6 +143,25 @@ def _chunked_ce(model: nn.Module, config: ChunkedCEConfig, filter_fn: FilterFn |
     )
 
 
+def prac_plan(model: nn.Module, config: PracConfig, filter_fn: FilterFn | None = None) -> Plan:
+    """PRAC's plan: its lazy rule (``PracConfig.rule``: PRAC's roles -> codec labels carrying the
+    ranks) and, with ``fuse_norms``, the RMSNorms ``filter_fn`` passes reformulated to save (x,
+    rstd) (kind ``rms-norm``). The strategy installs it; ``filter_fn`` also restricts the rule,
+    which a plan cannot say (the strategy hands it to the runtime's PRAC state)."""
+    paths = fusable_rms_norms(model, filter_fn) if config.fuse_norms else []
+    return Plan(
+        layers=_layers(model, "reform", paths, dict.fromkeys(paths, FUSED_RMS)),
+        rules=(config.rule(),),
+        meta=(("strategy", config.name),),
+    )
+
+
+def _prac(model: nn.Module, config: PracConfig, filter_fn: FilterFn | None) -> Plan:
+    if filter_fn is not None:
+        raise ValueError(f"{config.name}: a filter_fn has no preset form (apply the strategy)")
+    return prac_plan(model, config)
+
+
 # config type -> handler (model, config, filter_fn) -> Plan
 PRESETS: dict[type, Callable[..., Plan]] = {
     NoneConfig: _none,
@@ -141,6 +170,9 @@ PRESETS: dict[type, Callable[..., Plan]] = {
     NaiveInt4Config: _rule,
     InvActConfig: _invact,
     ChunkedCEConfig: _chunked_ce,
+    PracConfig: _prac,
+    PacConfig: _prac,
+    RacConfig: _prac,
 }
 
 
@@ -156,8 +188,8 @@ def plan_of(model: nn.Module, strategy: str | StrategyConfig, filter_fn: FilterF
         if handler is None:
             raise ValueError(
                 f"strategy {config.name!r} has no preset plan; presets: none, recompute, int4, "
-                "int4-plain, int4-paper, int4-naive, int8, invact, invact-act, chunked-ce and "
-                "their '+' compositions (auto's plan: slimact plan --budget ...)"
+                "int4-plain, int4-paper, int4-naive, int8, invact, invact-act, chunked-ce, prac, "
+                "pac, rac and their '+' compositions (auto's plan: slimact plan --budget ...)"
             )
         plans.append(handler(model, config, filter_fn))
     return functools.reduce(operator.add, plans)
