@@ -16,6 +16,7 @@ from slimact.budget import BudgetWarning
 from slimact.models import build_model
 from slimact.planner.apply import runtime_of
 from slimact.planner.plan import Plan
+from slimact.registry import applied_strategies
 from slimact.state import state_of
 from slimact.strategies.prac import PracConfig, prac_report
 
@@ -58,6 +59,8 @@ def test_a_preset_plan_applies_like_its_strategy(name, model_name):
     )
     by_name, by_plan = (slimact.apply(copy.deepcopy(base), s) for s in (name, plan))
     assert runtime_of(by_plan).plan == plan
+    # the strategy applies through the same plan on the one runtime (none: no runtime at all)
+    assert (runtime_of(by_name) is None) if name == "none" else runtime_of(by_name).plan == plan
     for _ in range(2):  # the second step runs the codecs' deferred encodes
         for m in (by_name, by_plan):
             m.zero_grad(set_to_none=True)
@@ -222,3 +225,75 @@ def test_a_probe_is_not_a_step():
             m(ids, targets=ids).loss.backward()
         totals.append(meter.report.total_bytes)
     assert totals[0] == totals[1]
+
+
+def test_a_spec_of_presets_installs_one_plan():
+    """``apply(m, "invact+recompute+int4")`` is one merged plan on one runtime; the changes are
+    still each strategy's rows, and ``revert`` undoes them all."""
+    model = build_model("llama-tiny")
+    slimact.apply(model, "invact+recompute+int4")
+    rt = runtime_of(model)
+    assert rt.plan == slimact.plan_of(build_model("llama-tiny"), "invact+recompute+int4")
+    rows = [(c.path, c.action) for c in slimact.applied(model) if not c.skipped]
+    assert ("layers.1.mlp.act_fn", "invact:silu") in rows and ("layers.0", "recompute") in rows
+    assert ("", "int4") in rows and ("", "codec-policy") in rows
+    assert sum(c.undo is not None for c in slimact.applied(model)) == 1  # the runtime's removal
+    slimact.revert(model)
+    assert runtime_of(model) is None and slimact.applied(model) == []
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_presets_applied_one_after_another_merge_into_one_plan():
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    base = build_model("llama-tiny")
+    once = slimact.apply(copy.deepcopy(base), "invact+recompute+int4")
+    twice = slimact.apply(copy.deepcopy(base), "invact")
+    slimact.apply(twice, "recompute+int4")
+    assert applied_strategies(twice) == ["invact", "recompute", "int4"]
+    assert runtime_of(twice).plan.site_actions() == runtime_of(once).plan.site_actions()
+    (_, a), (_, b) = _step(once, ids), _step(twice, ids)
+    assert a.total_bytes == b.total_bytes
+    for p, q in zip(once.parameters(), twice.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    slimact.revert(twice)
+    assert runtime_of(twice) is None and all("forward" not in m.__dict__ for m in twice.modules())
+
+
+def test_what_is_not_all_presets_applies_part_by_part():
+    """A spec with a strategy that is not a preset (``prac``), or a preset refused (a
+    ``filter_fn`` on a codec rule), applies its parts one after another, as the strategies do."""
+    model = slimact.apply(build_model("llama-tiny"), "invact+prac")
+    # invact patched by its own transform; the runtime is PRAC's strategy's (its rule alone)
+    assert "forward" in model.layers[0].mlp.act_fn.__dict__
+    assert [r.roles for r in runtime_of(model).plan.rules] == ["prac"]
+    assert not any(lp.reform for lp in runtime_of(model).plan.layers if lp.block)
+    model = slimact.apply(build_model("llama-tiny"), "int4", lambda m, p: p.startswith("layers.0"))
+    assert runtime_of(model).rule_modules is not None
+    model = slimact.apply(build_model("llama-tiny"), "recompute")
+    with pytest.raises(ValueError, match=r"slimact.revert\(model\) and apply 'recompute\+int4'"):
+        slimact.apply(model, "int4", lambda m, p: True)
+    assert applied_strategies(model) == ["recompute"]
+
+
+def test_prac_after_a_preset_joins_its_plan_and_reverts():
+    """``apply(m, "recompute")`` installs a preset's runtime; ``apply(m, "prac")`` after it merges
+    PRAC's plan into that runtime (one runtime), trains like ``prac+recompute`` in one call, and
+    ``slimact.revert`` takes the model back to its original modules."""
+    torch.manual_seed(0)
+    base = build_model("llama-tiny")
+    ids = torch.randint(0, 256, (4, 128), generator=torch.Generator().manual_seed(0))
+    seq = slimact.apply(slimact.apply(copy.deepcopy(base), "recompute"), "prac")
+    one = slimact.apply(copy.deepcopy(base), "prac+recompute")
+    assert [r.roles for r in runtime_of(seq).plan.rules] == ["prac"]
+    assert runtime_of(seq).plan.layer("layers.0").recompute == ("",)
+    for _ in range(2):
+        (la, ra), (lb, rb) = _step(seq, ids), _step(one, ids)
+        assert torch.equal(la, lb) and ra.total_bytes == rb.total_bytes
+        for (name, p), q in zip(seq.named_parameters(), one.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+        for m in (seq, one):
+            m.zero_grad(set_to_none=True)
+    slimact.revert(seq)
+    assert runtime_of(seq) is None and slimact.applied(seq) == []
+    assert "forward" not in seq.layers[0].__dict__ and "prac" not in state_of(seq).stateful

@@ -214,8 +214,12 @@ def codec_policy_installed(model: nn.Module) -> bool:
     d = model.__dict__
     fwd = d.get("forward")
     st = peek(model)
-    coded = st is not None and (st.stateful or st.runtime is not None)
-    return bool(coded) or (fwd is not None and hasattr(fwd, "__wrapped__"))
+    rt = st.runtime if st is not None else None
+    # a plan runtime's own state ("codec-sites") counts only where it routes saves (a preset
+    # that recomputes and reformulates alone does not)
+    own = set(st.stateful) - {"codec-sites"} if st is not None else set()
+    coded = bool(own) or (rt is not None and rt.routes_saves())
+    return coded or (fwd is not None and hasattr(fwd, "__wrapped__"))
 
 
 def compile_blocks(

@@ -3,7 +3,8 @@
 torchao-style: each strategy is a frozen dataclass config; ``register_strategy`` ties a name and a
 config class to ``transform(model, config, filter_fn) -> AppliedChange list``. ``apply`` accepts
 ``"name"``, a config, ``"name@arg"`` for configs with a ``from_spec`` parser (``"auto@25%"``), or
-``"a+b"`` to compose several (applied left to right). Every change is
+``"a+b"`` to compose several (applied left to right; a spec of presets alone is one merged
+plan, ``register_preset_path``). Every change is
 recorded on the model (``applied(model)``) and can be undone with ``revert(model)``.
 
 ``apply`` is all-or-nothing: if any part of a composition raises, the parts already applied are
@@ -90,6 +91,20 @@ class _Entry:
 
 
 _REGISTRY: dict[str, _Entry] = {}
+
+# (model, configs, filter_fn) -> the changes of the whole spec, or None where the spec is not one
+# of presets (``strategies/presets.py`` registers it; this layer cannot import the strategies)
+PresetPath = Callable[
+    [nn.Module, list[StrategyConfig], FilterFn | None], list[AppliedChange] | None
+]
+_PRESET_PATH: list[PresetPath] = []
+
+
+def register_preset_path(fn: PresetPath) -> None:
+    """Let ``apply`` try ``fn`` first for a whole spec: it applies every part at once (one merged
+    plan on the plan runtime) and returns the changes, or returns None and changes nothing, and
+    ``apply`` applies the parts one after another (each strategy's own transform)."""
+    _PRESET_PATH[:] = [fn]
 
 
 def register_strategy(
@@ -398,7 +413,11 @@ def apply(
     _check_compiled_again(before, [label for label, _ in parts])
     done: list[AppliedChange] = []
     try:
-        for _, cfg in parts:
+        preset = _PRESET_PATH[0](model, [c for _, c in parts], filter_fn) if _PRESET_PATH else None
+        if preset is not None:
+            done.extend(preset)
+            logger.info("slimact.apply %s: one preset plan, %d change(s)", strategy, len(preset))
+        for _, cfg in parts if preset is None else ():
             changes = _entry_for(cfg).transform(model, cfg, filter_fn)
             done.extend(changes)
             n_skip = sum(c.skipped for c in changes)

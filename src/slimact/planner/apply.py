@@ -174,6 +174,7 @@ class PlanRuntime:
         self.history: list[dict] = []
         self.last_input: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.rule_modules: frozenset[str] | None = None  # filter_fn's modules, for the rules
+        self.preset_rows: int | None = None  # a preset's runtime: the changes its applies made
         self._hooks = [
             model.register_forward_pre_hook(self._pre, with_kwargs=True),
             model.register_forward_hook(self._post, always_call=True),
@@ -350,7 +351,7 @@ class PlanRuntime:
         # plan installed during this call (lazy planning, a re-plan) would miss
         parked = park_labels(self.model, args, kwargs) if self._head_planned else None
         self._parked.append(parked is not None)
-        if self.policy is None:
+        if self.policy is None or not self.routes_saves():
             self._stacks.append(None)
             return parked
         stack = ExitStack()
@@ -359,6 +360,15 @@ class PlanRuntime:
         self.policy.reset()
         self._stacks.append(stack)
         return parked
+
+    def routes_saves(self) -> bool:
+        """Does this call need the router and the policy? Not for a preset's plan that only
+        recomputes and reformulates (no table, no rules): it decides no save, and nothing
+        (budget check, evolver) reads the router on such a runtime."""
+        a = self.assign
+        if self.preset_rows is None or a is None or self.observer is not None:
+            return True
+        return bool(a.table or a.rules)
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self._stacks:

@@ -118,7 +118,12 @@ def describe(
     report = _step(work, ids, forward)
     compiled = _compiled_blocks(work)
     runtime = runtime_of(work)
-    solved = runtime is not None and runtime.plan is not None and not runtime.plan.rules
+    solved = (
+        runtime is not None
+        and runtime.plan is not None
+        and not runtime.plan.rules
+        and runtime.preset_rows is None  # a preset's plan: described from its step, as before
+    )
     if solved and not compiled:
         return runtime.plan  # auto / a Plan: the plan it runs (compiled-auto's: its root only)
     rules = runtime.plan.rules if runtime is not None and runtime.plan is not None else ()

@@ -84,12 +84,13 @@ from slimact.codecs.base import (
     codec_names,
 )
 from slimact.codecs.token import TokenQuantConfig
-from slimact.planner.apply import PlanAssign, install
+from slimact.planner.apply import PlanAssign, install, runtime_of
 from slimact.planner.plan import Plan, SiteRule
 from slimact.registry import (
     AppliedChange,
     FilterFn,
     StrategyConfig,
+    applied_strategies,
     register_strategy,
     resolve,
 )
@@ -262,7 +263,16 @@ def apply_int4(
     model: nn.Module, config: Int4Config | NaiveInt4Config, filter_fn: FilterFn | None = None
 ) -> list[AppliedChange]:
     """Install ``config.plan()`` (``slimact.planner.apply.install``): one plan runtime, undone by
-    ``slimact.revert``; its head change reads the strategy's name and roles."""
+    ``slimact.revert``; its head change reads the strategy's name and roles. (A spec of presets
+    alone installs its merged plan instead: ``strategies/presets.apply_presets``.)"""
+    rt = runtime_of(model)
+    if rt is not None and rt.preset_rows is not None:
+        before = "+".join(applied_strategies(model))
+        raise ValueError(
+            f"cannot apply {config.name!r}: the model carries the plan of {before!r}, which "
+            f"{config.name!r} joins only as a preset (no filter_fn, every part of the spec a "
+            f"preset); call slimact.revert(model) and apply '{before}+{config.name}' in one call"
+        )
     changes = install(model, config.plan(), filter_fn=filter_fn)
     changes[0].action, changes[0].detail = config.name, config.describe()
     return changes

@@ -48,13 +48,14 @@ GPT-2's GELU) and the first saver of a storage fixes its ranks, so ``inv_*`` sav
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch.nn as nn
 
 from slimact.classify import is_norm
 from slimact.codecs.prac import resolve_rank
-from slimact.planner.apply import install
+from slimact.planner.apply import install, runtime_of
 from slimact.planner.prac_sites import PracPolicy, PracState
 from slimact.registry import AppliedChange, FilterFn, register_strategy
 from slimact.state import peek, state_of
@@ -73,7 +74,24 @@ def apply_prac(
             f"a PRAC-family strategy ({registry['prac'].name}) is already applied to this "
             f"model; revert it before applying {config.name}"
         )
-    changes = install(model, prac_plan(model, config, filter_fn))
+    rt = runtime_of(model)
+    if rt is not None and rt.preset_rows == len(state_of(model).applied):
+        # a runtime that only presets made (``apply(m, "recompute")`` before): PRAC's plan joins
+        # its plan (``Plan.merge``), and the revert of this change puts the old plan back
+        old, rows = rt.plan, rt.preset_rows
+        try:
+            merged = rt.set_plan(old + prac_plan(model, config, filter_fn))
+        except BaseException:
+            rt.set_plan(old)
+            raise
+        rt.preset_rows = None  # no longer a preset's runtime: later presets apply part by part
+        undo = functools.partial(_unmerge, rt, old, rows)
+        changes = [
+            AppliedChange("", config.name, "", undo=undo),
+            *(AppliedChange(c.path, c.action, c.detail, c.skipped) for c in merged),
+        ]
+    else:
+        changes = install(model, prac_plan(model, config, filter_fn))
     if filter_fn is not None:
         state = registry["prac"]
         state.allowed = frozenset(p for p, m in state.modules.items() if filter_fn(m, p))
@@ -105,6 +123,12 @@ def apply_prac(
         else:
             changes.append(AppliedChange(path, config.name, f"{role} n={n} r1={a1} r2={a2}"))
     return changes
+
+
+def _unmerge(rt, old, rows) -> None:  # type: ignore[no-untyped-def]
+    """Undo PRAC's merge into a preset's runtime: its old plan back, a preset's runtime again."""
+    rt.set_plan(old)
+    rt.preset_rows = rows
 
 
 def prac_state(model: nn.Module) -> PracState:

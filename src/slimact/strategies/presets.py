@@ -13,17 +13,26 @@ checks each). Each config type has one handler (torchao's shape: dispatch by con
     prac, pac, rac        PRAC's lazy rule (its roles -> codec labels with the ranks) and its
                           fused RMSNorms as ``reform`` (``prac_plan``; the strategy installs it)
 
-``invact`` and ``chunked-ce`` find their modules as the strategy does (its probe included):
-the strategy is applied to the model, its changes read, and undone, so the model is left as it
-was. The runtime reformulates with the default settings, so a config with other settings
-(``invact@bf16=exact-near-branch``, ``chunked-ce@256``) has no preset yet and is refused, as
-are the strategies that are not presets (``cola-m``, ``auto``: a solved plan comes
+``recompute``, ``invact`` and ``chunked-ce`` find their modules as the strategy does (its probe
+included): the strategy is applied to the model, its changes read, and undone, so the model is
+left as it was. The runtime reformulates with the default settings, so a config with other
+settings (``invact@bf16=exact-near-branch``, ``chunked-ce@256``) has no preset yet and is
+refused, as are ``recompute`` without a preserved RNG state, a codec rule with a ``filter_fn``
+and the strategies that are not presets (``cola-m``, ``offload``, ``auto``: a solved plan comes
 from ``slimact plan``; ``compiled-*``). A spec with ``+`` merges its parts' plans
 (``Plan.merge``), which names every site where two parts conflict. A plan is applied in the
 runtime's one order (reformulate, recompute, then codecs), whatever the order of the spec's
-parts; the registry's ``+`` applies parts in spec order, and ``int4`` installed before
-``chunked-ce`` codes some block tensors differently, so the preset matches the spec written in
-the runtime's order (``invact+chunked-ce+int4``).
+parts.
+
+``slimact.apply`` goes through these plans (``apply_presets``, the registry's preset path): a
+spec whose every part is a preset installs ``plan_of``'s one merged plan on the one runtime,
+and a later spec of presets on such a model is merged into its plan. The changes it records are
+the strategies' own (``int4``'s head row, the per-module rows with their skips). Any other spec
+(one part not a preset, or a model carrying a change that is not a preset's: ``cola-m``,
+``prac``, a solved plan) is applied part by part by the strategies' own transforms, as before.
+The PRAC family has a preset for ``plan_of`` but installs its plan through its own strategy
+(``strategies/prac.py``: it also takes a ``filter_fn`` and reports its per-module ranks), so a
+spec with ``prac`` takes the part-by-part path.
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ import torch.nn as nn
 
 from slimact import sites
 from slimact.actions import FUSED_RMS
+from slimact.checkpointing import GUARD_ACTION, guard_cache
+from slimact.planner.apply import PlanRuntime, runtime_of
 from slimact.planner.plan import LayerPlan, Plan
 from slimact.reformulate import (
     ChunkedCEConfig,
@@ -45,12 +56,18 @@ from slimact.reformulate import (
     apply_invact,
     fusable_rms_norms,
 )
-from slimact.registry import FilterFn, StrategyConfig, resolve
+from slimact.registry import (
+    AppliedChange,
+    FilterFn,
+    StrategyConfig,
+    register_preset_path,
+    resolve,
+)
 from slimact.state import peek
 from slimact.strategies.int4 import Int4Config, NaiveInt4Config
 from slimact.strategies.none import NoneConfig
 from slimact.strategies.prac_config import PacConfig, PracConfig, RacConfig
-from slimact.strategies.recompute import RecomputeConfig
+from slimact.strategies.recompute import RecomputeConfig, apply_recompute
 
 
 def _layers(
@@ -78,69 +95,56 @@ def _layers(
     )
 
 
-def _none(model: nn.Module, config: NoneConfig, filter_fn: FilterFn | None) -> Plan:
-    return Plan(meta=(("strategy", "none"),))
+Part = tuple[Plan, list[AppliedChange]]  # a part's plan and the changes the strategy reports
 
 
-def _recompute(model: nn.Module, config: RecomputeConfig, filter_fn: FilterFn | None) -> Plan:
-    if not config.preserve_rng_state:
-        raise ValueError(
-            "recompute with preserve_rng_state=False has no preset: the plan runtime "
-            "checkpoints with the RNG state preserved"
-        )
-    modules = dict(model.named_modules())
-    paths = [b for b in sites.block_paths(model) if filter_fn is None or filter_fn(modules[b], b)]
-    if not paths:
-        raise ValueError("recompute: the model has no repeated blocks to recompute")
-    return Plan(layers=_layers(model, "recompute", paths), meta=(("strategy", "recompute"),))
-
-
-def _rule(model: nn.Module, config: Int4Config | NaiveInt4Config, filter_fn) -> Plan:
-    if filter_fn is not None:
-        raise ValueError(f"{config.name}: a filter_fn has no preset form (apply the strategy)")
-    return config.plan()
-
-
-def _reformulated(apply_fn: Callable, model: nn.Module, config, filter_fn) -> dict[str, str]:
-    """The modules ``apply_fn`` would reformulate -> their kind (``invact:silu``, ...), found by
-    applying it and undoing it."""
+def _changes_of(apply_fn: Callable, model: nn.Module, config, filter_fn) -> list[AppliedChange]:
+    """What ``apply_fn`` would do (its probe included), found by applying it and undoing it: its
+    changes, without their undos (the model is left as it was)."""
     changes = apply_fn(model, config, filter_fn)
-    try:
-        modules = dict(model.named_modules())
-        return {c.path: c.action for c in changes if not c.skipped and c.path and c.path in modules}
-    finally:
-        for c in reversed(changes):
-            if c.undo is not None:
-                c.undo()
+    for c in reversed(changes):
+        if c.undo is not None:
+            c.undo()
+    return [AppliedChange(c.path, c.action, c.detail, c.skipped) for c in changes]
 
 
-def _only_defaults(config: StrategyConfig, default: StrategyConfig, free: tuple[str, ...]) -> None:
-    diff = [
-        f.name
-        for f in dataclasses.fields(default)
-        if f.name not in free and getattr(config, f.name) != getattr(default, f.name)
-    ]
-    if diff:
-        raise ValueError(
-            f"{config.name} with {', '.join(f'{k}={getattr(config, k)!r}' for k in diff)} has "
-            "no preset: the plan runtime reformulates with the default settings (apply the "
-            "strategy itself)"
-        )
+def _none(model: nn.Module, config: NoneConfig, filter_fn: FilterFn | None) -> Part:
+    return Plan(meta=(("strategy", "none"),)), []
 
 
-def _invact(model: nn.Module, config: InvActConfig, filter_fn: FilterFn | None) -> Plan:
-    _only_defaults(config, InvActConfig(), ("norms", "ops", "probe"))
-    kinds = _reformulated(apply_invact, model, config, filter_fn)
-    meta = (("strategy", "invact" if config.norms else "invact-act"),)
-    return Plan(layers=_layers(model, "reform", list(kinds), kinds), meta=meta)
+def _recompute(model: nn.Module, config: RecomputeConfig, filter_fn: FilterFn | None) -> Part:
+    changes = _changes_of(apply_recompute, model, config, filter_fn)
+    rows = [c for c in changes if c.action != GUARD_ACTION]
+    paths = [c.path for c in rows if not c.skipped]
+    if not paths:
+        return Plan(), rows
+    return Plan(layers=_layers(model, "recompute", paths), meta=(("strategy", "recompute"),)), rows
 
 
-def _chunked_ce(model: nn.Module, config: ChunkedCEConfig, filter_fn: FilterFn | None) -> Plan:
-    _only_defaults(config, ChunkedCEConfig(), ("probe",))
-    kinds = _reformulated(apply_chunked_ce, model, config, filter_fn)
-    return Plan(
-        layers=_layers(model, "reform", list(kinds), kinds), meta=(("strategy", "chunked-ce"),)
-    )
+def _rule(model: nn.Module, config: Int4Config | NaiveInt4Config, filter_fn) -> Part:
+    # its rows: the strategy's name and roles, then the runtime's codec-policy row (filled in)
+    return config.plan(), [AppliedChange("", config.name, config.describe())]
+
+
+def _reformulated(apply_fn: Callable, strategy: str, model: nn.Module, config, filter_fn) -> Part:
+    """The modules ``apply_fn`` would reformulate, as ``reform`` with their kinds
+    (``invact:silu``, ...)."""
+    rows = _changes_of(apply_fn, model, config, filter_fn)
+    modules = dict(model.named_modules())
+    kinds = {c.path: c.action for c in rows if not c.skipped and c.path and c.path in modules}
+    if not kinds:
+        return Plan(), rows
+    plan = Plan(layers=_layers(model, "reform", list(kinds), kinds), meta=(("strategy", strategy),))
+    return plan, rows
+
+
+def _invact(model: nn.Module, config: InvActConfig, filter_fn: FilterFn | None) -> Part:
+    name = "invact" if config.norms else "invact-act"
+    return _reformulated(apply_invact, name, model, config, filter_fn)
+
+
+def _chunked_ce(model: nn.Module, config: ChunkedCEConfig, filter_fn: FilterFn | None) -> Part:
+    return _reformulated(apply_chunked_ce, "chunked-ce", model, config, filter_fn)
 
 
 def prac_plan(model: nn.Module, config: PracConfig, filter_fn: FilterFn | None = None) -> Plan:
@@ -156,14 +160,14 @@ def prac_plan(model: nn.Module, config: PracConfig, filter_fn: FilterFn | None =
     )
 
 
-def _prac(model: nn.Module, config: PracConfig, filter_fn: FilterFn | None) -> Plan:
-    if filter_fn is not None:
-        raise ValueError(f"{config.name}: a filter_fn has no preset form (apply the strategy)")
-    return prac_plan(model, config)
+def _prac(model: nn.Module, config: PracConfig, filter_fn: FilterFn | None) -> Part:
+    return prac_plan(model, config), []  # (its rows are the strategy's: plan_of only)
 
 
-# config type -> handler (model, config, filter_fn) -> Plan
-PRESETS: dict[type, Callable[..., Plan]] = {
+_OWN_STRATEGY = (PracConfig, PacConfig, RacConfig)  # a preset for plan_of; apply: the strategy
+
+# config type -> handler (model, config, filter_fn) -> (Plan, changes)
+PRESETS: dict[type, Callable[..., Part]] = {
     NoneConfig: _none,
     RecomputeConfig: _recompute,
     Int4Config: _rule,
@@ -176,20 +180,124 @@ PRESETS: dict[type, Callable[..., Plan]] = {
 }
 
 
+def _non_default(config: StrategyConfig, default: StrategyConfig, free: tuple[str, ...]) -> str:
+    diff = [
+        f.name
+        for f in dataclasses.fields(default)
+        if f.name not in free and getattr(config, f.name) != getattr(default, f.name)
+    ]
+    if not diff:
+        return ""
+    return (
+        f"{config.name} with {', '.join(f'{k}={getattr(config, k)!r}' for k in diff)} has "
+        "no preset: the plan runtime reformulates with the default settings (apply the "
+        "strategy itself)"
+    )
+
+
+def refusal(config: StrategyConfig, filter_fn: FilterFn | None) -> str:
+    """Why ``config`` has no preset plan ("" where it has one)."""
+    if type(config) not in PRESETS:
+        return (
+            f"strategy {config.name!r} has no preset plan; presets: none, recompute, int4, "
+            "int4-plain, int4-paper, int4-naive, int8, invact, invact-act, chunked-ce, prac, "
+            "pac, rac and their '+' compositions (auto's plan: slimact plan --budget ...)"
+        )
+    if isinstance(config, RecomputeConfig) and not config.preserve_rng_state:
+        return (
+            "recompute with preserve_rng_state=False has no preset: the plan runtime "
+            "checkpoints with the RNG state preserved"
+        )
+    if isinstance(config, Int4Config | NaiveInt4Config | PracConfig) and filter_fn is not None:
+        return f"{config.name}: a filter_fn has no preset form (apply the strategy)"
+    if isinstance(config, InvActConfig):
+        return _non_default(config, InvActConfig(), ("norms", "ops", "probe"))
+    if isinstance(config, ChunkedCEConfig):
+        return _non_default(config, ChunkedCEConfig(), ("probe",))
+    return ""
+
+
+def _parts(model: nn.Module, configs: list[StrategyConfig], filter_fn) -> list[Part]:
+    return [PRESETS[type(c)](model, c, filter_fn) for c in configs]
+
+
 def plan_of(model: nn.Module, strategy: str | StrategyConfig, filter_fn: FilterFn | None = None):
     """The ``Plan`` that does on ``model`` what ``strategy`` does (module docstring); a spec
     with ``+`` merges its parts' plans. The model must carry no slimact change."""
     st = peek(model)
     if st is not None and (st.applied or st.runtime is not None):
         raise ValueError("plan_of needs a model without slimact changes (slimact.revert first)")
-    plans = []
-    for config in resolve(strategy):
-        handler = PRESETS.get(type(config))
-        if handler is None:
-            raise ValueError(
-                f"strategy {config.name!r} has no preset plan; presets: none, recompute, int4, "
-                "int4-plain, int4-paper, int4-naive, int8, invact, invact-act, chunked-ce, prac, "
-                "pac, rac and their '+' compositions (auto's plan: slimact plan --budget ...)"
-            )
-        plans.append(handler(model, config, filter_fn))
-    return functools.reduce(operator.add, plans)
+    configs = resolve(strategy)
+    for config in configs:
+        if why := refusal(config, filter_fn):
+            raise ValueError(why)
+    parts = _parts(model, configs, filter_fn)
+    for config, (plan, _) in zip(configs, parts):
+        if isinstance(config, RecomputeConfig) and not plan.layers:
+            raise ValueError("recompute: the model has no repeated blocks to recompute")
+    return functools.reduce(operator.add, [plan for plan, _ in parts])
+
+
+def _is_empty(plan: Plan) -> bool:
+    return not plan.layers and not plan.rules
+
+
+def apply_presets(
+    model: nn.Module, configs: list[StrategyConfig], filter_fn: FilterFn | None
+) -> list[AppliedChange] | None:
+    """``slimact.apply`` of a spec whose every part is a preset: one merged plan (``Plan.merge``,
+    which names a conflicting site) on the one plan runtime; None (nothing changed) for any
+    other spec, which ``apply`` applies part by part as before (see the module docstring).
+
+    The changes are the ones each strategy reports (``int4``'s head row, ``recompute``'s and
+    ``invact``'s per-module rows, skipped ones with their reasons), in spec order; the first one
+    that changes something removes the runtime (``slimact.revert``). A model that carries
+    earlier changes takes this path only when all of them came from presets: the new parts'
+    plan is merged into its runtime's plan."""
+    if any(refusal(c, filter_fn) or isinstance(c, _OWN_STRATEGY) for c in configs):
+        return None
+    st = peek(model)
+    rt = runtime_of(model)
+    if st is not None and (st.applied or rt is not None):
+        if rt is None or rt.preset_rows != len(st.applied):
+            return None  # changes that are not a preset's (cola-m, prac, a solved plan, ...)
+    parts = _parts(model, configs, filter_fn)
+    new = functools.reduce(operator.add, [plan for plan, _ in parts])
+    rows = [c for _, part_rows in parts for c in part_rows]
+    if _is_empty(new):  # nothing to change: every part skipped (or none)
+        if rt is not None:
+            rt.preset_rows += len(rows)
+        return rows
+    if rt is None:
+        rt = PlanRuntime(model)
+        rt.preset_rows = 0
+        try:
+            changes = rt.set_plan(new)
+        except BaseException:
+            rt.remove()
+            raise
+        undo: Callable[[], object] = rt.remove
+    else:
+        old = rt.plan
+        try:
+            changes = rt.set_plan(old + new)
+        except BaseException:
+            rt.set_plan(old)
+            raise
+        undo = functools.partial(rt.set_plan, old)
+    policy = changes[-1]  # the runtime's codec-policy row, after a codec rule's head row
+    out: list[AppliedChange] = []
+    for config, (_, part_rows) in zip(configs, parts):
+        out += part_rows
+        if isinstance(config, Int4Config | NaiveInt4Config):
+            out.append(AppliedChange(policy.path, policy.action, policy.detail))
+    next(c for c in out if not c.skipped).undo = undo
+    if any(lp.recompute for lp in new.layers):
+        guard = guard_cache(model)
+        if guard is not None:
+            out.append(guard)
+    rt.preset_rows += len(out)
+    return out
+
+
+register_preset_path(apply_presets)
