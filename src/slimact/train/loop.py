@@ -189,6 +189,13 @@ class _Trainer:
             self.tokens_seen = int(state["tokens_seen"])
             stateful = state_of(self.model).stateful
             for name, sd in state.get("strategy_state", {}).items():  # e.g. PRAC's subspaces
+                if name not in stateful:
+                    raise ValueError(
+                        f"checkpoint {self.ckpt} carries {name!r} state that this run's strategy "
+                        f"({config.strategy!r}) does not have (it has: "
+                        f"{', '.join(sorted(stateful)) or 'none'}); resume with the strategy "
+                        "the checkpoint was trained with"
+                    )
                 stateful[name].load_state_dict(sd)
             self.evolver = restore_planner(self.model, self.ckpt, self.step, self.run_dir, True)
             check = budget_check_of(self.model)
