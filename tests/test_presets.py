@@ -47,6 +47,24 @@ def _step(model, ids):
     return loss.detach(), m.report
 
 
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _same_step(a, b, ids) -> None:
+    """One training step of ``a`` and of ``b`` on ``ids``: the same loss, saved bytes, action per
+    site and gradients, bit for bit (the same parameters with and without a gradient)."""
+    for m in (a, b):
+        m.zero_grad(set_to_none=True)
+    (loss_a, rep_a), (loss_b, rep_b) = _step(a, ids), _step(b, ids)
+    assert torch.equal(loss_a, loss_b)
+    assert rep_a.total_bytes == rep_b.total_bytes
+    assert {s.site: s.action for s in rep_a.sites} == {s.site: s.action for s in rep_b.sites}
+    grads_a, grads_b = _grads(a), _grads(b)
+    assert grads_a.keys() == grads_b.keys()
+    assert all(torch.equal(g, grads_b[k]) for k, g in grads_a.items())
+
+
 @pytest.mark.parametrize("model_name", ["llama-tiny", "gpt2-tiny"])
 @pytest.mark.parametrize("name", PRESETS)
 def test_a_preset_plan_applies_like_its_strategy(name, model_name):
@@ -62,15 +80,7 @@ def test_a_preset_plan_applies_like_its_strategy(name, model_name):
     # the strategy applies through the same plan on the one runtime (none: no runtime at all)
     assert (runtime_of(by_name) is None) if name == "none" else runtime_of(by_name).plan == plan
     for _ in range(2):  # the second step runs the codecs' deferred encodes
-        for m in (by_name, by_plan):
-            m.zero_grad(set_to_none=True)
-        (loss_a, rep_a), (loss_b, rep_b) = _step(by_name, ids), _step(by_plan, ids)
-        assert torch.equal(loss_a, loss_b)
-        assert rep_a.total_bytes == rep_b.total_bytes
-        assert {s.site: s.action for s in rep_a.sites} == {s.site: s.action for s in rep_b.sites}
-        for (pname, p), q in zip(by_name.named_parameters(), by_plan.parameters()):
-            assert (p.grad is None) == (q.grad is None), pname
-            assert p.grad is None or torch.equal(p.grad, q.grad), pname
+        _same_step(by_name, by_plan, ids)
 
 
 PRAC_PRESETS = [
@@ -81,10 +91,6 @@ PRAC_PRESETS = [
     ("invact+prac", "gpt2-tiny"),
     ("recompute+prac", "llama-tiny"),
 ]
-
-
-def _grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize(("name", "model_name"), PRAC_PRESETS)
@@ -107,15 +113,7 @@ def test_a_prac_preset_applies_like_its_strategy_and_resumes(name, model_name):
             saved = copy.deepcopy(
                 {k: v.state_dict() for k, v in state_of(by_plan).stateful.items()}
             )
-        for m in (by_name, by_plan):
-            m.zero_grad(set_to_none=True)
-        (loss_a, rep_a), (loss_b, rep_b) = _step(by_name, ids), _step(by_plan, ids)
-        assert torch.equal(loss_a, loss_b)
-        assert rep_a.total_bytes == rep_b.total_bytes
-        assert {s.site: s.action for s in rep_a.sites} == {s.site: s.action for s in rep_b.sites}
-        grads = _grads(by_plan)
-        assert _grads(by_name).keys() == grads.keys()
-        assert all(torch.equal(g, grads[k]) for k, g in _grads(by_name).items())
+        _same_step(by_name, by_plan, ids)
     report = prac_report(by_plan)
     assert report == prac_report(by_name) and report["forwards"] == 4
     linear = [c for c in report["compressed"].values() if c["role"] in ("linear", "output")]

@@ -34,6 +34,7 @@ carried over; the RNG state is restored afterwards (``profile_model`` forks it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -360,6 +361,22 @@ class PlanRuntime:
         self.policy.reset()
         self._stacks.append(stack)
         return parked
+
+    def merge_plan(self, plan: Plan) -> tuple[list[AppliedChange], Callable[[], None]]:
+        """Install the current plan merged with ``plan`` (``Plan.merge``); on failure the current
+        plan stays. Returns the changes and an undo that puts the current plan (and the count of
+        preset rows) back."""
+        old, rows = self.plan, self.preset_rows
+        try:
+            changes = self.set_plan(old + plan)
+        except BaseException:
+            self.set_plan(old)
+            raise
+        return changes, functools.partial(self._unmerge, old, rows)
+
+    def _unmerge(self, old: Plan, rows: int | None) -> None:
+        self.set_plan(old)
+        self.preset_rows = rows
 
     def routes_saves(self) -> bool:
         """Does this call need the router and the policy? Not for a preset's plan that only

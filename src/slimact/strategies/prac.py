@@ -48,7 +48,6 @@ GPT-2's GELU) and the first saver of a storage fixes its ranks, so ``inv_*`` sav
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch.nn as nn
@@ -78,14 +77,8 @@ def apply_prac(
     if rt is not None and rt.preset_rows == len(state_of(model).applied):
         # a runtime that only presets made (``apply(m, "recompute")`` before): PRAC's plan joins
         # its plan (``Plan.merge``), and the revert of this change puts the old plan back
-        old, rows = rt.plan, rt.preset_rows
-        try:
-            merged = rt.set_plan(old + prac_plan(model, config, filter_fn))
-        except BaseException:
-            rt.set_plan(old)
-            raise
+        merged, undo = rt.merge_plan(prac_plan(model, config, filter_fn))
         rt.preset_rows = None  # no longer a preset's runtime: later presets apply part by part
-        undo = functools.partial(_unmerge, rt, old, rows)
         changes = [
             AppliedChange("", config.name, "", undo=undo),
             *(AppliedChange(c.path, c.action, c.detail, c.skipped) for c in merged),
@@ -123,12 +116,6 @@ def apply_prac(
         else:
             changes.append(AppliedChange(path, config.name, f"{role} n={n} r1={a1} r2={a2}"))
     return changes
-
-
-def _unmerge(rt, old, rows) -> None:  # type: ignore[no-untyped-def]
-    """Undo PRAC's merge into a preset's runtime: its old plan back, a preset's runtime again."""
-    rt.set_plan(old)
-    rt.preset_rows = rows
 
 
 def prac_state(model: nn.Module) -> PracState:

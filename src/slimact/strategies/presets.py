@@ -278,13 +278,7 @@ def apply_presets(
             raise
         undo: Callable[[], object] = rt.remove
     else:
-        old = rt.plan
-        try:
-            changes = rt.set_plan(old + new)
-        except BaseException:
-            rt.set_plan(old)
-            raise
-        undo = functools.partial(rt.set_plan, old)
+        changes, undo = rt.merge_plan(new)
     policy = changes[-1]  # the runtime's codec-policy row, after a codec rule's head row
     out: list[AppliedChange] = []
     for config, (_, part_rows) in zip(configs, parts):
