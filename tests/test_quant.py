@@ -125,6 +125,32 @@ def test_triton_matches_ref(dtype, n, bits, symmetric):
 
 
 @pytest.mark.skipif(not Q.triton_available(), reason="triton is not importable")
+@pytest.mark.parametrize("group_size", [16, 128])
+@pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (8, True)])
+def test_triton_matches_ref_across_programs(group_size, bits, symmetric):
+    # several programs, each holding many groups, the last one part-filled (one odd group too)
+    n = 2 * Q._TILE + 3 * group_size + 5
+    x = (torch.randn(n) * torch.rand(n) * 8).to(DEV)
+    x[[7, Q._TILE + 1, n - 2]] = torch.tensor(
+        [float("nan"), float("inf"), -float("inf")], device=DEV
+    )
+    a = Q.quantize(x, bits=bits, group_size=group_size, symmetric=symmetric, backend="ref")
+    b = Q.quantize(x, bits=bits, group_size=group_size, symmetric=symmetric, backend="triton")
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)
+    assert torch.equal(a.nonfinite, b.nonfinite)
+    if not symmetric:
+        assert torch.equal(a.offset, b.offset)
+    ya, yb = Q.dequantize(a, backend="ref"), Q.dequantize(b, backend="triton")
+    torch.testing.assert_close(ya, yb, rtol=1e-6, atol=1e-6 * 8, equal_nan=True)
+    c = Q.quantize_channelwise(x[: 2 * Q._TILE + 48].view(-1, 16), bits=bits, backend="ref")
+    d = Q.quantize_channelwise(x[: 2 * Q._TILE + 48].view(-1, 16), bits=bits, backend="triton")
+    assert torch.equal(c.codes, d.codes)
+    torch.testing.assert_close(
+        Q.dequantize(c, backend="ref"), Q.dequantize(d, backend="triton"), equal_nan=True
+    )
+
+
+@pytest.mark.skipif(not Q.triton_available(), reason="triton is not importable")
 def test_triton_channelwise_and_keep_cols_match_ref():
     x = torch.randn(5, 6, device=DEV)
     a, b = (Q.quantize_channelwise(x, backend=be) for be in ("ref", "triton"))

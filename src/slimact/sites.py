@@ -207,12 +207,17 @@ class _Unpacker:
 
 
 def _pack(t: torch.Tensor) -> Any:
+    # What is kept as is is kept detached: a pack hook's result that holds the saved tensor
+    # itself closes a reference cycle through autograd's C++ graph when the tensor is its op's
+    # output (the tensor holds its grad_fn, which holds the packed result), one Python's
+    # collector cannot see, so a forward whose backward never runs (a meter's, a probe's, a
+    # loss computed only to log it) would keep its whole graph alive.
     if _is_excluded(t):
-        return t
+        return t.detach()
     if is_param_cast(t):
         for listener in list(_state.cast_listeners):
             listener(current_module(), _state.op or "saved", t)
-        return t
+        return t.detach()
     op = _state.roles[-1] if _state.roles else (_state.op or "saved")
     site, module = _next_site(op)
     stored: Stored | None = None
@@ -231,7 +236,7 @@ def _pack(t: torch.Tensor) -> Any:
         event = SavedEvent(site, module, op, t, kept, action, host() if host else [])
         for listener in list(_state.listeners):
             listener(event)
-    return t if stored is None else _Unpacker(stored)
+    return t.detach() if stored is None else _Unpacker(stored)
 
 
 def _unpack(obj: Any) -> torch.Tensor:

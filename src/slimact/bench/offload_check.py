@@ -103,6 +103,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _memory(device: torch.device) -> str:
+    """The allocator's live and reserved bytes after a collection (CUDA), for the log: where a
+    stage leaves memory held shows before the next one runs out."""
+    gc.collect()
+    if device.type != "cuda":
+        return "host"
+    torch.cuda.empty_cache()
+    alloc, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    return f"{fmt_bytes(alloc)} allocated, {fmt_bytes(reserved)} reserved"
+
+
 def _plans(base: nn.Module, x: torch.Tensor, cfg: OffloadCheckConfig, bw: float):
     """Both compiled plans, solved from one profile that has the offload option."""
     root = {} if cfg.root_options else {"root_codecs": (), "root_reform": False}
@@ -154,12 +165,15 @@ def run(cfg: OffloadCheckConfig, log: Callable[[str], None] = print) -> dict[str
     log(f"link bandwidth {bw / 1e9:.1f} GB/s; profiling {cfg.model} {cfg.batch}x{cfg.seq}")
     plan, off_plan, prof = _plans(base, x, cfg, bw)
     log(f"plan: {plan.summary()}\noffload: {off_plan.summary()}")
+    log(f"memory after the profile: {_memory(device)}")
     models = {
         "none": copy.deepcopy(base),
         "plan": _install(base, plan, cfg),
         "offload": _install(base, off_plan, cfg),
     }
+    log(f"memory with the three models: {_memory(device)}")
     ref = _grads(models["none"], x)
+    log(f"memory after none's gradients: {_memory(device)}")
     out: dict[str, Any] = {"config": asdict(cfg), "link_bandwidth": bw, "points": {}}
     gbytes = grad_bytes(base)
     for name, m in models.items():
@@ -179,7 +193,7 @@ def run(cfg: OffloadCheckConfig, log: Callable[[str], None] = print) -> dict[str
             "step_peak": peak,
             "activation_peak": None if peak is None else peak - gbytes,
         }
-        log(f"{name}: {out['points'][name]}")
+        log(f"{name}: {out['points'][name]}; memory: {_memory(device)}")
     del ref
 
     def step(m: nn.Module) -> Callable[[], None]:

@@ -142,7 +142,7 @@ def _block_call(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
+    return t.detach()  # not t: a pack hook holding its tensor closes a cycle (sites._pack)
 
 
 def own_code(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:

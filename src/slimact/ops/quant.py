@@ -72,6 +72,11 @@ BACKENDS = ("auto", "ref", "triton")
 ROUNDING = ("nearest", "stochastic")
 _TINY = 1e-30
 _CHANNEL_BLOCK = 1024
+_TILE = 4096  # values per Triton program: GROUPS = _TILE // group size
+
+
+def _groups_per_program(block: int) -> int:
+    return max(1, _TILE // block)
 
 
 @dataclass
@@ -456,10 +461,11 @@ def quantize_triton(
     keep = keep_cols.to(torch.uint8) if keep_cols is not None else scale
     c = keep_cols.numel() if keep_cols is not None else 1
     if groups:
-        quant_kernel[(groups,)](
+        per = _groups_per_program(gs)
+        quant_kernel[(-(-groups // per),)](
             x, keep, scale, codes, scale, offset if offset is not None else scale, nonfinite,
             n, c, divisor(bits, symmetric, paper_scale, stochastic),
-            marked_divisor(bits, symmetric), key, BLOCK=gs, BITS=bits, SYM=symmetric,
+            marked_divisor(bits, symmetric), key, BLOCK=gs, GROUPS=per, BITS=bits, SYM=symmetric,
             HAS_KEEP=keep_cols is not None, PER_CHANNEL=False, STOCH=stochastic, LO=lo, HI=hi,
             BIAS=bias, enable_fp_fusion=False,
         )  # fmt: skip
@@ -483,10 +489,10 @@ def quantize_channelwise_triton(
     x = x2d.contiguous().view(-1)
     codes = torch.empty((n + 1) // 2 if bits == 4 else n, dtype=torch.uint8, device=x.device)
     if n:
-        grid = (-(-n // _CHANNEL_BLOCK),)
-        quant_kernel[grid](
+        per = _groups_per_program(_CHANNEL_BLOCK)
+        quant_kernel[(-(-n // (_CHANNEL_BLOCK * per)),)](
             x, inv, inv, codes, scale, inv, counts, n, c, 1.0, 1.0, key,
-            BLOCK=_CHANNEL_BLOCK, BITS=bits, SYM=True, HAS_KEEP=False, PER_CHANNEL=True,
+            BLOCK=_CHANNEL_BLOCK, GROUPS=per, BITS=bits, SYM=True, HAS_KEEP=False, PER_CHANNEL=True,
             STOCH=rounding == "stochastic", LO=lo, HI=hi, BIAS=bias, enable_fp_fusion=False,
         )  # fmt: skip
     return Quantized(codes, scale, None, counts, n, bits, 0, channels=c)
@@ -502,8 +508,10 @@ def dequantize_triton(q: Quantized, dtype: torch.dtype = torch.float32) -> torch
     block = q.group_size or _CHANNEL_BLOCK
     offset = q.offset if q.offset is not None else q.scale
     ymax = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
-    dequant_kernel[(-(-n // block),)](
-        q.codes, q.scale, offset, y, n, max(q.channels, 1), ymax, BLOCK=block, BITS=q.bits,
+    per = _groups_per_program(block)
+    dequant_kernel[(-(-n // (block * per)),)](
+        q.codes, q.scale, offset, y, n, max(q.channels, 1), ymax, BLOCK=block, GROUPS=per,
+        BITS=q.bits,
         SYM=q.offset is None, PER_CHANNEL=q.channels > 0, BIAS=_limits(q.bits)[2],
     )  # fmt: skip
     return y

@@ -1,5 +1,7 @@
 """Triton kernels of ``slimact.ops.quant``: quantize+pack and unpack+dequantize, one program
-per group (or per ``BLOCK`` values in channel-wise mode).
+per ``GROUPS`` groups (or per ``GROUPS * BLOCK`` values in channel-wise mode). Several groups per
+program keep a program's tile near a few thousand values whatever the group size: one program per
+group of 16 launches a warp group for 16 values and leaves the GPU's bandwidth unused.
 
 ``quant_kernel`` reads a group as ``[BLOCK/2, 2]`` pairs, so INT4 packing (even element in the low
 nibble) is a row reduction; it zeroes non-finite values and ``keep`` columns, writes the group's
@@ -29,16 +31,18 @@ def kernels():
 
     @triton.jit(do_not_specialize=["key"])
     def quant_kernel(X, KEEP, INV, Q, S, OFF, NF, N, C, div, divm, key,
-                     BLOCK: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
-                     HAS_KEEP: tl.constexpr, PER_CHANNEL: tl.constexpr, STOCH: tl.constexpr,
-                     LO: tl.constexpr, HI: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
-        # one program = one group (or one block of BLOCK values in channel mode), seen as
-        # [BLOCK/2, 2] pairs so INT4 packing is a row reduction
-        pid = tl.program_id(0)
+                     BLOCK: tl.constexpr, GROUPS: tl.constexpr, BITS: tl.constexpr,
+                     SYM: tl.constexpr, HAS_KEEP: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                     STOCH: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
+                     BIAS: tl.constexpr):  # fmt: skip
+        # one program = GROUPS groups of BLOCK values (or GROUPS * BLOCK values in channel mode),
+        # seen as [GROUPS, BLOCK/2, 2] pairs so INT4 packing is a reduction over the last axis
+        gid = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)  # [G]
         rows = tl.arange(0, BLOCK // 2)
         cols = tl.arange(0, 2)
-        offs = pid * BLOCK + rows[:, None] * 2 + cols[None, :]  # [BLOCK/2, 2]
+        offs = gid[:, None, None] * BLOCK + rows[None, :, None] * 2 + cols[None, None, :]
         mask = offs < N
+        gmask = gid * BLOCK < N  # [G]
         xo = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
         finite = (xo == xo) & (tl.abs(xo) != float("inf"))
         x = tl.where(finite, xo, 0.0)
@@ -50,16 +54,16 @@ def kernels():
             marked = sc.to(tl.int32, bitcast=True) < 0
             v = x * tl.load(INV + offs % C, mask=mask, other=0.0)
         else:
-            nbad = tl.sum(tl.sum((mask & (finite == 0)).to(tl.int32), axis=1), axis=0)
-            tl.store(NF + pid, nbad)
-            marked = nbad > 0
-            d = tl.where(marked, divm, div)
+            nbad = tl.sum(tl.sum((mask & (finite == 0)).to(tl.int32), axis=2), axis=1)  # [G]
+            tl.store(NF + gid, nbad, mask=gmask)
+            gmarked = nbad > 0
+            d = tl.where(gmarked, divm, div)
             if SYM:
-                scale = tl.div_rn(tl.max(tl.max(tl.abs(x), axis=1), axis=0), d)
-                off = 0.0
+                scale = tl.div_rn(tl.max(tl.max(tl.abs(x), axis=2), axis=1), d)
+                off = tl.zeros_like(scale)
             else:
-                mx = tl.max(tl.max(tl.where(mask, x, -float("inf")), axis=1), axis=0)
-                mn = tl.min(tl.min(tl.where(mask, x, float("inf")), axis=1), axis=0)
+                mx = tl.max(tl.max(tl.where(mask, x, -float("inf")), axis=2), axis=1)
+                mn = tl.min(tl.min(tl.where(mask, x, float("inf")), axis=2), axis=1)
                 total = mx + mn
                 span = mx - mn
                 off = tl.where(tl.abs(total) == float("inf"), mx * 0.5 + mn * 0.5, total * 0.5)
@@ -68,10 +72,11 @@ def kernels():
                     tl.div_rn(mx, d) - tl.div_rn(mn, d),
                     tl.div_rn(span, d),
                 )
-                tl.store(OFF + pid, off)
-            tl.store(S + pid, tl.where(marked, -scale, scale))
+                tl.store(OFF + gid, off, mask=gmask)
+            tl.store(S + gid, tl.where(gmarked, -scale, scale), mask=gmask)
             inv = tl.where(scale > 0, tl.div_rn(1.0, tl.maximum(scale, 1e-30)), 0.0)
-            v = (x - off) * inv
+            v = (x - off[:, None, None]) * inv[:, None, None]
+            marked = gmarked[:, None, None]
         lo = tl.where(marked, LO + 2, LO).to(tl.float32)
         hi = tl.where(marked, HI - 1, HI).to(tl.float32)
         if STOCH:  # ops.stochastic.uniform_ref: one mixer round of the index plus the key
@@ -88,25 +93,26 @@ def kernels():
         special = tl.where(xo > 0, (1 << BITS) - 1, tl.where(xo < 0, 1, 0))
         u = tl.where(finite, r.to(tl.int32) + BIAS, special)
         if BITS == 4:
-            byte = tl.sum(u * tl.where(cols == 0, 1, 16)[None, :], axis=1)  # lo | hi << 4
-            bmask = (pid * BLOCK + rows * 2) < N
-            tl.store(Q + pid * (BLOCK // 2) + rows, byte.to(tl.uint8), mask=bmask)
+            byte = tl.sum(u * tl.where(cols == 0, 1, 16)[None, None, :], axis=2)  # lo | hi << 4
+            bidx = gid[:, None] * (BLOCK // 2) + rows[None, :]  # [G, BLOCK/2]
+            tl.store(Q + bidx, byte.to(tl.uint8), mask=bidx * 2 < N)
         else:
             tl.store(Q + offs, u.to(tl.uint8), mask=mask)
 
     @triton.jit
     def dequant_kernel(Q, S, OFF, Y, N, C, ymax,
-                       BLOCK: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr,
-                       PER_CHANNEL: tl.constexpr, BIAS: tl.constexpr):  # fmt: skip
-        pid = tl.program_id(0)
+                       BLOCK: tl.constexpr, GROUPS: tl.constexpr, BITS: tl.constexpr,
+                       SYM: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                       BIAS: tl.constexpr):  # fmt: skip
+        gid = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)  # [G]
         rows = tl.arange(0, BLOCK // 2)
         cols = tl.arange(0, 2)
-        offs = pid * BLOCK + rows[:, None] * 2 + cols[None, :]  # [BLOCK/2, 2]
+        offs = gid[:, None, None] * BLOCK + rows[None, :, None] * 2 + cols[None, None, :]
         mask = offs < N
         if BITS == 4:
-            bmask = (pid * BLOCK + rows * 2) < N
-            b = tl.load(Q + pid * (BLOCK // 2) + rows, mask=bmask, other=0).to(tl.int32)
-            u = tl.where(cols[None, :] == 0, (b & 15)[:, None], (b >> 4)[:, None])
+            bidx = gid[:, None] * (BLOCK // 2) + rows[None, :]  # [G, BLOCK/2]
+            b = tl.load(Q + bidx, mask=bidx * 2 < N, other=0).to(tl.int32)
+            u = tl.where(cols[None, None, :] == 0, (b & 15)[:, :, None], (b >> 4)[:, :, None])
         else:
             u = tl.load(Q + offs, mask=mask, other=0).to(tl.int32)
         code = (u - BIAS).to(tl.float32)
@@ -114,10 +120,11 @@ def kernels():
             sc = tl.load(S + offs % C, mask=mask, other=0.0)
             y = code * tl.abs(sc)
         else:
-            sc = tl.load(S + pid)
+            gmask = gid * BLOCK < N
+            sc = tl.load(S + gid, mask=gmask, other=0.0)[:, None, None]
             y = code * tl.abs(sc)
             if not SYM:
-                y = y + tl.load(OFF + pid)
+                y = y + tl.load(OFF + gid, mask=gmask, other=0.0)[:, None, None]
         y = tl.minimum(tl.maximum(y, -ymax), ymax)
         marked = sc.to(tl.int32, bitcast=True) < 0
         y = tl.where(marked & (u == 0), float("nan"), y)
