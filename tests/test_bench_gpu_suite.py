@@ -11,6 +11,9 @@ points (inductor on CPU: minutes) run in the slow test.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -165,6 +168,23 @@ def test_time_limit_and_deadline():
     assert Deadline(None).limit(5) == 5 and Deadline(None).remaining() is None
     with pytest.raises(ValueError, match="time budget must be > 0"):
         Deadline(0)
+
+
+def test_exit_process_ends_past_a_running_planner_thread():
+    # a timed-out point's planner still running in its daemon thread: the process must end at
+    # once with the command's code, and with what it printed flushed
+    code = (
+        "import threading, time\n"
+        "from slimact.bench.deadline import PLANNER_THREAD, exit_process\n"
+        "threading.Thread(target=time.sleep, args=(60,), name=PLANNER_THREAD, daemon=True).start()\n"
+        "print('written', end='')\n"
+        "exit_process(3)\n"
+    )
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout) == (3, "written") and time.perf_counter() - t0 < 30
+    ok = "from slimact.bench.deadline import exit_process; exit_process(0)"
+    assert subprocess.run([sys.executable, "-c", ok], timeout=60).returncode == 0
 
 
 def test_gpu_suite_end_to_end_on_cpu(tmp_path, one_thread):

@@ -1,5 +1,3 @@
-import sys
+from slimact.cli import entry
 
-from slimact.cli import main
-
-sys.exit(main())
+entry()

@@ -26,6 +26,7 @@ import torch
 
 from slimact.bench import cli as bench_cli
 from slimact.bench import maxbatch
+from slimact.bench.deadline import exit_process
 from slimact.budget import add_budget_argument
 from slimact.cola import cli as cola_cli
 from slimact.compare import CompareConfig, compare
@@ -254,5 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def entry() -> None:
+    """The ``slimact`` command (``main``'s exit code; see ``bench.deadline.exit_process``)."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

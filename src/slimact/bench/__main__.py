@@ -1,7 +1,6 @@
 """``python -m slimact.bench quick|full|gpu [flags]`` (same as ``slimact bench``)."""
 
-import sys
-
 from slimact.bench.cli import main
+from slimact.bench.deadline import exit_process
 
-sys.exit(main())
+exit_process(main())

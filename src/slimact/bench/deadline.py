@@ -18,11 +18,14 @@ A lent GPU comes for a few minutes, so a suite must end on time and leave what i
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NoReturn
 
 PLANNER_THREAD = "slimact-planner"  # slimact.utils.in_worker_thread's thread name
 
@@ -61,6 +64,18 @@ def time_limit(seconds: float | None, what: str) -> Iterator[None]:
 def planner_threads() -> int:
     """How many planner worker threads are still alive (after a timed-out point)."""
     return sum(t.name == PLANNER_THREAD and t.is_alive() for t in threading.enumerate())
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the process with ``code``. While a timed-out point's planner still runs in its daemon
+    thread, a normal interpreter exit would finalize torch under it (the process then aborts,
+    exit 134, after the results were written): the output is flushed and the process ends at
+    once instead. For process entry points only (``slimact``, ``python -m slimact.bench``)."""
+    if planner_threads():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 class Deadline:
