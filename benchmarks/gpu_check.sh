@@ -22,8 +22,11 @@
 #  a. if LAYOUT_S (default 0) seconds are held back for it: the gpu-marked tests of
 #     tests/test_compiled_layout.py that compare stochastic rounding and traced PRAC on CUDA
 #     with CPU on the same weights and batch (still refused on CUDA; about 150 s).
-# The step profile of eager points (slimact bench gpu --profile, src/slimact/bench/profile.py)
-# runs if PROFILE_S is set, after b3. A step that fails or times out does not stop the next one.
+#  p. (after b3, PROFILE_S seconds, 0 skips it) the step profile of eager int4 with the codecs'
+#     statistics run op by op on CUDA against compiled by inductor (compiled-refs:int4, an A/B
+#     switch until measured; src/slimact/ops/compiled_ref.py), llama-350m bf16 8 x 1024:
+#     per step ms, kernels, launches, aten ops, syncs (src/slimact/bench/profile.py).
+# A step that fails or times out does not stop the next one.
 # At most 8 files come back from a lent machine's $OUT: log, layout.xml, gpu.profile.json,
 # bench.log, bench/gpu.json, bench/gpu.summary.md.
 set -u
@@ -55,10 +58,11 @@ timeout "${OFFCOMPILE_S:-170}" $py -m slimact.bench.offload_check --model llama-
   | grep -v -i warn | tail -40 | tee -a "$OUT/log"
 echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/log"
 
-if [ "${PROFILE_S:-0}" -gt 30 ]; then
-  log "p. step profile of eager points, llama-350m bf16 8 x 1024, ${PROFILE_S} s"
-  timeout "$PROFILE_S" $py -m slimact bench gpu --out-dir "$OUT" --time-budget $((PROFILE_S - 25)) \
-    --profile int4,invact,chunked-ce,recompute,anchor:torch-checkpoint 2>&1 |
+profile_s=${PROFILE_S:-100}
+if [ "$profile_s" -gt 30 ]; then
+  log "p. step profile of eager int4, op by op and compiled on CUDA, ${profile_s} s"
+  timeout "$profile_s" $py -m slimact bench gpu --out-dir "$OUT" --time-budget $((profile_s - 15)) \
+    --profile int4,compiled-refs:int4 2>&1 |
     grep -v '^USDT' | tee -a "$OUT/log"
   echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/log"
 fi
