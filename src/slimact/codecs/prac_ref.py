@@ -1,7 +1,7 @@
 """PRAC's plain-PyTorch math: rank rules, the subspace bases and the encode/decode references.
 
 The only implementation (two small GEMMs, an SVD and a QR), used by ``codecs/prac.py``'s codec,
-the tests and ``benchmarks/bench_prac.py``; the module docstring of ``codecs/prac.py`` has the
+the tests and the PRAC studies (BENCHMARKS.md); the module docstring of ``codecs/prac.py`` has the
 math (Z = [XQ1, k·XQ2], X̃ = Z·[Q1, Q2]ᵀ, k = (n − r1)/r2).
 """
 

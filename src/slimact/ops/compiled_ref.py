@@ -75,8 +75,8 @@ _ON_CUDA: list[bool] = [env_on_cuda()]
 
 @contextmanager
 def eager_refs():
-    """Inside, every :func:`call` runs its ref eagerly (``benchmarks/bench_cpu_path.py``
-    compares the two CPU paths in one process)."""
+    """Inside, every :func:`call` runs its ref eagerly (to compare the two CPU paths in one
+    process: BENCHMARKS.md §7)."""
     _EAGER.append(True)
     try:
         yield

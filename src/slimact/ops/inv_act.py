@@ -23,7 +23,7 @@ better: y no longer tells those x apart. torch's own autograd reads x and only r
 ulp of |f'| ≤ 1.1: 3.9e-3 in bf16, 4.9e-4 in fp16). The 1-bit form's worst error is a few times
 torch's, all of it near the branch point; ``near-branch`` reads the exact x there and comes
 within a few percent of torch's own error in bf16 (measured against the float64 truth:
-``bench_inv_act.py bf16``, BENCHMARKS.md §2). In fp16 its window (±0.06) is narrower than the
+BENCHMARKS.md §2). In fp16 its window (±0.06) is narrower than the
 region that needs it. Trade-off: 8× the mask's bytes. The ``invact`` strategy offers it as ``invact@bf16=exact-near-branch`` and keeps 1 bit by
 default: the excess is small in norm and confined to where |f'| < 0.1.
 

@@ -23,7 +23,7 @@ see tests). The paper has no tanh-GELU fit; ``paper`` uses the erf-GELU fit ther
 * on the left tail (``s = 1`` and ``y > f(T)/2``) ``f`` flattens exponentially, so Newton runs
   on ``log(−f(x)) = log(−y)``, which is close to linear (SiLU) or quadratic (GELU) in ``x``.
 
-``NEWTON_ITERS = 3`` steps reach fp32 round-off everywhere (measured: ``benchmarks/bench_inv_act``).
+``NEWTON_ITERS = 3`` steps reach fp32 round-off everywhere (measured: BENCHMARKS.md §2).
 What remains is *conditioning*, not approximation: near ``T``, ``f'`` ≈ ``√(2C·ỹ)``, so rounding
 ``y`` to its dtype (half an ulp of |f(T)| ≈ 0.17) moves the answer by up to ``√(C·ulp)``: ≈1e-4
 in fp32, ≈2e-2 in bf16. No 1-bit scheme can beat that; exact autograd reads the unrounded ``x``.

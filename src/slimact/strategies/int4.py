@@ -251,7 +251,7 @@ class NaiveInt4Config(StrategyConfig):
 
 class Int4Assign(PlanAssign):
     """A config's rule as an ``assign(site, tensor)`` for a ``CodecPolicy`` of one's own
-    (``benchmarks/bench_quant.py``'s outlier recorder); the strategies install the plan."""
+    (a study's outlier recorder); the strategies install the plan."""
 
     def __init__(
         self, config: Int4Config | NaiveInt4Config, allowed: set[str] | None = None
