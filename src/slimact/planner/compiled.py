@@ -73,7 +73,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from slimact import sites
 from slimact.budget import Budget, BudgetWarning
@@ -86,6 +85,7 @@ from slimact.compiled.blocks import (
 from slimact.compiled.devices import usable_codecs
 from slimact.gradcheck import grad_error
 from slimact.meter import MemoryReport, measure
+from slimact.planner import highs
 from slimact.planner.compiled_root import (
     ROOT_CODECS,
     RootOption,
@@ -505,33 +505,42 @@ def solve_compiled(
     var = [(k, s) for k, stats in profile.options.items() for s in stats if admit(s)]
     roots = [r for r in profile.roots() if ok(r)]
     kinds = list(profile.options)
-    nv, nr = len(var), len(roots)
-    cost = np.array([s.seconds_with(offload) for _, s in var] + [r.seconds for r in roots])
-    size = np.array([float(s.bytes) for _, s in var] + [float(r.bytes) for r in roots])
-    host = np.array([float(s.host_bytes) for _, s in var] + [0.0] * nr)
-    counts = np.zeros((len(kinds) + 1, nv + nr))  # blocks per kind; one root option
-    for j, (k, _) in enumerate(var):
-        counts[kinds.index(k), j] = 1.0
-    counts[-1, nv:] = 1.0
-    n = np.array([float(len(profile.blocks[k])) for k in kinds] + [1.0])
-    cons = [LinearConstraint(counts, n, n), LinearConstraint(size[None, :], -np.inf, allowed)]
-    if offload is not None and host.any():
-        cons.append(LinearConstraint(host[None, :], -np.inf, offload.host_budget))
-    bounds, integral = Bounds(0, n.max()), np.ones(nv + nr)
-    res = milp(cost, constraints=cons, integrality=integral, bounds=bounds)
+    nv = len(var)
+    cost = [s.seconds_with(offload) for _, s in var] + [r.seconds for r in roots]
+    size = [float(s.bytes) for _, s in var] + [float(r.bytes) for r in roots]
+    host = [float(s.host_bytes) for _, s in var] + [0.0] * len(roots)
+    err = [s.grad_err for _, s in var] + [r.grad_err for r in roots]
+    # the eager planner's row form (planner.highs): a column per option, its value the number
+    # of blocks of its kind that take it; one row per kind (its blocks), one for the root
+    rows = [{j: 1.0 for j, (k, _) in enumerate(var) if k == kind} for kind in kinds]
+    rows.append({nv + i: 1.0 for i in range(len(roots))})
+    n = [float(len(profile.blocks[k])) for k in kinds] + [1.0]
+    lo, hi = list(n), list(n)
+    if offload is not None and any(host):
+        rows.append({j: h for j, h in enumerate(host) if h})
+        lo.append(-np.inf)
+        hi.append(float(offload.host_budget))
+    cols = [(0, "option", j) for j in range(len(cost))]
+    built = highs.Rows(
+        cols, {c: j for j, c in enumerate(cols)}, rows, lo, hi,
+        mem=dict(enumerate(size)), obj=dict(enumerate(cost)), qual={},
+        counts={j: n[kinds.index(k)] for j, (k, _) in enumerate(var)},
+    )  # fmt: skip
+    res = highs.run(built, allowed)
     if res.x is not None and time_tolerance > 0:
         # the leanest plan as fast within tolerance, and no lossier: only options whose error is
         # at most the worst the fastest plan took (an exact plan stays exact)
-        err = np.array([s.grad_err for _, s in var] + [r.grad_err for r in roots])
-        worst = max(float(err[np.round(res.x) > 0].max()), EXACT_ERR)
-        cap = float(cost @ np.round(res.x)) * (1.0 + time_tolerance)
-        lean = milp(
-            size,
-            constraints=[*cons, LinearConstraint(cost[None, :], -np.inf, cap)],
-            integrality=integral,
-            bounds=Bounds(0, np.where(err <= worst, n.max(), 0.0)),
-        )
-        res = lean if lean.x is not None else res
+        x = np.round(res.x)
+        worst = max(float(np.array(err)[x > 0].max()), EXACT_ERR)
+        cap = float(np.array(cost) @ x) * (1.0 + time_tolerance)
+        lean = built._replace(
+            rows=[*rows, dict(enumerate(cost))], lo=[*lo, -np.inf], hi=[*hi, cap],
+            counts={j: (m if err[j] <= worst else 0.0) for j, m in built.counts.items()},
+        )  # fmt: skip
+        lean_rows = [*lean.rows, {nv + i: 1.0 for i in range(len(roots)) if err[nv + i] > worst}]
+        lean = lean._replace(rows=lean_rows, lo=[*lean.lo, 0.0], hi=[*lean.hi, 0.0])
+        again = highs.run(lean, allowed, minimize="bytes")
+        res = again if again.x is not None else res
     if res.x is None:
         floor = min(r.bytes for r in roots) + sum(
             min(s.bytes for kk, s in var if kk == k) * len(profile.blocks[k]) for k in kinds

@@ -46,6 +46,7 @@ class Rows(NamedTuple):
     obj: dict[int, float]  # column -> added seconds per step
     qual: dict[int, float]  # column -> quality cost (relative MSE)
     cont: frozenset[int] = frozenset()  # continuous columns (>= 0, unbounded): the rest binary
+    counts: dict[int, float] | None = None  # integer columns with this upper bound (not binary)
 
 
 def build(problem) -> Rows:
@@ -212,6 +213,8 @@ def run(
     integrality, upper = np.ones(n), np.ones(n)
     for v in built.cont:
         integrality[v], upper[v] = 0, np.inf
+    for v, most in (built.counts or {}).items():
+        upper[v] = most
     with _quiet_stdout():
         return milp(
             c,
