@@ -23,6 +23,7 @@ import torch.nn as nn
 from slimact import sites
 from slimact.cola.colam import colam_block, unsupported_reason
 from slimact.cola.layers import CoLALinear
+from slimact.planner.apply import register_block_reform
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
 
 
@@ -61,7 +62,7 @@ def _apply_cola(
     ]
 
 
-def _apply_colam(
+def apply_colam(
     model: nn.Module, config: CoLAMConfig, filter_fn: FilterFn | None = None
 ) -> list[AppliedChange]:
     if not any(isinstance(m, CoLALinear) for m in model.modules()):
@@ -90,6 +91,9 @@ def _apply_colam(
     return changes
 
 
+COLAM = "cola-m"  # the plan runtime's block reformulation of the same name (``plan_of``)
+register_block_reform(COLAM, colam_block)
+
 register_strategy(
     "cola",
     CoLAConfigMarker(),
@@ -100,7 +104,7 @@ register_strategy(
 register_strategy(
     "cola-m",
     CoLAMConfig(),
-    _apply_colam,
+    apply_colam,
     "CoLA-M: keep x, h and rank-r A·x per block, recompute up-projections + attention",
     checkpointing=True,
 )

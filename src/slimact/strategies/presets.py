@@ -42,12 +42,15 @@ import functools
 import operator
 from collections.abc import Callable
 
+import torch
 import torch.nn as nn
 
 from slimact import sites
-from slimact.actions import FUSED_RMS
+from slimact.actions import FUSED_RMS, OFFLOAD_CODEC
 from slimact.checkpointing import GUARD_ACTION, guard_cache
+from slimact.hf_inputs import random_token_batch, refuse_unless_token_ids
 from slimact.planner.apply import PlanRuntime, runtime_of
+from slimact.planner.auto import AutoConfig, plan_model
 from slimact.planner.plan import LayerPlan, Plan
 from slimact.reformulate import (
     ChunkedCEConfig,
@@ -64,8 +67,10 @@ from slimact.registry import (
     resolve,
 )
 from slimact.state import peek
+from slimact.strategies.cola import COLAM, CoLAMConfig, apply_colam
 from slimact.strategies.int4 import Int4Config, NaiveInt4Config
 from slimact.strategies.none import NoneConfig
+from slimact.strategies.offload import OffloadStrategyConfig
 from slimact.strategies.prac_config import PacConfig, PracConfig, RacConfig
 from slimact.strategies.recompute import RecomputeConfig, apply_recompute
 
@@ -121,6 +126,20 @@ def _recompute(model: nn.Module, config: RecomputeConfig, filter_fn: FilterFn | 
     return Plan(layers=_layers(model, "recompute", paths), meta=(("strategy", "recompute"),)), rows
 
 
+BLOCK_INPUT = ":checkpoint_input#0"  # a recomputed block's input, block-relative
+
+
+def _offload(model: nn.Module, config: OffloadStrategyConfig, filter_fn: FilterFn | None) -> Part:
+    """``recompute``'s blocks, each one's input (its checkpoint's first save) through the
+    offload codec: what the strategy's codec policy offloads."""
+    plan, rows = _recompute(model, RecomputeConfig(config.preserve_rng_state), filter_fn)
+    if not plan.layers:
+        return plan, rows
+    offloaded = ((OFFLOAD_CODEC, (BLOCK_INPUT,)),)
+    layers = tuple(dataclasses.replace(lp, codecs=offloaded) for lp in plan.layers)
+    return Plan(layers=layers, meta=(("strategy", "offload"),)), rows
+
+
 def _rule(model: nn.Module, config: Int4Config | NaiveInt4Config, filter_fn) -> Part:
     # its rows: the strategy's name and roles, then the runtime's codec-policy row (filled in)
     return config.plan(), [AppliedChange("", config.name, config.describe())]
@@ -147,6 +166,45 @@ def _chunked_ce(model: nn.Module, config: ChunkedCEConfig, filter_fn: FilterFn |
     return _reformulated(apply_chunked_ce, "chunked-ce", model, config, filter_fn)
 
 
+def _colam(model: nn.Module, config: CoLAMConfig, filter_fn: FilterFn | None) -> Part:
+    """The CoLA blocks the strategy would switch to CoLA-M, each reformulated whole (kind
+    ``cola-m``: the runtime's block reformulation, ``strategies/cola.py`` registers it)."""
+    return _reformulated(apply_colam, COLAM, model, config, filter_fn)
+
+
+def _auto(
+    model: nn.Module,
+    config: AutoConfig,
+    filter_fn: FilterFn | None,
+    example: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+) -> Part:
+    """The plan ``auto`` solves: on ``example`` (the first training batch, which the strategy
+    plans on), or with ``batch``/``seq`` on the strategy's random tokens; one profile and solve
+    (``plan_model``, the strategy's planner, its profile cache included), in training mode."""
+    refuse_unless_token_ids(model, "auto", "its planner profiles model(input_ids) on token ids")
+    if config.batch is not None:
+        if example is not None:
+            raise ValueError(
+                f"{config.name} plans on random tokens of batch {config.batch} x seq "
+                f"{config.seq}, not on an example; drop example= or the batch shape"
+            )
+        example = random_token_batch(model, config.batch, config.seq, config.seed, "AutoConfig")
+    if example is None:
+        raise ValueError(
+            f"plan_of(model, {config.name!r}) needs example=(input_ids, targets): auto profiles "
+            "the model on its first training batch and solves for that batch (or give the "
+            "spec a batch shape, AutoConfig(batch=..., seq=...))"
+        )
+    ids, targets = example
+    was = model.training
+    model.train()
+    try:
+        plan = plan_model(model, config, ids, targets)
+    finally:
+        model.train(was)
+    return plan, []
+
+
 def prac_plan(model: nn.Module, config: PracConfig, filter_fn: FilterFn | None = None) -> Plan:
     """PRAC's plan: its lazy rule (``PracConfig.rule``: PRAC's roles -> codec labels carrying the
     ranks) and, with ``fuse_norms``, the RMSNorms ``filter_fn`` passes reformulated to save (x,
@@ -164,7 +222,8 @@ def _prac(model: nn.Module, config: PracConfig, filter_fn: FilterFn | None) -> P
     return prac_plan(model, config), []  # (its rows are the strategy's: plan_of only)
 
 
-_OWN_STRATEGY = (PracConfig, PacConfig, RacConfig)  # a preset for plan_of; apply: the strategy
+# a preset for plan_of; apply: the strategy (see the module docstring)
+_OWN_STRATEGY = (PracConfig, PacConfig, RacConfig, OffloadStrategyConfig, CoLAMConfig, AutoConfig)
 
 # config type -> handler (model, config, filter_fn) -> (Plan, changes)
 PRESETS: dict[type, Callable[..., Part]] = {
@@ -177,7 +236,11 @@ PRESETS: dict[type, Callable[..., Part]] = {
     PracConfig: _prac,
     PacConfig: _prac,
     RacConfig: _prac,
+    OffloadStrategyConfig: _offload,
+    CoLAMConfig: _colam,
+    AutoConfig: _auto,
 }
+_WITH_EXAMPLE = (AutoConfig,)  # handlers that take plan_of's example= (keyword)
 
 
 def _non_default(config: StrategyConfig, default: StrategyConfig, free: tuple[str, ...]) -> str:
@@ -199,14 +262,23 @@ def refusal(config: StrategyConfig, filter_fn: FilterFn | None) -> str:
     """Why ``config`` has no preset plan ("" where it has one)."""
     if type(config) not in PRESETS:
         return (
-            f"strategy {config.name!r} has no preset plan; presets: none, recompute, int4, "
-            "int4-plain, int4-paper, int4-naive, int8, invact, invact-act, chunked-ce, prac, "
-            "pac, rac and their '+' compositions (auto's plan: slimact plan --budget ...)"
+            f"strategy {config.name!r} has no preset plan; presets: none, recompute, offload, "
+            "int4, int4-plain, int4-paper, int4-naive, int8, invact, invact-act, chunked-ce, "
+            "prac, pac, rac, cola-m (CoLA models), auto@<budget> (with example=) and their "
+            "'+' compositions"
         )
-    if isinstance(config, RecomputeConfig) and not config.preserve_rng_state:
+    rng = (RecomputeConfig, OffloadStrategyConfig, CoLAMConfig)
+    if isinstance(config, rng) and not config.preserve_rng_state:
         return (
-            "recompute with preserve_rng_state=False has no preset: the plan runtime "
+            f"{config.name} with preserve_rng_state=False has no preset: the plan runtime "
             "checkpoints with the RNG state preserved"
+        )
+    if isinstance(config, AutoConfig) and filter_fn is not None:
+        return "strategy 'auto' plans the whole model; filter_fn is not supported"
+    if isinstance(config, AutoConfig) and config.budget is None:
+        return (
+            "strategy 'auto' needs a memory budget: use 'auto@25%' (a share of the baseline "
+            "activation memory) or AutoConfig(budget='6GiB') (device memory)"
         )
     if isinstance(config, Int4Config | NaiveInt4Config | PracConfig) and filter_fn is not None:
         return f"{config.name}: a filter_fn has no preset form (apply the strategy)"
@@ -217,13 +289,27 @@ def refusal(config: StrategyConfig, filter_fn: FilterFn | None) -> str:
     return ""
 
 
-def _parts(model: nn.Module, configs: list[StrategyConfig], filter_fn) -> list[Part]:
-    return [PRESETS[type(c)](model, c, filter_fn) for c in configs]
+def _parts(model: nn.Module, configs: list[StrategyConfig], filter_fn, example=None) -> list[Part]:
+    return [
+        PRESETS[type(c)](model, c, filter_fn, example=example)
+        if isinstance(c, _WITH_EXAMPLE)
+        else PRESETS[type(c)](model, c, filter_fn)
+        for c in configs
+    ]
 
 
-def plan_of(model: nn.Module, strategy: str | StrategyConfig, filter_fn: FilterFn | None = None):
+def plan_of(
+    model: nn.Module,
+    strategy: str | StrategyConfig,
+    filter_fn: FilterFn | None = None,
+    *,
+    example: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+):
     """The ``Plan`` that does on ``model`` what ``strategy`` does (module docstring); a spec
-    with ``+`` merges its parts' plans. The model must carry no slimact change."""
+    with ``+`` merges its parts' plans. The model must carry no slimact change.
+
+    ``example``: ``(input_ids, targets)``, the first training batch, for ``auto`` (which plans
+    on it); ``auto`` takes no other part (its plan is solved for the model as it is)."""
     st = peek(model)
     if st is not None and (st.applied or st.runtime is not None):
         raise ValueError("plan_of needs a model without slimact changes (slimact.revert first)")
@@ -231,10 +317,17 @@ def plan_of(model: nn.Module, strategy: str | StrategyConfig, filter_fn: FilterF
     for config in configs:
         if why := refusal(config, filter_fn):
             raise ValueError(why)
-    parts = _parts(model, configs, filter_fn)
+    if len(configs) > 1 and any(isinstance(c, AutoConfig) for c in configs):
+        raise ValueError(
+            f"{strategy!r}: auto's plan is solved for the whole model as it is, so plan_of takes "
+            "it alone (apply the other parts' plans first, or compose the strategies)"
+        )
+    if example is not None and not any(isinstance(c, _WITH_EXAMPLE) for c in configs):
+        raise ValueError(f"{strategy!r} plans without a batch: example= is auto's alone")
+    parts = _parts(model, configs, filter_fn, example)
     for config, (plan, _) in zip(configs, parts):
-        if isinstance(config, RecomputeConfig) and not plan.layers:
-            raise ValueError("recompute: the model has no repeated blocks to recompute")
+        if isinstance(config, RecomputeConfig | OffloadStrategyConfig) and not plan.layers:
+            raise ValueError(f"{config.name}: the model has no repeated blocks to recompute")
     return functools.reduce(operator.add, [plan for plan, _ in parts])
 
 
