@@ -5,6 +5,8 @@
 seven rank-r pre-activations A·x (2d + 7r values per token, Eq. 19) and recomputes the rest; see
 ``slimact.cola.colam``. Blocks that are not CoLA blocks are reported as skipped with the reason;
 a model with no CoLA block at all is an error (nothing would change, which would be misleading).
+As a plan (``slimact.plan_of(model, "cola-m")``) each CoLA block is reformulated whole, kind
+``cola-m``: the plan runtime's block reformulation, registered here (``register_block_reform``).
 
 ``cola`` is the architecture itself. CoLA replaces every projection W by B σ(A x), which cannot
 carry W's weights over, so it is not an in-place transform of a trained model. Semantics chosen:

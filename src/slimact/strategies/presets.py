@@ -12,17 +12,28 @@ checks each). Each config type has one handler (torchao's shape: dispatch by con
     chunked-ce            the loss head, as ``reform`` of the root's row
     prac, pac, rac        PRAC's lazy rule (its roles -> codec labels with the ranks) and its
                           fused RMSNorms as ``reform`` (``prac_plan``; the strategy installs it)
+    offload               ``recompute``'s blocks, each block's input (``:checkpoint_input#0``)
+                          through the codec ``offload`` (applied on CUDA only, as the strategy)
+    cola-m                the CoLA blocks as ``reform`` of the whole block, kind ``cola-m`` (the
+                          runtime's block reformulation: ``planner.apply.register_block_reform``)
+    auto@<budget>         the plan the strategy solves on its first training batch, given as
+                          ``plan_of(..., example=(input_ids, targets))`` (or on random tokens of
+                          the spec's batch shape): the strategy's planner (``plan_model``) and its
+                          profile cache, so the strategy, planning on that batch, takes that plan
 
-``recompute``, ``invact`` and ``chunked-ce`` find their modules as the strategy does (its probe
-included): the strategy is applied to the model, its changes read, and undone, so the model is
-left as it was. The runtime reformulates with the default settings, so a config with other
-settings (``invact@bf16=exact-near-branch``, ``chunked-ce@256``) has no preset yet and is
-refused, as are ``recompute`` without a preserved RNG state, a codec rule with a ``filter_fn``
-and the strategies that are not presets (``cola-m``, ``offload``, ``auto``: a solved plan comes
-from ``slimact plan``; ``compiled-*``). A spec with ``+`` merges its parts' plans
-(``Plan.merge``), which names every site where two parts conflict. A plan is applied in the
-runtime's one order (reformulate, recompute, then codecs), whatever the order of the spec's
-parts.
+``recompute``, ``offload``, ``invact``, ``chunked-ce`` and ``cola-m`` find their modules as the
+strategy does (its probe included): the strategy is applied to the model, its changes read, and
+undone, so the model is left as it was. The runtime reformulates with the default settings, so
+a config with other settings (``invact@bf16=exact-near-branch``, ``chunked-ce@256``) has no
+preset yet and is refused, as are ``recompute``, ``offload`` and ``cola-m`` without a preserved
+RNG state, a codec rule with a ``filter_fn``, ``auto`` without a batch or with another part (its
+plan is solved for the model as it is) and the strategies that are not presets (``cola``,
+``compiled-*``). ``offload``'s policy offloads every input a block's checkpoint saves
+(``#k``), the plan names the first, the block's hidden states: the same site where the block is
+called with one positional tensor (slimact's models, Hugging Face's decoders). A spec with
+``+`` merges its parts' plans (``Plan.merge``), which names every site where two parts conflict.
+A plan is applied in the runtime's one order (reformulate, recompute, then codecs), whatever the
+order of the spec's parts.
 
 ``slimact.apply`` goes through these plans (``apply_presets``, the registry's preset path): a
 spec whose every part is a preset installs ``plan_of``'s one merged plan on the one runtime,
@@ -32,7 +43,10 @@ the strategies' own (``int4``'s head row, the per-module rows with their skips).
 ``prac``, a solved plan) is applied part by part by the strategies' own transforms, as before.
 The PRAC family has a preset for ``plan_of`` but installs its plan through its own strategy
 (``strategies/prac.py``: it also takes a ``filter_fn`` and reports its per-module ranks), so a
-spec with ``prac`` takes the part-by-part path.
+spec with ``prac`` takes the part-by-part path; so do ``offload``, ``cola-m`` and ``auto``,
+whose transforms stay the strategies' own (``offload``'s one codec policy, ``compiled-offload``
+beside it; ``cola-m``'s per-block rows and skips; ``auto``'s lazy planning and re-planning
+budget check), each shown to store and train as its plan does.
 """
 
 from __future__ import annotations
