@@ -20,6 +20,7 @@ from slimact.planner.apply import runtime_of
 from slimact.planner.plan import Plan
 from slimact.registry import applied_strategies
 from slimact.state import state_of
+from slimact.strategies.cola import CoLAMConfig
 from slimact.strategies.offload import OffloadStrategyConfig
 from slimact.strategies.prac import PracConfig, prac_report
 
@@ -365,6 +366,8 @@ def test_offload_and_colam_plans_say_what_they_do():
         "layers.1:": "reformulate:cola_m",
     }
     assert "(whole block): reformulate:cola_m" in plan.table()
+    with pytest.raises(ValueError, match="cola-m with preserve_rng_state=False has no preset"):
+        slimact.plan_of(cola, CoLAMConfig(preserve_rng_state=False))
     with pytest.raises(ValueError, match="layers.0 is recomputed in one plan and reformulated"):
         slimact.plan_of(cola, "recompute+cola-m")
     # a block the runtime cannot switch to CoLA-M: refused, the model left as it was
@@ -406,6 +409,8 @@ def test_an_auto_plan_needs_its_batch(tmp_path):
     model = build_model("llama-tiny")
     with pytest.raises(ValueError, match=r"needs example=\(input_ids, targets\)"):
         slimact.plan_of(model, "auto@25%")
+    with pytest.raises(ValueError, match="'auto' needs a memory budget"):
+        slimact.plan_of(model, "auto")
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="plan_of takes it alone"):
         slimact.plan_of(model, "invact+auto@25%", example=(ids, ids))
