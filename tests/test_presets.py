@@ -6,6 +6,7 @@ checkpointed and resumed."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -13,11 +14,14 @@ import torch
 
 import slimact
 from slimact.budget import BudgetWarning
+from slimact.codecs.offload import using_streams
 from slimact.models import build_model
 from slimact.planner.apply import runtime_of
 from slimact.planner.plan import Plan
 from slimact.registry import applied_strategies
 from slimact.state import state_of
+from slimact.strategies.cola import CoLAMConfig
+from slimact.strategies.offload import OffloadStrategyConfig
 from slimact.strategies.prac import PracConfig, prac_report
 
 PRESETS = [
@@ -177,8 +181,10 @@ def test_plans_say_what_each_preset_does():
 
 def test_what_has_no_preset_is_refused_by_name():
     model = build_model("llama-tiny")
-    with pytest.raises(ValueError, match="'cola-m' has no preset plan; presets: none, recompute"):
-        slimact.plan_of(model, "cola-m")
+    with pytest.raises(ValueError, match="'cola' has no preset plan; presets: none, recompute"):
+        slimact.plan_of(build_model("cola-tiny"), "cola")
+    with pytest.raises(ValueError, match="'cola-m' needs a CoLA model"):
+        slimact.plan_of(model, "cola-m")  # the strategy's own refusal
     with pytest.raises(ValueError, match="prac: a filter_fn has no preset form"):
         slimact.plan_of(model, "prac", filter_fn=lambda m, p: True)
     with pytest.raises(ValueError, match="chunk_size=256 has no preset"):
@@ -295,3 +301,133 @@ def test_prac_after_a_preset_joins_its_plan_and_reverts():
     slimact.revert(seq)
     assert runtime_of(seq) is None and slimact.applied(seq) == []
     assert "forward" not in seq.layers[0].__dict__ and "prac" not in state_of(seq).stateful
+
+
+# -- presets that ``slimact.apply`` still applies by the strategy's own transform ------------
+
+OWN_TRANSFORM = [
+    ("offload", "llama-tiny"),
+    ("offload", "gpt2-tiny"),
+    ("invact+offload", "llama-tiny"),
+    ("offload+chunked-ce", "gpt2-tiny"),
+    ("cola-m", "cola-tiny"),
+    ("invact+cola-m", "cola-tiny"),
+    ("cola-m+int8", "cola-tiny"),
+]
+
+
+@pytest.mark.parametrize(("name", "model_name"), OWN_TRANSFORM)
+def test_offload_and_colam_plans_apply_like_their_strategies(name, model_name, fake_streams):
+    """``offload`` (CPU: the CUDA streams stubbed) and ``cola-m`` (a block reformulation of the
+    plan runtime) as plans: the same bytes, host bytes, action per site and gradients as the
+    strategies' own transforms, alone and composed."""
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with using_streams(fake_streams):
+        torch.manual_seed(0)
+        base = build_model(model_name)
+        plan = slimact.plan_of(base, name)
+        assert slimact.applied(base) == [] and Plan.from_dict(plan.to_dict()) == plan
+        by_name, by_plan = (slimact.apply(copy.deepcopy(base), s) for s in (name, plan))
+        assert runtime_of(by_plan).plan == plan
+        for _ in range(2):
+            _same_step(by_name, by_plan, ids)
+        host = []
+        for m in (by_name, by_plan):
+            with slimact.measure(m) as meter:
+                m(ids, targets=ids).loss.backward()
+            host.append(meter.report.host_bytes)
+    assert host[0] == host[1] and (host[0] > 0) == ("offload" in name)
+    slimact.revert(by_plan)
+    assert runtime_of(by_plan) is None and all(
+        "forward" not in m.__dict__ for m in by_plan.modules()
+    )
+
+
+def test_offload_and_colam_plans_say_what_they_do():
+    model = build_model("llama-tiny")
+    assert slimact.plan_of(model, "offload").site_actions() == {
+        "layers.0:": "recompute",
+        "layers.0:checkpoint_input#0": "offload",
+        "layers.1:": "recompute",
+        "layers.1:checkpoint_input#0": "offload",
+    }
+    first = slimact.plan_of(model, "offload", filter_fn=lambda m, p: p == "layers.0")
+    assert set(first.site_actions()) == {"layers.0:", "layers.0:checkpoint_input#0"}
+    with pytest.raises(ValueError, match="in host memory already"):
+        slimact.apply(build_model("llama-tiny"), slimact.plan_of(model, "offload"))
+    with pytest.raises(ValueError, match="composes two codec-policy strategies, 'offload' and"):
+        slimact.plan_of(model, "offload+int8")  # the strategies do not compose either
+    with pytest.raises(ValueError, match="offload with preserve_rng_state=False has no preset"):
+        slimact.plan_of(model, OffloadStrategyConfig(preserve_rng_state=False))
+    cola = build_model("cola-tiny")
+    plan = slimact.plan_of(cola, "cola-m")
+    assert plan.site_actions() == {
+        "layers.0:": "reformulate:cola_m",
+        "layers.1:": "reformulate:cola_m",
+    }
+    assert "(whole block): reformulate:cola_m" in plan.table()
+    with pytest.raises(ValueError, match="cola-m with preserve_rng_state=False has no preset"):
+        slimact.plan_of(cola, CoLAMConfig(preserve_rng_state=False))
+    with pytest.raises(ValueError, match="layers.0 is recomputed in one plan and reformulated"):
+        slimact.plan_of(cola, "recompute+cola-m")
+    # a block the runtime cannot switch to CoLA-M: refused, the model left as it was
+    llama = build_model("llama-tiny")
+    with pytest.raises(ValueError, match="plan reformulates 'layers.0' as cola-m: not a CoLA"):
+        slimact.apply(llama, plan)
+    assert slimact.applied(llama) == [] and all(
+        "forward" not in m.__dict__ for m in llama.modules()
+    )
+
+
+def _auto_spec(tmp_path) -> str:
+    """A quick auto (two candidate codecs, one plan for all blocks, no error caps; which actions
+    it takes depends on the measured times), its profile cached in ``tmp_path``."""
+    return (
+        f"auto@10%,cache={tmp_path},repeats=1,layers=uniform,codecs=int8-asym/int8-channel,"
+        "max_rel_err=none,max_grad_err=none"
+    )
+
+
+def test_an_auto_plan_applies_like_the_strategy(tmp_path):
+    """``plan_of(m, "auto@25%", example=(ids, targets))`` profiles and solves on that batch
+    through the strategy's planner and profile cache: the strategy, planning lazily on the same
+    first batch, installs the same plan, and both train alike."""
+    torch.manual_seed(0)
+    base = build_model("llama-tiny")
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    spec = _auto_spec(tmp_path)
+    plan = slimact.plan_of(base, spec, example=(ids, ids))
+    assert isinstance(plan, Plan) and plan.layers and slimact.applied(base) == []
+    assert plan.budget == "10%" and (plan.batch, plan.seq) == (2, 32)
+    assert set(plan.site_actions().values()) - {"keep"}  # 10% of the baseline: some change
+    by_name, by_plan = (slimact.apply(copy.deepcopy(base), s) for s in (spec, plan))
+    assert runtime_of(by_name).plan is None  # lazy: plans on the first training forward
+    for _ in range(2):
+        _same_step(by_name, by_plan, ids)
+
+    def solved(p: Plan) -> Plan:  # the solver's wall time is the one field that may differ
+        return dataclasses.replace(p, solve_s=0.0)
+
+    assert solved(runtime_of(by_name).plan) == solved(plan) == solved(runtime_of(by_plan).plan)
+
+
+def test_an_auto_plan_needs_its_batch(tmp_path):
+    model = build_model("llama-tiny")
+    with pytest.raises(ValueError, match=r"needs example=\(input_ids, targets\)"):
+        slimact.plan_of(model, "auto@25%")
+    with pytest.raises(ValueError, match="'auto' needs a memory budget"):
+        slimact.plan_of(model, "auto")
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="plan_of takes it alone"):
+        slimact.plan_of(model, "invact+auto@25%", example=(ids, ids))
+    with pytest.raises(ValueError, match="example= is auto's alone"):
+        slimact.plan_of(model, "int4", example=(ids, ids))
+    with pytest.raises(ValueError, match="filter_fn is not supported"):
+        slimact.plan_of(model, "auto@25%", lambda m, p: True, example=(ids, ids))
+    # a spec with a batch shape plans on the strategy's random tokens, as the strategy does
+    shaped = slimact.planner.auto.AutoConfig.from_spec(_auto_spec(tmp_path), batch=2, seq=32)
+    plan = slimact.plan_of(model, shaped)
+    applied = slimact.apply(copy.deepcopy(model), shaped)
+    assert runtime_of(applied).plan.site_actions() == plan.site_actions()
+    with pytest.raises(ValueError, match="drop example= or the batch shape"):
+        slimact.plan_of(model, shaped, example=(ids, ids))

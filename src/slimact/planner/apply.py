@@ -10,7 +10,9 @@ between steps (adaptive evolution) and ``slimact.revert`` undoes it all:
   input). Nothing is reported with ``sites.hold`` (the save already counts).
 - **reformulate**: ``slimact.reformulate`` swaps the planned norms/activations for inverted
   ops, and the loss head for ``chunked-ce`` (``probe=False``: the profiler already measured what
-  they save).
+  they save). A *block reformulation* rewrites a whole block's forward (kind ``cola-m``:
+  CoLA-M's two selective checkpoints, ``slimact.cola.colam``); its kind is registered by the
+  layer that implements it (``register_block_reform``), applied after the module ones.
 - **offload** is the codec ``offload`` in the plan's table (``codecs/offload.py``); a plan
   that offloads is refused on a CPU model (its tensors are in host memory already).
 - **codecs**: one ``CodecPolicy`` whose ``assign`` looks every site up in the plan's table
@@ -69,6 +71,17 @@ from slimact.state import peek, prune, state_of
 from slimact.utils import in_worker_thread
 
 _tls = threading.local()
+
+# reformulation kind -> fn(block) -> undo, for kinds that rewrite a whole block's forward; the
+# layers above register theirs (``strategies/cola.py``: ``cola-m``), this one cannot import them
+BlockReform = Callable[[nn.Module], Callable[[], None]]
+_BLOCK_REFORMS: dict[str, BlockReform] = {}
+
+
+def register_block_reform(kind: str, fn: BlockReform) -> None:
+    """Let plans reformulate a block with ``kind``: ``fn(block)`` rewrites it in place (raising
+    ``ValueError`` with the reason where it cannot) and returns the function that undoes it."""
+    _BLOCK_REFORMS[kind] = fn
 
 
 class PlanAssign:
@@ -282,9 +295,12 @@ class PlanRuntime:
         fused = {p for p in targets if kinds.get(p) == FUSED_RMS} - {head}
         if fused:
             done += apply_fused_rms(self.model, fused)
-        rest = targets - {head} - fused
+        blocks = {p for p in targets if kinds.get(p) in _BLOCK_REFORMS} - {head}
+        rest = targets - {head} - fused - blocks
         if rest:
             done += apply_invact(self.model, InvActConfig(probe=False), lambda m, p: p in rest)
+        if blocks:
+            done += self._reform_blocks(sorted(blocks), kinds, done)
         applied = [c for c in done if not c.skipped]
         missing = targets - {c.path for c in applied}
         if missing:
@@ -294,6 +310,24 @@ class PlanRuntime:
             raise ValueError(f"plan reformulates {sorted(missing)}, which cannot be reformulated")
         self._undo.extend(c.undo for c in applied if c.undo is not None)
         return applied
+
+    def _reform_blocks(
+        self, paths: list[str], kinds: dict[str, str], done: list[AppliedChange]
+    ) -> list[AppliedChange]:
+        """The block reformulations (``register_block_reform``), after the module ones; where
+        one refuses its block, everything reformulated so far is undone and the reason raised."""
+        modules = dict(self.model.named_modules())
+        out: list[AppliedChange] = []
+        for path in paths:
+            try:
+                undo = _BLOCK_REFORMS[kinds[path]](modules[path])
+            except ValueError as e:
+                for c in reversed([*done, *out]):
+                    if not c.skipped and c.undo is not None:
+                        c.undo()
+                raise ValueError(f"plan reformulates {path!r} as {kinds[path]}: {e}") from e
+            out.append(AppliedChange(path, kinds[path], undo=undo))
+        return out
 
     def _clear_patches(self) -> None:
         self._head_planned = False

@@ -10,7 +10,8 @@ storage: a module input no op saves, stored only if a checkpoint of that module 
 ``"!extern"`` marks a saver in another block (such a storage is never dropped nor encoded).
 
 A **Plan** gives every block a ``LayerPlan``: the modules it recomputes (non-reentrant
-checkpointing), the modules it reformulates (invact), and the codec of each encoded storage,
+checkpointing), the modules it reformulates (invact; the block itself for a block
+reformulation such as ``cola-m``, ``reform_kinds``), and the codec of each encoded storage,
 listed with every site that saves it (checkpoint inputs ``<module>:checkpoint_input#k``
 included), plus predicted bytes and added time. ``Plan`` is a ``StrategyConfig``, so
 ``slimact.apply(model, plan)`` applies it; ``Plan.site_actions()`` is the flat site -> action map.

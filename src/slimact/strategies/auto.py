@@ -19,6 +19,9 @@ forward's measured stored bytes are compared with the budget; a plan solved unde
 conditions or more than 2% over is re-planned (``auto``: profiled again, cache bypassed), and a
 miss that remains is a loud ``BudgetWarning`` naming the budget, the bytes and the gap.
 
+``slimact.plan_of(model, "auto@25%", example=(input_ids, targets))`` returns the plan the strategy
+solves on that first batch (its planner and profile cache), without installing it.
+
 ``slimact.apply(model, plan)`` with a ``Plan`` (``slimact.planner.Plan.load(path)``) applies it
 as solved; the registered name ``plan`` itself carries no plan and refuses to apply.
 """

@@ -5,6 +5,8 @@
 seven rank-r pre-activations A·x (2d + 7r values per token, Eq. 19) and recomputes the rest; see
 ``slimact.cola.colam``. Blocks that are not CoLA blocks are reported as skipped with the reason;
 a model with no CoLA block at all is an error (nothing would change, which would be misleading).
+As a plan (``slimact.plan_of(model, "cola-m")``) each CoLA block is reformulated whole, kind
+``cola-m``: the plan runtime's block reformulation, registered here (``register_block_reform``).
 
 ``cola`` is the architecture itself. CoLA replaces every projection W by B σ(A x), which cannot
 carry W's weights over, so it is not an in-place transform of a trained model. Semantics chosen:
@@ -23,6 +25,7 @@ import torch.nn as nn
 from slimact import sites
 from slimact.cola.colam import colam_block, unsupported_reason
 from slimact.cola.layers import CoLALinear
+from slimact.planner.apply import register_block_reform
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
 
 
@@ -61,7 +64,7 @@ def _apply_cola(
     ]
 
 
-def _apply_colam(
+def apply_colam(
     model: nn.Module, config: CoLAMConfig, filter_fn: FilterFn | None = None
 ) -> list[AppliedChange]:
     if not any(isinstance(m, CoLALinear) for m in model.modules()):
@@ -90,6 +93,9 @@ def _apply_colam(
     return changes
 
 
+COLAM = "cola-m"  # the plan runtime's block reformulation of the same name (``plan_of``)
+register_block_reform(COLAM, colam_block)
+
 register_strategy(
     "cola",
     CoLAConfigMarker(),
@@ -100,7 +106,7 @@ register_strategy(
 register_strategy(
     "cola-m",
     CoLAMConfig(),
-    _apply_colam,
+    apply_colam,
     "CoLA-M: keep x, h and rank-r A·x per block, recompute up-projections + attention",
     checkpointing=True,
 )

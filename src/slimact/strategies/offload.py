@@ -14,7 +14,8 @@ for them. The planner (``auto`` with a ``host_budget``) weighs that per storage 
 
 CUDA only: on a CPU model the saved tensors are in host memory already, so ``apply`` refuses
 with a ``ValueError`` saying so. The policy is a codec policy (one per model: ``offload`` does not
-compose with ``int4``, ``prac`` or a plan).
+compose with ``int4``, ``prac`` or a plan). ``slimact.plan_of(model, "offload")`` is the same as a
+plan: ``recompute``'s blocks, each one's ``:checkpoint_input#0`` through the codec ``offload``.
 """
 
 from __future__ import annotations

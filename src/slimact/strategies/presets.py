@@ -12,17 +12,28 @@ checks each). Each config type has one handler (torchao's shape: dispatch by con
     chunked-ce            the loss head, as ``reform`` of the root's row
     prac, pac, rac        PRAC's lazy rule (its roles -> codec labels with the ranks) and its
                           fused RMSNorms as ``reform`` (``prac_plan``; the strategy installs it)
+    offload               ``recompute``'s blocks, each block's input (``:checkpoint_input#0``)
+                          through the codec ``offload`` (applied on CUDA only, as the strategy)
+    cola-m                the CoLA blocks as ``reform`` of the whole block, kind ``cola-m`` (the
+                          runtime's block reformulation: ``planner.apply.register_block_reform``)
+    auto@<budget>         the plan the strategy solves on its first training batch, given as
+                          ``plan_of(..., example=(input_ids, targets))`` (or on random tokens of
+                          the spec's batch shape): the strategy's planner (``plan_model``) and its
+                          profile cache, so the strategy, planning on that batch, takes that plan
 
-``recompute``, ``invact`` and ``chunked-ce`` find their modules as the strategy does (its probe
-included): the strategy is applied to the model, its changes read, and undone, so the model is
-left as it was. The runtime reformulates with the default settings, so a config with other
-settings (``invact@bf16=exact-near-branch``, ``chunked-ce@256``) has no preset yet and is
-refused, as are ``recompute`` without a preserved RNG state, a codec rule with a ``filter_fn``
-and the strategies that are not presets (``cola-m``, ``offload``, ``auto``: a solved plan comes
-from ``slimact plan``; ``compiled-*``). A spec with ``+`` merges its parts' plans
-(``Plan.merge``), which names every site where two parts conflict. A plan is applied in the
-runtime's one order (reformulate, recompute, then codecs), whatever the order of the spec's
-parts.
+``recompute``, ``offload``, ``invact``, ``chunked-ce`` and ``cola-m`` find their modules as the
+strategy does (its probe included): the strategy is applied to the model, its changes read, and
+undone, so the model is left as it was. The runtime reformulates with the default settings, so
+a config with other settings (``invact@bf16=exact-near-branch``, ``chunked-ce@256``) has no
+preset yet and is refused, as are ``recompute``, ``offload`` and ``cola-m`` without a preserved
+RNG state, a codec rule with a ``filter_fn``, ``auto`` without a batch or with another part (its
+plan is solved for the model as it is) and the strategies that are not presets (``cola``,
+``compiled-*``). ``offload``'s policy offloads every input a block's checkpoint saves
+(``#k``), the plan names the first, the block's hidden states: the same site where the block is
+called with one positional tensor (slimact's models, Hugging Face's decoders). A spec with
+``+`` merges its parts' plans (``Plan.merge``), which names every site where two parts conflict.
+A plan is applied in the runtime's one order (reformulate, recompute, then codecs), whatever the
+order of the spec's parts.
 
 ``slimact.apply`` goes through these plans (``apply_presets``, the registry's preset path): a
 spec whose every part is a preset installs ``plan_of``'s one merged plan on the one runtime,
@@ -32,7 +43,10 @@ the strategies' own (``int4``'s head row, the per-module rows with their skips).
 ``prac``, a solved plan) is applied part by part by the strategies' own transforms, as before.
 The PRAC family has a preset for ``plan_of`` but installs its plan through its own strategy
 (``strategies/prac.py``: it also takes a ``filter_fn`` and reports its per-module ranks), so a
-spec with ``prac`` takes the part-by-part path.
+spec with ``prac`` takes the part-by-part path; so do ``offload``, ``cola-m`` and ``auto``,
+whose transforms stay the strategies' own (``offload``'s one codec policy, ``compiled-offload``
+beside it; ``cola-m``'s per-block rows and skips; ``auto``'s lazy planning and re-planning
+budget check), each shown to store and train as its plan does.
 """
 
 from __future__ import annotations
@@ -42,12 +56,15 @@ import functools
 import operator
 from collections.abc import Callable
 
+import torch
 import torch.nn as nn
 
 from slimact import sites
-from slimact.actions import FUSED_RMS
+from slimact.actions import FUSED_RMS, OFFLOAD_CODEC
 from slimact.checkpointing import GUARD_ACTION, guard_cache
+from slimact.hf_inputs import random_token_batch, refuse_unless_token_ids
 from slimact.planner.apply import PlanRuntime, runtime_of
+from slimact.planner.auto import AutoConfig, plan_model
 from slimact.planner.plan import LayerPlan, Plan
 from slimact.reformulate import (
     ChunkedCEConfig,
@@ -64,8 +81,10 @@ from slimact.registry import (
     resolve,
 )
 from slimact.state import peek
+from slimact.strategies.cola import COLAM, CoLAMConfig, apply_colam
 from slimact.strategies.int4 import Int4Config, NaiveInt4Config
 from slimact.strategies.none import NoneConfig
+from slimact.strategies.offload import OffloadStrategyConfig
 from slimact.strategies.prac_config import PacConfig, PracConfig, RacConfig
 from slimact.strategies.recompute import RecomputeConfig, apply_recompute
 
@@ -121,6 +140,20 @@ def _recompute(model: nn.Module, config: RecomputeConfig, filter_fn: FilterFn | 
     return Plan(layers=_layers(model, "recompute", paths), meta=(("strategy", "recompute"),)), rows
 
 
+BLOCK_INPUT = ":checkpoint_input#0"  # a recomputed block's input, block-relative
+
+
+def _offload(model: nn.Module, config: OffloadStrategyConfig, filter_fn: FilterFn | None) -> Part:
+    """``recompute``'s blocks, each one's input (its checkpoint's first save) through the
+    offload codec: what the strategy's codec policy offloads."""
+    plan, rows = _recompute(model, RecomputeConfig(config.preserve_rng_state), filter_fn)
+    if not plan.layers:
+        return plan, rows
+    offloaded = ((OFFLOAD_CODEC, (BLOCK_INPUT,)),)
+    layers = tuple(dataclasses.replace(lp, codecs=offloaded) for lp in plan.layers)
+    return Plan(layers=layers, meta=(("strategy", "offload"),)), rows
+
+
 def _rule(model: nn.Module, config: Int4Config | NaiveInt4Config, filter_fn) -> Part:
     # its rows: the strategy's name and roles, then the runtime's codec-policy row (filled in)
     return config.plan(), [AppliedChange("", config.name, config.describe())]
@@ -147,6 +180,45 @@ def _chunked_ce(model: nn.Module, config: ChunkedCEConfig, filter_fn: FilterFn |
     return _reformulated(apply_chunked_ce, "chunked-ce", model, config, filter_fn)
 
 
+def _colam(model: nn.Module, config: CoLAMConfig, filter_fn: FilterFn | None) -> Part:
+    """The CoLA blocks the strategy would switch to CoLA-M, each reformulated whole (kind
+    ``cola-m``: the runtime's block reformulation, ``strategies/cola.py`` registers it)."""
+    return _reformulated(apply_colam, COLAM, model, config, filter_fn)
+
+
+def _auto(
+    model: nn.Module,
+    config: AutoConfig,
+    filter_fn: FilterFn | None,
+    example: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+) -> Part:
+    """The plan ``auto`` solves: on ``example`` (the first training batch, which the strategy
+    plans on), or with ``batch``/``seq`` on the strategy's random tokens; one profile and solve
+    (``plan_model``, the strategy's planner, its profile cache included), in training mode."""
+    refuse_unless_token_ids(model, "auto", "its planner profiles model(input_ids) on token ids")
+    if config.batch is not None:
+        if example is not None:
+            raise ValueError(
+                f"{config.name} plans on random tokens of batch {config.batch} x seq "
+                f"{config.seq}, not on an example; drop example= or the batch shape"
+            )
+        example = random_token_batch(model, config.batch, config.seq, config.seed, "AutoConfig")
+    if example is None:
+        raise ValueError(
+            f"plan_of(model, {config.name!r}) needs example=(input_ids, targets): auto profiles "
+            "the model on its first training batch and solves for that batch (or give the "
+            "spec a batch shape, AutoConfig(batch=..., seq=...))"
+        )
+    ids, targets = example
+    was = model.training
+    model.train()
+    try:
+        plan = plan_model(model, config, ids, targets)
+    finally:
+        model.train(was)
+    return plan, []
+
+
 def prac_plan(model: nn.Module, config: PracConfig, filter_fn: FilterFn | None = None) -> Plan:
     """PRAC's plan: its lazy rule (``PracConfig.rule``: PRAC's roles -> codec labels carrying the
     ranks) and, with ``fuse_norms``, the RMSNorms ``filter_fn`` passes reformulated to save (x,
@@ -164,7 +236,8 @@ def _prac(model: nn.Module, config: PracConfig, filter_fn: FilterFn | None) -> P
     return prac_plan(model, config), []  # (its rows are the strategy's: plan_of only)
 
 
-_OWN_STRATEGY = (PracConfig, PacConfig, RacConfig)  # a preset for plan_of; apply: the strategy
+# a preset for plan_of; apply: the strategy (see the module docstring)
+_OWN_STRATEGY = (PracConfig, PacConfig, RacConfig, OffloadStrategyConfig, CoLAMConfig, AutoConfig)
 
 # config type -> handler (model, config, filter_fn) -> (Plan, changes)
 PRESETS: dict[type, Callable[..., Part]] = {
@@ -177,7 +250,11 @@ PRESETS: dict[type, Callable[..., Part]] = {
     PracConfig: _prac,
     PacConfig: _prac,
     RacConfig: _prac,
+    OffloadStrategyConfig: _offload,
+    CoLAMConfig: _colam,
+    AutoConfig: _auto,
 }
+_WITH_EXAMPLE = (AutoConfig,)  # handlers that take plan_of's example= (keyword)
 
 
 def _non_default(config: StrategyConfig, default: StrategyConfig, free: tuple[str, ...]) -> str:
@@ -199,14 +276,23 @@ def refusal(config: StrategyConfig, filter_fn: FilterFn | None) -> str:
     """Why ``config`` has no preset plan ("" where it has one)."""
     if type(config) not in PRESETS:
         return (
-            f"strategy {config.name!r} has no preset plan; presets: none, recompute, int4, "
-            "int4-plain, int4-paper, int4-naive, int8, invact, invact-act, chunked-ce, prac, "
-            "pac, rac and their '+' compositions (auto's plan: slimact plan --budget ...)"
+            f"strategy {config.name!r} has no preset plan; presets: none, recompute, offload, "
+            "int4, int4-plain, int4-paper, int4-naive, int8, invact, invact-act, chunked-ce, "
+            "prac, pac, rac, cola-m (CoLA models), auto@<budget> (with example=) and their "
+            "'+' compositions"
         )
-    if isinstance(config, RecomputeConfig) and not config.preserve_rng_state:
+    rng = (RecomputeConfig, OffloadStrategyConfig, CoLAMConfig)
+    if isinstance(config, rng) and not config.preserve_rng_state:
         return (
-            "recompute with preserve_rng_state=False has no preset: the plan runtime "
+            f"{config.name} with preserve_rng_state=False has no preset: the plan runtime "
             "checkpoints with the RNG state preserved"
+        )
+    if isinstance(config, AutoConfig) and filter_fn is not None:
+        return "strategy 'auto' plans the whole model; filter_fn is not supported"
+    if isinstance(config, AutoConfig) and config.budget is None:
+        return (
+            "strategy 'auto' needs a memory budget: use 'auto@25%' (a share of the baseline "
+            "activation memory) or AutoConfig(budget='6GiB') (device memory)"
         )
     if isinstance(config, Int4Config | NaiveInt4Config | PracConfig) and filter_fn is not None:
         return f"{config.name}: a filter_fn has no preset form (apply the strategy)"
@@ -217,13 +303,27 @@ def refusal(config: StrategyConfig, filter_fn: FilterFn | None) -> str:
     return ""
 
 
-def _parts(model: nn.Module, configs: list[StrategyConfig], filter_fn) -> list[Part]:
-    return [PRESETS[type(c)](model, c, filter_fn) for c in configs]
+def _parts(model: nn.Module, configs: list[StrategyConfig], filter_fn, example=None) -> list[Part]:
+    return [
+        PRESETS[type(c)](model, c, filter_fn, example=example)
+        if isinstance(c, _WITH_EXAMPLE)
+        else PRESETS[type(c)](model, c, filter_fn)
+        for c in configs
+    ]
 
 
-def plan_of(model: nn.Module, strategy: str | StrategyConfig, filter_fn: FilterFn | None = None):
+def plan_of(
+    model: nn.Module,
+    strategy: str | StrategyConfig,
+    filter_fn: FilterFn | None = None,
+    *,
+    example: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+):
     """The ``Plan`` that does on ``model`` what ``strategy`` does (module docstring); a spec
-    with ``+`` merges its parts' plans. The model must carry no slimact change."""
+    with ``+`` merges its parts' plans. The model must carry no slimact change.
+
+    ``example``: ``(input_ids, targets)``, the first training batch, for ``auto`` (which plans
+    on it); ``auto`` takes no other part (its plan is solved for the model as it is)."""
     st = peek(model)
     if st is not None and (st.applied or st.runtime is not None):
         raise ValueError("plan_of needs a model without slimact changes (slimact.revert first)")
@@ -231,10 +331,17 @@ def plan_of(model: nn.Module, strategy: str | StrategyConfig, filter_fn: FilterF
     for config in configs:
         if why := refusal(config, filter_fn):
             raise ValueError(why)
-    parts = _parts(model, configs, filter_fn)
+    if len(configs) > 1 and any(isinstance(c, AutoConfig) for c in configs):
+        raise ValueError(
+            f"{strategy!r}: auto's plan is solved for the whole model as it is, so plan_of takes "
+            "it alone (apply the other parts' plans first, or compose the strategies)"
+        )
+    if example is not None and not any(isinstance(c, _WITH_EXAMPLE) for c in configs):
+        raise ValueError(f"{strategy!r} plans without a batch: example= is auto's alone")
+    parts = _parts(model, configs, filter_fn, example)
     for config, (plan, _) in zip(configs, parts):
-        if isinstance(config, RecomputeConfig) and not plan.layers:
-            raise ValueError("recompute: the model has no repeated blocks to recompute")
+        if isinstance(config, RecomputeConfig | OffloadStrategyConfig) and not plan.layers:
+            raise ValueError(f"{config.name}: the model has no repeated blocks to recompute")
     return functools.reduce(operator.add, [plan for plan, _ in parts])
 
 
