@@ -524,7 +524,7 @@ def solve_compiled(
     built = highs.Rows(
         cols, {c: j for j, c in enumerate(cols)}, rows, lo, hi,
         mem=dict(enumerate(size)), obj=dict(enumerate(cost)), qual={},
-        counts={j: n[kinds.index(k)] for j, (k, _) in enumerate(var)},
+        counts={j: n[kinds.index(var[j][0])] if j < nv else 1.0 for j in range(len(cost))},
     )  # fmt: skip
     res = highs.run(built, allowed)
     if res.x is not None and time_tolerance > 0:
@@ -533,12 +533,10 @@ def solve_compiled(
         x = np.round(res.x)
         worst = max(float(np.array(err)[x > 0].max()), EXACT_ERR)
         cap = float(np.array(cost) @ x) * (1.0 + time_tolerance)
-        lean = built._replace(
+        lean = built._replace(  # time capped; lossier options bounded to 0
             rows=[*rows, dict(enumerate(cost))], lo=[*lo, -np.inf], hi=[*hi, cap],
             counts={j: (m if err[j] <= worst else 0.0) for j, m in built.counts.items()},
         )  # fmt: skip
-        lean_rows = [*lean.rows, {nv + i: 1.0 for i in range(len(roots)) if err[nv + i] > worst}]
-        lean = lean._replace(rows=lean_rows, lo=[*lean.lo, 0.0], hi=[*lean.hi, 0.0])
         again = highs.run(lean, allowed, minimize="bytes")
         res = again if again.x is not None else res
     if res.x is None:
