@@ -25,6 +25,8 @@ from slimact.state import state_of
 from slimact.strategies.compiled_presets import CompiledPlanConfig, compiled_plan_of
 
 IDS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+# PRAC codes a tensor only where its subspaces are smaller than it: not at 64 tokens
+LONG = torch.randint(0, 256, (4, 128), generator=torch.Generator().manual_seed(0))
 
 # every fixed compiled strategy, a budget and stochastic rounding; every eager strategy with a
 # fixed compiled form (compile=True) and the merge of a codec with recompute
@@ -35,19 +37,19 @@ EAGER += ["int8+recompute", "int4@sr"]
 OFFLOADING = ("compiled-offload", "offload")  # CUDA only: here with the streams stubbed
 
 
-def _step(model):
+def _step(model, ids=IDS, seed: int = 1):
     model.zero_grad(set_to_none=True)
-    torch.manual_seed(1)  # compiled PRAC draws its random subspaces from torch's generator
+    torch.manual_seed(seed)  # compiled PRAC draws its random subspaces from torch's generator
     with slimact.measure(model) as m:
-        loss = model(IDS, targets=IDS).loss
+        loss = model(ids, targets=ids).loss
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), m.report, grads
 
 
-def _same_steps(a, b, steps: int = 2) -> None:
+def _same_steps(a, b, ids=IDS, steps: int = 2) -> None:
     for _ in range(steps):
-        (loss_a, rep_a, grads_a), (loss_b, rep_b, grads_b) = _step(a), _step(b)
+        (loss_a, rep_a, grads_a), (loss_b, rep_b, grads_b) = _step(a, ids), _step(b, ids)
         assert torch.equal(loss_a, loss_b)
         assert rep_a.total_bytes == rep_b.total_bytes and rep_a.host_bytes == rep_b.host_bytes
         assert {s.site: s.action for s in rep_a.sites} == {s.site: s.action for s in rep_b.sites}
@@ -80,7 +82,12 @@ def test_a_compiled_plan_applies_like_its_strategy(name, request):
         assert [compiled_choice(mods[0][p]) for p in blocks] == list(plan.choices.values())
         assert [compiled_choice(mods[1][p]) for p in blocks] == list(plan.choices.values())
         assert _rows(by_name) == _rows(by_plan)
-        _same_steps(by_name, by_plan)
+        prac = plan.choices[blocks[0]].codec == "prac"
+        _same_steps(by_name, by_plan, LONG if prac else IDS)
+    if prac:  # the draws are random: another seed, other gradients (the equality is not moot)
+        _, _, grads = _step(by_plan, LONG, seed=2)
+        _, _, same = _step(by_plan, LONG)
+        assert any(not torch.equal(g, same[k]) for k, g in grads.items())
     for m in (by_name, by_plan):  # both revert to the eager blocks
         slimact.revert(m)
         assert "forward" not in m.layers[0].__dict__ and slimact.applied(m) == []
@@ -104,7 +111,7 @@ def test_the_uniform_plans_choices():
         assert list(plan.choices.values()) == [choice] * n, spec
     plan = compiled_plan_of(model, PRESETS["compiled-int6"][0])  # a config
     assert set(plan.choices.values()) == {BlockChoice(1.0, "int6")}
-    assert compiled_plan_of(model, plan) is plan
+    assert compiled_plan_of(model, plan) is plan and slimact.compiled_plan_of is compiled_plan_of
     assert compiled_plan_of(model, CompiledPlanConfig(plan)) is plan
 
 
@@ -146,3 +153,27 @@ def test_a_plan_does_not_stack_on_other_compiled_blocks():
     with pytest.raises(ValueError, match="codec-policy strategy 'compiled-plan'"):
         slimact.apply(plan, "int4")
     assert state_of(plan).compiled_plan is None  # compiled-auto's solved plan only
+
+
+def test_compiled_auto_plan_is_the_plan_it_installs(tmp_path):
+    """``compiled_plan_of`` of ``auto@<budget>`` (``compiled-auto`` under compile=True) on the
+    batch of the first training forward: the plan the strategy solves there (the same cached
+    profile, the same solver), and applied it trains bit for bit as the strategy does."""
+    torch.manual_seed(0)
+    base = build_model("llama-tiny")
+    # 15%: below the leanest blocks with the root kept, so the root takes an option of its own
+    spec = f"auto@15%,codecs=none/int8,budgets=1/0,rounds=1,cache={tmp_path}"
+    with pytest.raises(ValueError, match="solves its plan on a batch"):
+        compiled_plan_of(base, spec)
+    plan = compiled_plan_of(base, spec, example=(IDS, IDS))
+    assert slimact.applied(base) == [] and "forward" not in base.layers[0].__dict__
+    assert list(plan.choices) == sites.block_paths(base) and plan.measured_bytes is not None
+    assert plan.root is not None
+    by_name = slimact.apply(copy.deepcopy(base), spec, compile=True)
+    by_plan = slimact.apply(copy.deepcopy(base), plan)
+    assert state_of(by_name).compiled_plan is None  # plans on its first training forward
+    _same_steps(by_name, by_plan)
+    solved = state_of(by_name).compiled_plan
+    assert solved.choices == plan.choices and solved.root == plan.root
+    assert solved.measured_bytes == plan.measured_bytes
+    assert _rows(by_plan) == _rows(by_name)[1:]  # the strategy's rows, less its head

@@ -231,8 +231,8 @@ def install_compiled(
     """Compile each block under its choice in ``plan`` and put the root's option on the plan
     runtime: the one install path of every compiled plan (one ``compiled-auto`` solved, a fixed
     ``compiled-*`` strategy's uniform one, a saved one). An offload choice is refused on a CPU
-    model in one line; on an error nothing stays installed. ``compile_kwargs`` go to
-    ``torch.compile``."""
+    model in one line, before anything is compiled; a root that fails to install takes the
+    compiled blocks back. ``compile_kwargs`` go to ``torch.compile``."""
     if any(c.offload for c in plan.choices.values()):
         for t in (*model.parameters(), *model.buffers()):
             check_device(t.device)  # one line: a CPU model's tensors are in host memory already
