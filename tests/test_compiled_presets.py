@@ -109,6 +109,9 @@ def test_the_uniform_plans_choices():
     for spec, choice in want.items():
         plan = compiled_plan_of(model, spec)
         assert list(plan.choices.values()) == [choice] * n, spec
+    plan = compiled_plan_of(model, "compiled-int8@0.25,sr")
+    assert plan.summary() == f"blocks {n} x recompute/budget=0.25+codec:compiled-int8-sr; root keep"
+    assert "allowed" not in plan.table() and plan.meta["strategy"] == "compiled-int8@0.25,sr"
     plan = compiled_plan_of(model, PRESETS["compiled-int6"][0])  # a config
     assert set(plan.choices.values()) == {BlockChoice(1.0, "int6")}
     assert compiled_plan_of(model, plan) is plan and slimact.compiled_plan_of is compiled_plan_of
@@ -177,3 +180,16 @@ def test_compiled_auto_plan_is_the_plan_it_installs(tmp_path):
     assert solved.choices == plan.choices and solved.root == plan.root
     assert solved.measured_bytes == plan.measured_bytes
     assert _rows(by_plan) == _rows(by_name)[1:]  # the strategy's rows, less its head
+
+
+def test_an_eager_part_beside_the_plan_composes_as_in_the_spec():
+    """``chunked-ce+int8`` under compile=True is the eager part, then the compiled blocks: the
+    eager part applied, then ``compiled_plan_of(model, "int8")``, trains the same."""
+    torch.manual_seed(0)
+    base = build_model("llama-tiny")
+    by_name = slimact.apply(copy.deepcopy(base), "chunked-ce+int8", compile=True)
+    by_plan = slimact.apply(copy.deepcopy(base), "chunked-ce")
+    slimact.apply(by_plan, compiled_plan_of(base, "int8"))
+    assert applied_strategies(by_plan) == ["chunked-ce", "compiled-plan"]
+    assert _rows(by_name) == _rows(by_plan) and any(r[1] == "chunked-ce" for r in _rows(by_plan))
+    _same_steps(by_name, by_plan)
