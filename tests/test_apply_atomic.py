@@ -264,12 +264,13 @@ def test_codec_policy_names_match_what_the_transforms_do():
         model = build_model("cola-tiny" if name.startswith("cola") else "llama-tiny")
         try:
             slimact.apply(model, name)
-        except ValueError:  # 'auto'/'compiled-auto' without a budget, 'plan' without a plan,
-            # 'offload' on a CPU (CUDA only)
+        except ValueError:  # 'auto'/'compiled-auto' without a budget, 'plan'/'compiled-plan'
+            # without a plan, 'offload' on a CPU (CUDA only)
             assert name.split("@")[0] in (
                 "auto",
                 "compiled-auto",
                 "plan",
+                "compiled-plan",
                 "offload",
                 "compiled-offload",
             ), name

@@ -13,6 +13,8 @@ import slimact
 from slimact import actions
 from slimact.cli import main
 from slimact.codecs.offload import using_streams
+from slimact.compiled.blocks import BlockChoice
+from slimact.planner.compiled import CompiledPlan
 from slimact.planner.describe import describe
 from slimact.planner.plan import LayerPlan, Plan
 from slimact.registry import strategy_names
@@ -38,6 +40,13 @@ def _plan() -> Plan:
     rows = {"recompute": ("mlp",), "codecs": (("int8", ("self_attn.q_proj:linear#0",)),)}
     blocks = tuple(LayerPlan(block=f"layers.{i}", kind="LlamaBlock", **rows) for i in range(2))
     return Plan("llama-tiny", 2, 32, "float32", budget="1GiB", budget_bytes=2**30, layers=blocks)
+
+
+def _compiled_plan() -> CompiledPlan:
+    """What strategy ``compiled-plan`` applies: a solved compiled plan (here by hand: llama-tiny's
+    first block INT8 at region budget 0.5, its second compiled as it is)."""
+    choices = {"layers.0": BlockChoice(0.5, "int8"), "layers.1": BlockChoice()}
+    return CompiledPlan(choices, "", 0, 0, 0.0, 0)
 
 
 def _model(name: str) -> torch.nn.Module:
@@ -68,7 +77,8 @@ def _describes_itself(name, ids):
     model_name = SPECIAL.get(name, "llama-tiny")
     if model_name not in slimact.models.model_names():
         pytest.fail(f"{model_name} is not a registered model")
-    spec = _plan() if name == "plan" else BUDGETED.get(name, name)
+    by_name = {"plan": _plan, "compiled-plan": _compiled_plan}
+    spec = by_name[name]() if name in by_name else BUDGETED.get(name, name)
     model = _model(model_name)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     plan = describe(model, spec, ids, name=model_name)
@@ -78,7 +88,9 @@ def _describes_itself(name, ids):
     assert acts and {actions.parse(a).kind for a in acts.values()} <= set(actions.KINDS)
     planned = name in PLANNED or name.startswith("auto@")
     if not planned:  # measured: rows add up to the totals
-        assert dict(plan.meta)["describes"] == spec
+        assert dict(plan.meta)["describes"] == (
+            spec if isinstance(spec, str) else type(spec).__name__
+        )
         assert sum(lp.predicted_bytes for lp in plan.layers) == plan.predicted_bytes
         assert sum(lp.baseline_bytes for lp in plan.layers) == plan.baseline_bytes
     if name == "compiled-offload":  # its blocks save nothing in their graphs: the input, offloaded

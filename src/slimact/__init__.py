@@ -14,6 +14,7 @@ from slimact.strategies import (
     revert,
     strategy_names,
 )
+from slimact.strategies.compiled_presets import compiled_plan_of
 from slimact.strategies.presets import plan_of
 
 __version__ = "0.1.0"
@@ -24,6 +25,7 @@ __all__ = [
     "applied",
     "apply",
     "build_model",
+    "compiled_plan_of",
     "count_params",
     "measure",
     "measure_step",

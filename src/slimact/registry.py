@@ -39,6 +39,7 @@ import argparse
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.nn as nn
 
@@ -105,6 +106,25 @@ def register_preset_path(fn: PresetPath) -> None:
     plan on the plan runtime) and returns the changes, or returns None and changes nothing, and
     ``apply`` applies the parts one after another (each strategy's own transform)."""
     _PRESET_PATH[:] = [fn]
+
+
+# exact type -> its config: objects ``apply`` takes that are not configs themselves (a solved
+# ``CompiledPlan`` is a mutable record, so not a frozen ``StrategyConfig``)
+_CONFIG_TYPES: dict[type, Callable[[Any], StrategyConfig]] = {}
+
+
+def register_config_type(cls: type, to_config: Callable[[Any], StrategyConfig]) -> None:
+    """Let ``apply`` (and ``resolve``) take an object of type ``cls`` as a strategy:
+    ``to_config`` turns it into the config of a registered strategy, whose transform applies it
+    (``slimact.planner.compiled.CompiledPlan`` -> the ``compiled-plan`` strategy's config)."""
+    _CONFIG_TYPES[cls] = to_config
+
+
+def as_config(strategy: object) -> object:
+    """``strategy`` as ``apply`` reads it: an object of a registered config type
+    (:func:`register_config_type`) as its config, anything else as it is."""
+    to_config = _CONFIG_TYPES.get(type(strategy))
+    return to_config(strategy) if to_config is not None else strategy
 
 
 def register_strategy(
@@ -180,6 +200,7 @@ def resolve(strategy: str | StrategyConfig) -> list[StrategyConfig]:
 
 def _resolve_named(strategy: str | StrategyConfig) -> list[tuple[str, StrategyConfig]]:
     """Like ``resolve``, with each config's label (its part of the spec, or its name)."""
+    strategy = as_config(strategy)
     if isinstance(strategy, StrategyConfig):
         return [(strategy.name, strategy)]
     if not isinstance(strategy, str) or not strategy.strip():
@@ -380,7 +401,8 @@ def apply(
 
     ``compile=True`` compiles every block with the strategy's actions inside it (the root stays
     eager): the spec is rewritten by :func:`compiled_spec` (``"auto@25%"`` becomes the compiled
-    planner ``"compiled-auto@25%"``); a config must already be a ``compiled-*`` one.
+    planner ``"compiled-auto@25%"``); a config must already be a ``compiled-*`` one (a solved
+    ``CompiledPlan`` is: ``register_config_type``).
 
     A model the user compiled whole (``torch.compile(model)``, an ``OptimizedModule``) is
     refused: its forward is one compiled graph that slimact's hooks cannot enter, so a strategy
@@ -388,6 +410,7 @@ def apply(
     strategy inside them.
     """
     refuse_compiled_root(model, "slimact.apply")
+    strategy = as_config(strategy)
     if compile:
         if isinstance(strategy, StrategyConfig):
             if not strategy.name.startswith(COMPILED_PREFIX):

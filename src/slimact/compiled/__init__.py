@@ -37,7 +37,7 @@ from slimact.compiled.devices import (
 )
 from slimact.compiled.packing import pack_bits, pack_codes, unpack_bits, unpack_codes
 from slimact.compiled.prac import TracedPrac, decode_prac, encode_prac, feeds_linear
-from slimact.compiled.strategies import CompiledCodecConfig, apply_compiled_codec
+from slimact.compiled.strategies import PRESETS, CompiledCodecConfig
 
 __all__ = [
     "LAYOUT",
@@ -52,7 +52,7 @@ __all__ = [
     "BlockChoice",
     "CompiledCodec",
     "CompiledCodecConfig",
-    "apply_compiled_codec",
+    "PRESETS",
     "choose",
     "codec_hooks",
     "compile_block",

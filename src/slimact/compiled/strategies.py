@@ -7,20 +7,19 @@ compile's region budget (``compiled-int8@0.25``); the quantizing ones also take 
 ``compiled-offload`` (``offload`` under ``compile=True``): every block keeps only its input, in
 pinned host memory (``slimact.compiled.offload``; CUDA only, refused on a CPU model).
 
-One :class:`~slimact.compiled.blocks.BlockChoice` for every block; ``compiled-auto@<budget>``
-(``slimact.planner.compiled``) picks one per block instead.
+One :class:`~slimact.compiled.blocks.BlockChoice` for every block: each of these strategies is
+a uniform ``CompiledPlan``, which ``slimact.strategies.compiled_presets`` registers and installs
+(``compiled_plan_of``); ``compiled-auto@<budget>`` (``slimact.planner.compiled``) picks one per
+block instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.nn as nn
-
-from slimact.codecs.offload import check_device
-from slimact.compiled.blocks import BlockChoice, compile_blocks_with
+from slimact.compiled.blocks import BlockChoice
 from slimact.compiled.codec import SR_SUFFIX, resolve_codec
-from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
+from slimact.registry import StrategyConfig
 
 PREFIX = "compiled-"
 
@@ -95,70 +94,44 @@ class CompiledCodecConfig(StrategyConfig):
         return cls(codec, budget)
 
 
-def apply_compiled_codec(
-    model: nn.Module, config: CompiledCodecConfig, filter_fn: FilterFn | None = None
-) -> list[AppliedChange]:
-    if config.offload:
-        for t in (*model.parameters(), *model.buffers()):
-            check_device(t.device)  # one line: a CPU model's tensors are in host memory already
-            break
-    return compile_blocks_with(model, config.choice, filter_fn)
-
-
-register_strategy(
-    "compiled-none",
-    CompiledCodecConfig("none"),
-    apply_compiled_codec,
-    "torch.compile per block with an identity saved-tensor hook pair inlined (no compression)",
-)
-register_strategy(
-    "compiled-int8",
-    CompiledCodecConfig("int8"),
-    apply_compiled_codec,
-    "torch.compile per block, per-row INT8 pack/unpack inlined into the compiled graphs",
-    codec_policy=True,
-)
-register_strategy(
-    "compiled-int6",
-    CompiledCodecConfig("int6"),
-    apply_compiled_codec,
-    "torch.compile per block, per-row INT6 (four codes in three bytes) inlined, SDPA's q/k too; "
-    "SDPA's v and output INT8 per row",
-    codec_policy=True,
-)
-register_strategy(
-    "compiled-int4",
-    CompiledCodecConfig("int4"),
-    apply_compiled_codec,
-    "torch.compile per block, INT4 (groups of 32) inlined; SDPA q/k/v/output INT8 per row",
-    codec_policy=True,
-)
-register_strategy(
-    "compiled-outlier-int4",
-    CompiledCodecConfig("outlier-int4"),
-    apply_compiled_codec,
-    "compiled-int4 with the 1/128 of channels of largest absolute sum stored exactly "
-    "(adacc's outlier separation, a static count)",
-    codec_policy=True,
-)
-register_strategy(
-    "compiled-prac",
-    CompiledCodecConfig("prac"),
-    apply_compiled_codec,
-    "torch.compile per block, PRAC (principal + random subspace, prac.txt) inlined: linear "
-    "inputs at r1 = r2 = 0.3n, other saves 0.2n, attention exact; the basis from each step's X",
-    codec_policy=True,
-)
-register_strategy(
-    "compiled-recompute",
-    CompiledCodecConfig("none", 0.0),
-    apply_compiled_codec,
-    "torch.compile per block with region budget 0: compile recomputes all but block inputs",
-)
-register_strategy(
-    "compiled-offload",
-    CompiledCodecConfig("none", 0.0, offload=True),
-    apply_compiled_codec,
-    "torch.compile per block, each block's input offloaded to pinned host memory by an eager "
-    "wrapper, the rest recomputed in backward (CUDA only)",
-)
+# the fixed compiled strategies: name -> (its config, its description); registered by
+# ``slimact.strategies.compiled_presets``, each a codec policy where its config says so
+PRESETS: dict[str, tuple[CompiledCodecConfig, str]] = {
+    "compiled-none": (
+        CompiledCodecConfig("none"),
+        "torch.compile per block with an identity saved-tensor hook pair inlined (no compression)",
+    ),
+    "compiled-int8": (
+        CompiledCodecConfig("int8"),
+        "torch.compile per block, per-row INT8 pack/unpack inlined into the compiled graphs",
+    ),
+    "compiled-int6": (
+        CompiledCodecConfig("int6"),
+        "torch.compile per block, per-row INT6 (four codes in three bytes) inlined, SDPA's q/k "
+        "too; SDPA's v and output INT8 per row",
+    ),
+    "compiled-int4": (
+        CompiledCodecConfig("int4"),
+        "torch.compile per block, INT4 (groups of 32) inlined; SDPA q/k/v/output INT8 per row",
+    ),
+    "compiled-outlier-int4": (
+        CompiledCodecConfig("outlier-int4"),
+        "compiled-int4 with the 1/128 of channels of largest absolute sum stored exactly "
+        "(adacc's outlier separation, a static count)",
+    ),
+    "compiled-prac": (
+        CompiledCodecConfig("prac"),
+        "torch.compile per block, PRAC (principal + random subspace, prac.txt) inlined: linear "
+        "inputs at r1 = r2 = 0.3n, other saves 0.2n, attention exact; the basis from each "
+        "step's X",
+    ),
+    "compiled-recompute": (
+        CompiledCodecConfig("none", 0.0),
+        "torch.compile per block with region budget 0: compile recomputes all but block inputs",
+    ),
+    "compiled-offload": (
+        CompiledCodecConfig("none", 0.0, offload=True),
+        "torch.compile per block, each block's input offloaded to pinned host memory by an "
+        "eager wrapper, the rest recomputed in backward (CUDA only)",
+    ),
+}

@@ -225,10 +225,11 @@ class CompiledPlan:
         lines = [f"{'block':<24} action"]
         lines += [f"{r['block']:<24} {r['action']}" for r in self.rows()]
         base = max(self.baseline_bytes, 1)
-        lines.append(
-            f"predicted {fmt_bytes(self.predicted_bytes)} ({self.predicted_bytes / base:.3f} of "
-            f"eager), allowed {fmt_bytes(self.allowed_bytes)} (budget {self.budget})"
-        )
+        if self.budget:  # (a fixed strategy's plan has none: ``compiled_plan_of``)
+            lines.append(
+                f"predicted {fmt_bytes(self.predicted_bytes)} ({self.predicted_bytes / base:.3f} "
+                f"of eager), allowed {fmt_bytes(self.allowed_bytes)} (budget {self.budget})"
+            )
         if self.measured_bytes is not None:
             lines.append(f"measured {fmt_bytes(self.measured_bytes)}")
         return "\n".join(lines)
@@ -244,6 +245,8 @@ class CompiledPlan:
         kept = self.measured_bytes if self.measured_bytes is not None else self.predicted_bytes
         word = "keeps" if self.measured_bytes is not None else "predicted to keep"
         host = self.meta.get("measured_host_bytes", self.meta.get("host_bytes", 0))
+        if not self.budget:  # a fixed strategy's plan (``compiled_plan_of``): no bytes solved
+            return f"blocks {blocks}; root {root}"
         return (
             f"blocks {blocks}; root {root}; {word} {fmt_bytes(kept)} of "
             f"{fmt_bytes(self.allowed_bytes)} allowed"

@@ -166,7 +166,7 @@ def plan_compiled(
     plan = solve_compiled(
         profile, config.budget, config.max_grad_err, config.time_tolerance, offload
     )
-    changes = _install(model, plan, config)
+    changes = install_compiled(model, plan, **config.compile_kwargs)
     try:
         measured = verify(plan, model, ids, targets)
         tighter = plan.allowed_bytes - (measured - plan.allowed_bytes)
@@ -179,7 +179,7 @@ def plan_compiled(
                                    config.max_grad_err, offload=offload)  # fmt: skip
             retry.budget, retry.allowed_bytes = plan.budget, plan.allowed_bytes
             retry.meta["resolved_for"] = tighter
-            changes, plan = _install(model, retry, config), retry
+            changes, plan = install_compiled(model, retry, **config.compile_kwargs), retry
             verify(plan, model, ids, targets)
     except BaseException:
         _undo(changes)
@@ -204,14 +204,9 @@ def install_plan(model: nn.Module, plan: CompiledPlan) -> list[AppliedChange]:
     ``compiled-auto`` strategy that has not planned yet: no profiling, no solving, so a resumed
     run trains with the plan it had. Returns the changes (also shown by ``slimact.applied``)."""
     lazy = _pending(model)
-    want = set(sites.block_paths(model))
-    if set(plan.choices) != want:
-        raise ValueError(
-            f"the saved compiled plan is for blocks {sorted(plan.choices)[:4]}..., this model's "
-            f"are {sorted(want)[:4]}...: it was solved for another model"
-        )
+    check_blocks(model, plan)
     lazy.handle.remove()
-    lazy.installed = _install(model, plan, lazy.config)
+    lazy.installed = install_compiled(model, plan, **lazy.config.compile_kwargs)
     state_of(model).compiled_plan = plan
     lazy.show(plan, "installed from a saved plan")
     return lazy.installed
@@ -230,8 +225,19 @@ def _pending(model: nn.Module) -> _LazyPlanner:
     )
 
 
-def _install(model: nn.Module, plan: CompiledPlan, config: CompiledAutoConfig):
-    changes = compile_blocks_with(model, plan.choices, **config.compile_kwargs)
+def install_compiled(
+    model: nn.Module, plan: CompiledPlan, filter_fn: FilterFn | None = None, **compile_kwargs
+) -> list[AppliedChange]:
+    """Compile each block under its choice in ``plan`` and put the root's option on the plan
+    runtime: the one install path of every compiled plan (one ``compiled-auto`` solved, a fixed
+    ``compiled-*`` strategy's uniform one, a saved one). An offload choice is refused on a CPU
+    model in one line, before anything is compiled; a root that fails to install takes the
+    compiled blocks back. ``compile_kwargs`` go to ``torch.compile``."""
+    if any(c.offload for c in plan.choices.values()):
+        for t in (*model.parameters(), *model.buffers()):
+            check_device(t.device)  # one line: a CPU model's tensors are in host memory already
+            break
+    changes = compile_blocks_with(model, plan.choices, filter_fn, **compile_kwargs)
     if plan.root is not None:
         try:
             changes += install_root(model, plan.root)
@@ -239,6 +245,16 @@ def _install(model: nn.Module, plan: CompiledPlan, config: CompiledAutoConfig):
             _undo(changes)
             raise
     return changes
+
+
+def check_blocks(model: nn.Module, plan: CompiledPlan) -> None:
+    """A plan names exactly ``model``'s blocks, or it was solved for another model."""
+    want = set(sites.block_paths(model))
+    if set(plan.choices) != want:
+        raise ValueError(
+            f"the compiled plan is for blocks {sorted(plan.choices)[:4]}..., this model's are "
+            f"{sorted(want)[:4]}...: it was solved for another model"
+        )
 
 
 def _undo(changes: list[AppliedChange]) -> None:

@@ -1,0 +1,176 @@
+"""The compiled strategies as plans: ``compiled_plan_of(model, "compiled-int8")`` -> one
+``CompiledPlan``, the compiled counterpart of ``plan_of`` (``strategies/presets.py``).
+
+Every compiled strategy is a choice per block (``BlockChoice``: compile's region budget, a
+traced codec, offload) and one for the eager root, i.e. a ``CompiledPlan``
+(``slimact.planner.compiled``), and every one installs through the one install path,
+``compiled_auto.install_compiled``:
+
+    compiled-none, -int8, -int6, -int4,     the same choice for every block (the config's
+    -outlier-int4, -prac, -recompute,       ``choice``), the root kept; registered here from
+    -offload (``@<budget>``, ``sr``)        ``slimact.compiled.strategies.PRESETS``
+    compiled-auto@<budget>                  the plan its planner solves on a batch
+                                            (``example=(ids, targets)``, or its own
+                                            ``batch``/``seq``)
+    an eager name under ``compile=True``    its compiled form (``registry.compiled_spec``:
+                                            ``int8`` -> ``compiled-int8``, ``int8+recompute``
+                                            -> ``compiled-int8@0``)
+
+``slimact.apply(model, plan)`` (``compile=True`` or not) applies a ``CompiledPlan`` through the
+``compiled-plan`` strategy (``registry.register_config_type``): the same saved bytes, choices
+and gradients as the strategy it came from (``tests/test_compiled_presets.py``). A spec whose
+compiled form has an eager part beside the blocks (``invact`` -> ``invact@ops=none+
+compiled-none``) is not one plan: ``compiled_plan_of`` refuses it, naming the part.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from slimact import sites
+from slimact.compiled.strategies import PRESETS, CompiledCodecConfig
+from slimact.hf_inputs import random_token_batch
+from slimact.planner.compiled import CompiledPlan
+from slimact.registry import (
+    AppliedChange,
+    FilterFn,
+    StrategyConfig,
+    compiled_spec,
+    register_config_type,
+    register_strategy,
+    resolve,
+)
+from slimact.state import state_of
+from slimact.strategies.compiled_auto import (
+    CompiledAutoConfig,
+    check_blocks,
+    install_compiled,
+    plan_compiled,
+)
+
+PLAN_NAME = "compiled-plan"
+
+
+@dataclass(frozen=True)
+class CompiledPlanConfig(StrategyConfig):
+    """A solved ``CompiledPlan`` as a strategy config: what ``slimact.apply(model, plan)`` turns
+    the plan into (None: the bare name, which carries no plan and is refused)."""
+
+    plan: CompiledPlan | None = field(default=None, hash=False)
+
+
+Example = tuple[torch.Tensor, torch.Tensor]
+
+
+def compiled_plan_of(
+    model: nn.Module,
+    strategy: str | StrategyConfig | CompiledPlan,
+    *,
+    example: Example | None = None,
+) -> CompiledPlan:
+    """The ``CompiledPlan`` that does on ``model`` what ``strategy`` does (module docstring):
+    a ``compiled-*`` spec or config, or an eager spec with a compiled form. ``compiled-auto``
+    solves its plan on ``example`` (token ids, targets), or on its own ``batch``/``seq``, on a
+    copy of the model (the same cached profile and solver as the strategy; ``model`` is left as
+    it was)."""
+    config = _compiled_config(strategy)
+    if isinstance(config, CompiledPlanConfig):
+        if config.plan is None:
+            raise ValueError(_NO_PLAN)
+        return config.plan
+    if isinstance(config, CompiledCodecConfig):
+        choice = config.choice
+        return CompiledPlan(
+            choices={path: choice for path in sites.block_paths(model)},
+            budget="",
+            allowed_bytes=0,
+            predicted_bytes=0,
+            predicted_seconds=0.0,
+            baseline_bytes=0,
+            meta={"strategy": config.name},
+        )
+    return _solved(model, config, example)
+
+
+def _compiled_config(strategy: object) -> StrategyConfig:
+    """The one compiled config ``strategy`` names under ``compile=True``, or a ValueError."""
+    spec = compiled_spec(strategy) if isinstance(strategy, str) else strategy
+    configs = resolve(spec)
+    kinds = (CompiledCodecConfig, CompiledAutoConfig, CompiledPlanConfig)
+    if len(configs) == 1 and isinstance(configs[0], kinds):
+        return configs[0]
+    names = [c.name for c in configs if not isinstance(c, kinds)]
+    raise ValueError(
+        f"{strategy!r} is not one compiled plan: under compile=True it is {spec!r}, whose "
+        f"part(s) {', '.join(names)} are not a choice per block; a compiled plan comes from "
+        f"{', '.join(PRESETS)}, compiled-auto@<budget>, or an eager strategy whose compiled "
+        "form is one of them (int8, int4, prac, recompute, offload, none, auto@<budget>)"
+    )
+
+
+def _solved(model: nn.Module, config: CompiledAutoConfig, example: Example | None) -> CompiledPlan:
+    """What ``compiled-auto`` installs: its planner run on a copy of ``model``, undone."""
+    if config.budget is None:
+        raise ValueError(
+            "compiled-auto needs a memory budget: compiled_plan_of(model, 'compiled-auto@25%', "
+            "example=(ids, targets))"
+        )
+    if example is not None:
+        ids, targets = example
+    elif config.batch is not None:
+        ids, targets = random_token_batch(
+            model, config.batch, config.seq, config.seed, "CompiledAutoConfig"
+        )
+    else:
+        raise ValueError(
+            f"compiled-auto (budget {config.budget}) solves its plan on a batch; give one: "
+            "compiled_plan_of(model, spec, example=(ids, targets)) (the batch its first training "
+            "forward would see), or CompiledAutoConfig(budget=..., batch=B, seq=S)"
+        )
+    work = copy.deepcopy(model)
+    changes = plan_compiled(work, config, ids, targets)
+    plan = state_of(work).compiled_plan
+    for c in reversed(changes):
+        if c.undo is not None:
+            c.undo()
+    return plan
+
+
+_NO_PLAN = (
+    "strategy 'compiled-plan' needs a solved CompiledPlan: slimact.apply(model, "
+    "compiled_plan_of(model, spec)) or CompiledPlan.from_dict(...); the bare name carries no plan"
+)
+
+
+def apply_compiled_plan(
+    model: nn.Module, config: CompiledPlanConfig, filter_fn: FilterFn | None = None
+) -> list[AppliedChange]:
+    if config.plan is None:
+        raise ValueError(_NO_PLAN)
+    check_blocks(model, config.plan)
+    return install_compiled(model, config.plan, filter_fn)
+
+
+def apply_compiled_preset(
+    model: nn.Module, config: CompiledCodecConfig, filter_fn: FilterFn | None = None
+) -> list[AppliedChange]:
+    """A fixed compiled strategy: its uniform plan, installed."""
+    return install_compiled(model, compiled_plan_of(model, config), filter_fn)
+
+
+for _name, (_config, _description) in PRESETS.items():
+    register_strategy(
+        _name, _config, apply_compiled_preset, _description, codec_policy=_config.is_codec_policy
+    )
+register_strategy(
+    PLAN_NAME,
+    CompiledPlanConfig(),
+    apply_compiled_plan,
+    "apply a solved slimact.planner.compiled.CompiledPlan (compiled_plan_of, compiled-auto's)",
+    codec_policy=True,  # its root may take an eager codec on the plan runtime
+)
+register_config_type(CompiledPlan, lambda plan: CompiledPlanConfig(plan))
