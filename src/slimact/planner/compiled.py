@@ -9,17 +9,14 @@ measures each option on one block of each kind, on the real batch, and picks one
                as the meter does), its input made inside the call, so an input the block keeps
                raw is counted and one it encodes is not (as in the model, where the raw
                residual stream is freed once the next block has encoded it)
-    time(o)    fwd+bwd seconds of the compiled block: interleaved rounds over the options,
-               every other round in reverse order (a round of 21 options lasts ~8 s on
-               llama-20m, long enough for the load to drift within it), the median per-round
-               ratio to the first option times that option's median
+    time(o)    fwd+bwd seconds of the compiled block: interleaved rounds over the options, every
+               other round reversed (load drifts within a round), the median per-round ratio
+               to the first option times that option's median
     err(o)     gradient error: max over the block's input and parameters of 1 - cos between
                the compiled block's gradients and the eager block's, for one random upstream
-               gradient, on the kind's first and last block (the larger: depth matters; on
-               llama-20m at budget 0.7, INT6 with SDPA's tensors at 6 bits gives 1.5e-3 on the
-               first block and 8.4e-3 on the last, whose q/k gradients then reach cosine 0.991
-               in the model); options above ``max_grad_err`` (default 2e-3, as ``auto``'s) are
-               not candidates (traced INT4 typically is not: ~1e-2 on llama-20m)
+               gradient, on the kind's first and last block (the larger: depth matters);
+               options above ``max_grad_err`` (default 2e-3, as ``auto``'s) are not candidates
+               (traced INT4 often is not: BENCHMARKS.md §7)
     root       the eager model's bytes (the meter) minus its blocks' own (measured as above,
                eagerly): embedding, final norm, head, loss, and inputs shared by all blocks;
                the root stays eager and takes one of its own options ``r`` (keep, or an eager
@@ -33,15 +30,14 @@ measures each option on one block of each kind, on the real batch, and picks one
 then, with T* that minimum, the same MILP minimizing the bytes subject also to
 T <= (1 + tol) T*, over the options no lossier than the worst the fastest plan took (an exact
 plan stays exact; ``TIME_TOLERANCE``, 1%: measured times are this noisy, and options that
-fast differ in bytes, e.g. compile's budget 0.7 and 1.0 with INT8: 11.8 vs 16.5 MiB per
-llama-20m block at the same step time),
-
-with ``n_ko`` integer, ``x_r`` binary (identical blocks are interchangeable, so the MILP counts them; blocks
-take options in their order, the fewest bytes first). A uniform plan (every block at one option)
-is a feasible point, so the solution is never slower than the best single option that fits
-(by more than the 1% tolerance), and never holds more bytes than allowed by the measured figures. Compile's own
-``activation_memory_budget`` is the column ``c = none``; its partition is one of the options,
-not a competitor.
+fast can differ much in bytes, e.g. compile's budget 0.7 and 1.0 with the same codec). Both
+passes are stated in the eager planner's row form and solved by ``slimact.planner.highs``, with
+``n_ko`` integer, ``x_r`` binary (identical blocks are interchangeable, so the MILP counts them;
+blocks take options in their order, the fewest bytes first). A uniform plan (every block at one
+option) is a feasible point, so the solution is never slower than the best single option that
+fits (by more than the 1% tolerance), and never holds more bytes than allowed by the measured
+figures. Compile's own ``activation_memory_budget`` is the column ``c = none``; its partition
+is one of the options, not a competitor.
 
 Offload (``host_budget`` given, CUDA only): one more option per kind, ``o_off`` =
 ``BlockChoice(0, "none", offload=True)`` (``slimact.compiled.offload``): the block keeps nothing
@@ -54,9 +50,10 @@ input per block, so the stall is a constant per block), and the host bytes take 
 serves any bandwidth and host budget.
 
 Budgets are ``slimact.budget.Budget``: a share of the eager model's activation bytes (the
-meter's count), or device memory with parameters, gradients and AdamW states included. After the plan is installed, :func:`verify` measures the whole model;
-``CompiledAutoConfig`` (``compiled-auto@25%``) re-solves with the overshoot taken off the budget
-once and warns if the measured bytes still exceed it.
+meter's count), or device memory with parameters, gradients and AdamW states included. After
+the plan is installed, :func:`verify` measures the whole model; ``CompiledAutoConfig``
+(``compiled-auto@25%``) re-solves with the overshoot taken off the budget once and warns if the
+measured bytes still exceed it.
 """
 
 from __future__ import annotations
