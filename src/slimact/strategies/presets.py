@@ -39,14 +39,12 @@ order of the spec's parts.
 spec whose every part is a preset installs ``plan_of``'s one merged plan on the one runtime,
 and a later spec of presets on such a model is merged into its plan. The changes it records are
 the strategies' own (``int4``'s head row, the per-module rows with their skips). Any other spec
-(one part not a preset, or a model carrying a change that is not a preset's: ``cola-m``,
-``prac``, a solved plan) is applied part by part by the strategies' own transforms, as before.
-The PRAC family has a preset for ``plan_of`` but installs its plan through its own strategy
+(one part not a preset, or a model carrying a change that is not a preset's: ``prac``, a
+solved plan) is applied part by part by the strategies' own transforms, as before. The PRAC
+family has a preset for ``plan_of`` but installs its plan through its own strategy
 (``strategies/prac.py``: it also takes a ``filter_fn`` and reports its per-module ranks), so a
-spec with ``prac`` takes the part-by-part path; so do ``offload``, ``cola-m`` and ``auto``,
-whose transforms stay the strategies' own (``offload``'s one codec policy, ``compiled-offload``
-beside it; ``cola-m``'s per-block rows and skips; ``auto``'s lazy planning and re-planning
-budget check), each shown to store and train as its plan does.
+spec with ``prac`` takes the part-by-part path; so does ``auto`` (its lazy planning on the first
+batch and its re-planning budget check), shown to store and train as its plan does.
 """
 
 from __future__ import annotations
@@ -237,7 +235,7 @@ def _prac(model: nn.Module, config: PracConfig, filter_fn: FilterFn | None) -> P
 
 
 # a preset for plan_of; apply: the strategy (see the module docstring)
-_OWN_STRATEGY = (PracConfig, PacConfig, RacConfig, OffloadStrategyConfig, CoLAMConfig, AutoConfig)
+_OWN_STRATEGY = (PracConfig, PacConfig, RacConfig, AutoConfig)
 
 # config type -> handler (model, config, filter_fn) -> (Plan, changes)
 PRESETS: dict[type, Callable[..., Part]] = {
