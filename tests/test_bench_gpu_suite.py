@@ -183,8 +183,6 @@ def test_exit_process_ends_past_a_running_planner_thread():
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert (out.returncode, out.stdout) == (3, "written") and time.perf_counter() - t0 < 30
-    ok = "from slimact.bench.deadline import exit_process; exit_process(0)"
-    assert subprocess.run([sys.executable, "-c", ok], timeout=60).returncode == 0
 
 
 def test_gpu_suite_end_to_end_on_cpu(tmp_path, one_thread):
