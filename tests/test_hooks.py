@@ -31,7 +31,6 @@ ALLOWED = {
     "slimact.reformulate.activations": "inverted activations and norms; the consumer probe",
     "slimact.reformulate.head": "the chunked loss head and its root part",
     "slimact.reformulate.norms": "PRAC's fused RMSNorms",
-    "slimact.strategies.recompute": "recompute's own path (specs mixing it with non-presets)",
     # the first-step checks and re-planning around a runtime
     "slimact.planner.adaptive": "the first-step budget check and re-plan",
     "slimact.planner.evolve": "the plan evolver's tracking steps",

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from slimact import sites
+from slimact.patching import override_forward
 from slimact.registry import AppliedChange
 
 # keyword names HF layers receive their KV cache (or a legacy per-layer past) under
@@ -94,6 +96,14 @@ def checkpointed(orig: Any, preserve_rng_state: bool, *args: Any, **kwargs: Any)
         return checkpoint(
             orig, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs
         )
+
+
+def checkpoint_module(module: nn.Module, preserve_rng_state: bool = True) -> Callable[[], None]:
+    """Patch ``module``'s forward (on the instance) to run under :func:`checkpointed`; returns
+    the undo. The one place a module is made to recompute: the plan runtime and ``recompute``'s
+    own transform both call it."""
+    _, undo = override_forward(module, checkpointed, preserve_rng_state)
+    return undo
 
 
 def use_cache_position(model: nn.Module) -> int | None | bool:
@@ -164,4 +174,11 @@ def guard_cache(model: nn.Module, who: str = "activation recomputation") -> Appl
     return AppliedChange("", GUARD_ACTION, "use_cache=False in training forwards", undo=undo)
 
 
-__all__ = ["CACHE_KWARGS", "carries_cache", "guard_cache", "has_cache_guard", "is_cache"]
+__all__ = [
+    "CACHE_KWARGS",
+    "carries_cache",
+    "checkpoint_module",
+    "guard_cache",
+    "has_cache_guard",
+    "is_cache",
+]

@@ -46,13 +46,12 @@ import torch
 import torch.nn as nn
 
 from slimact import sites
-from slimact.checkpointing import checkpointed, guard_cache
+from slimact.checkpointing import checkpoint_module, guard_cache
 from slimact.classify import call_batch, site_role
 from slimact.codecs.base import Codec
 from slimact.codecs.build import build_codec
 from slimact.codecs.offload import check_device
 from slimact.codecs.saving import CodecPolicy, hidden_channels
-from slimact.patching import override_forward
 from slimact.planner.plan import Plan, abs_path, abs_site, site_module
 from slimact.planner.prac_sites import PracPolicy, PracState
 from slimact.reformulate import (
@@ -228,8 +227,7 @@ class PlanRuntime:
                     raise ValueError(
                         f"plan recomputes {full!r}, which is not a module of the model"
                     )
-                _, undo = override_forward(modules[full], checkpointed, True)
-                self._undo.append(undo)
+                self._undo.append(checkpoint_module(modules[full]))
                 changes.append(AppliedChange(full, "recompute"))
             targets.update(abs_path(p, lp.block) for p in lp.reform)
             kinds.update((abs_path(p, lp.block), k) for p, k in lp.reform_kinds)

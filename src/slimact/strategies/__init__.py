@@ -22,7 +22,7 @@ from slimact.registry import (
     unregister_strategies,
 )
 from slimact.strategies.none import NoneConfig, apply_none
-from slimact.strategies.recompute import RecomputeConfig, apply_recompute, checkpoint_module
+from slimact.strategies.recompute import RecomputeConfig, apply_recompute
 
 
 def _register_all() -> None:
@@ -64,7 +64,6 @@ __all__ = [
     "StrategyConfig",
     "applied",
     "apply",
-    "checkpoint_module",
     "describe_strategies",
     "register_strategy",
     "resolve",

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from slimact import sites
-from slimact.checkpointing import checkpointed, guard_cache
-from slimact.patching import override_forward, overrides
+from slimact.checkpointing import checkpoint_module, checkpointed, guard_cache
+from slimact.patching import overrides
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig
 
 
@@ -36,12 +36,6 @@ class RecomputeConfig(StrategyConfig):
     """Checkpoint every block whose path passes ``filter_fn`` (all blocks by default)."""
 
     preserve_rng_state: bool = True
-
-
-def checkpoint_module(module: nn.Module, preserve_rng_state: bool = True) -> AppliedChange:
-    """Patch one module's forward to run under non-reentrant checkpointing."""
-    _, undo = override_forward(module, checkpointed, preserve_rng_state)
-    return AppliedChange(path="", action="recompute", undo=undo)
 
 
 def apply_recompute(
@@ -61,9 +55,8 @@ def apply_recompute(
             why = "forward already patched (e.g. by cola-m)"
             changes.append(AppliedChange(path, "recompute", why, skipped=True))
             continue
-        change = checkpoint_module(block, config.preserve_rng_state)
-        change.path = path
-        changes.append(change)
+        undo = checkpoint_module(block, config.preserve_rng_state)
+        changes.append(AppliedChange(path, "recompute", undo=undo))
     if not changes:
         changes.append(AppliedChange("", "recompute", "model has no repeated blocks", skipped=True))
     elif any(not c.skipped for c in changes):
