@@ -245,12 +245,13 @@ def test_documented_compositions_apply(spec):
 def _installs_policy(model: nn.Module) -> bool:
     """A policy of its own, or a plan runtime whose plan decides codecs (a lazy plan may): the
     runtime a preset without codecs (``recompute``, ``invact``) installs decides none."""
-    wrappers = {getattr(o.wrapper, "__name__", "") for o in overrides(model)}
     rt = runtime_of(model)
-    codecs = rt is not None and (
-        rt.plan is None or bool(rt.plan.rules) or any(lp.codecs for lp in rt.plan.layers)
+    return rt is not None and (
+        rt.plan is None
+        or bool(rt.plan.rules)
+        or any(lp.codecs for lp in rt.plan.layers)
+        or "policy" in dict(rt.plan.meta)  # ``install_policy``'s
     )
-    return "_policy_forward" in wrappers or codecs
 
 
 def test_codec_policy_names_match_what_the_transforms_do():

@@ -9,12 +9,13 @@ import torch.nn.functional as F
 
 import slimact
 from slimact import sites
-from slimact.codecs import CodecPolicy, codec_config, codec_label, get_codec, install_policy
+from slimact.codecs import CodecPolicy, codec_config, codec_label, get_codec
 from slimact.codecs.base import _CODECS, Codec, Packed, codec_names
 from slimact.codecs.bits import pack_bits, unpack_bits
 from slimact.codecs.build import build_codec
 from slimact.meter import measure
 from slimact.models import build_model
+from slimact.planner.apply import install_policy
 
 
 def test_registry_names_and_errors():

@@ -25,7 +25,6 @@ ALLOWED = {
     # the runtime and the router it enters
     "slimact.planner.apply": "the plan runtime's root hooks (plan, router, policy)",
     "slimact.sites": "the router: per-module hooks naming sites while it is entered",
-    "slimact.codecs.saving": "install_policy: a codec policy on the root forward",
     # what the runtime applies (also called by the strategies not yet presets)
     "slimact.checkpointing": "the checkpoint wrapper and the KV-cache guard",
     "slimact.reformulate.activations": "inverted activations and norms; the consumer probe",

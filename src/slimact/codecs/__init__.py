@@ -12,7 +12,7 @@ from slimact.codecs.base import (
     register_codec,
     storage_nbytes,
 )
-from slimact.codecs.saving import CodecPolicy, CodecStored, install_policy
+from slimact.codecs.saving import CodecPolicy, CodecStored
 
 # Built-in codecs register themselves on import (get_codec("int4") works after importing this).
 from slimact.codecs import bits, offload, outlier, quant, token  # noqa: E402, F401  isort: skip
@@ -28,7 +28,6 @@ __all__ = [
     "codec_name",
     "codec_names",
     "get_codec",
-    "install_policy",
     "register_codec",
     "storage_nbytes",
 ]

@@ -14,7 +14,8 @@ Why a hook and not module wrappers: the saved tensors are chosen by autograd ins
 for any model (HF included), without re-implementing any backward; module wrappers would have to
 know every op's saving rule.
 
-``install_policy(model, policy)`` enters the router and the policy around the root module's
+The plan runtime (``slimact.planner.apply``: a plan's policy, or ``install_policy(model,
+policy)`` for a policy of one's own) enters the router and the policy around the root module's
 forward, so saves inside checkpointed regions stay under the checkpoint's own hooks.
 
 No device-to-host sync per step: a site's first save is encoded with the codec's checks read on
@@ -41,13 +42,10 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
-import torch.nn as nn
 
-from slimact import actions, sites
+from slimact import actions
 from slimact.codecs.base import Codec, Packed, codec_label, draw_seed, site_draw_seed
 from slimact.ops.deferred import DeferredChecks
-from slimact.patching import override_forward
-from slimact.registry import AppliedChange
 
 
 class CodecStored:
@@ -416,27 +414,3 @@ class CodecPolicy:
         if skey is not None:
             self._cache[skey] = entry
         return stored
-
-
-def _policy_forward(inner: Callable, model: nn.Module, policy: Callable, *args, **kwargs):
-    with sites.tracking(model), sites.policy(policy):
-        if hasattr(policy, "reset"):
-            policy.reset()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            if hasattr(policy, "end"):
-                policy.end()
-
-
-def install_policy(model: nn.Module, policy: Callable) -> AppliedChange:
-    """Route ``model``'s saves through ``policy`` on every forward; returns an undoable change.
-
-    The root's forward is wrapped on the instance (module paths and state_dict unchanged), so the
-    router and the policy are entered and left by ``with`` blocks, also when the forward raises
-    (forward hooks cannot do that: an ``always_call`` hook that removes hooks while PyTorch
-    iterates them after an exception replaces the real error). The wrap is a
-    ``patching.ForwardOverride``: a deep copy or a pickle of the model carries its own policy.
-    """
-    _, undo = override_forward(model, _policy_forward, model, policy)
-    return AppliedChange(path="", action="codec-policy", undo=undo)

@@ -25,7 +25,9 @@ between steps (adaptive evolution) and ``slimact.revert`` undoes it all:
   per-site decisions, one codec per compressed storage, the step clock every codec reads
   (advanced per training forward), checkpointed as ``stateful["prac"]``.
 
-The router and the policy are entered around every root forward by the runtime's own hooks.
+The router and the policy are entered around every root forward by the runtime's own hooks:
+the one way into the router (a ``CodecPolicy`` of one's own rides an empty plan's runtime,
+:func:`install_policy`).
 *Lazy planning* (strategy ``auto`` without a batch shape): on the first grad-enabled forward the
 runtime profiles the model on that very batch and solves, in a worker thread. The site router's
 state, saved-tensor hooks, the torch-function mode stack and grad mode are thread-local, so an
@@ -434,6 +436,21 @@ class PlanRuntime:
 def runtime_of(model: nn.Module) -> PlanRuntime | None:
     st = peek(model)
     return st.runtime if st is not None else None
+
+
+def install_policy(model: nn.Module, policy: CodecPolicy) -> AppliedChange:
+    """Route ``model``'s saves through ``policy``, a ``CodecPolicy`` of one's own (a study's, a
+    test's, a strategy's fixed rule), on a plan runtime with an empty plan: the runtime's root
+    entry is the one way into the router. Returns the undoable change; a model that already
+    carries a runtime is refused (compose through its plan instead)."""
+    if runtime_of(model) is not None:
+        raise ValueError(
+            "model already carries a slimact runtime: add to its plan, or slimact.revert first"
+        )
+    rt = PlanRuntime(model)
+    rt.set_plan(Plan(meta=(("policy", type(policy).__name__),)))
+    rt.policy = policy
+    return AppliedChange(path="", action="codec-policy", undo=rt.remove)
 
 
 def install(

@@ -28,7 +28,8 @@ import torch.nn as nn
 
 from slimact.codecs.base import Codec, get_codec
 from slimact.codecs.offload import check_device
-from slimact.codecs.saving import CodecPolicy, install_policy
+from slimact.codecs.saving import CodecPolicy
+from slimact.planner.apply import install_policy
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
 from slimact.strategies.recompute import RecomputeConfig, apply_recompute
 
