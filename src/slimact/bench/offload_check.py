@@ -219,6 +219,8 @@ def run(cfg: OffloadCheckConfig, log: Callable[[str], None] = print) -> dict[str
         "time_not_hidden_s": pts["offload"]["step_s"] - pts["plan"]["step_s"],
         "bytes_offloaded": pts["offload"]["host_bytes"],
     }
+    steps = ", ".join(f"{k} {pts[k]['step_s'] * 1e3:.1f} ms" for k in models)
+    log(f"steps: {steps}; offload / plan {ratio.median:.3f} [{ratio.min:.3f}-{ratio.max:.3f}]")
     out["plans"] = {"plan": plan.summary(), "offload": off_plan.summary()}
     for m in models.values():
         m.zero_grad(set_to_none=True)
