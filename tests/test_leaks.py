@@ -10,6 +10,8 @@ import gc
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 import slimact
@@ -58,3 +60,35 @@ def test_forward_without_backward_frees_its_graph(spec, fake_streams):
         assert meter.report.total_bytes > 0
         del meter
         assert _graph_tensors(before) == 0
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # exp and tanh save their outputs
+        return x + self.b(F.silu(self.a(x)).exp().tanh())
+
+
+def test_double_backward_through_the_router_is_exact():
+    # what is kept as is is kept detached, and autograd gives the unpacked tensor its grad_fn
+    # back: a gradient penalty (grad of grad) under the meter is exact, not silently cut
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(), _Block()).double()
+    x = torch.randn(4, 16, dtype=torch.float64)
+
+    def penalty_grads(metered: bool) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        params = list(model.parameters())
+        if metered:
+            with slimact.measure(model):
+                loss = model(x).pow(2).sum()
+        else:
+            loss = model(x).pow(2).sum()
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        sum((g**2).sum() for g in grads).backward()
+        return [p.grad.clone() for p in params]
+
+    for a, b in zip(penalty_grads(False), penalty_grads(True)):
+        assert torch.equal(a, b) and a.abs().max() > 0
