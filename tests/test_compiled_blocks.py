@@ -154,12 +154,14 @@ def _fallbacks_and_bytes(model):
 
 
 def test_more_patched_blocks_than_dynamos_recompile_limit_stay_compiled():
-    """invact's norms carry one patched forward per module, which dynamo guards by id: each of
-    9 blocks needs its own graph, past dynamo's default limit of 8 per code object (it ran them
-    eagerly). The meter still matches the profiler."""
+    """invact's norms carry one patched forward per module, which dynamo guards by id: each
+    block needs its own graph, and past dynamo's limit per code object (8 by default) it ran
+    them eagerly. With the limit at 2, three blocks are past it. The meter still matches the
+    profiler."""
     torch.manual_seed(0)
-    model = slimact.apply(build_model("llama-tiny", n_layers=9), "invact", compile=True)
-    n, metered, live = _fallbacks_and_bytes(model)
+    with dynamo_config.patch(recompile_limit=2):
+        model = slimact.apply(build_model("llama-tiny", n_layers=3), "invact", compile=True)
+        n, metered, live = _fallbacks_and_bytes(model)
     assert n == 0 and abs(live - metered) <= 2048
 
 
