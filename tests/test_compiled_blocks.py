@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import slimact
 from slimact import compiled as C
 from slimact.compiled import blocks as compiled_blocks
+from slimact.compiled.blocks import compiled_choice
 from slimact.compiled.strategies import CompiledCodecConfig
 from slimact.models import build_model
 from slimact.registry import (
@@ -248,3 +249,16 @@ def test_dropout_masks_inside_compiled_blocks_are_stored_as_bits(monkeypatch):
     assert torch.equal(got["int8"][1], got["int8-bool-masks"][1])
     for g, r in zip(got["int8"][2], got["int8-bool-masks"][2]):
         assert torch.equal(g, r)
+
+
+def test_a_block_that_fails_to_compile_leaves_none_compiled(base):
+    """All or nothing within one call: the second block is already compiled under another
+    choice (an error), so the first one, compiled just before, is put back as it was."""
+    model = copy.deepcopy(base)
+    first, second = "layers.0", "layers.1"
+    C.compile_blocks_with(model, {second: C.BlockChoice(1.0, "none")})
+    with pytest.raises(ValueError, match="already compiled by slimact"):
+        C.compile_blocks_with(model, C.BlockChoice(0.0, "none"))
+    mods = dict(model.named_modules())
+    assert "forward" not in mods[first].__dict__
+    assert compiled_choice(mods[second]) == C.BlockChoice(1.0, "none")

@@ -313,37 +313,45 @@ def compile_blocks_with(
     ``compile_kwargs`` go to ``torch.compile``."""
     modules = dict(model.named_modules())
     changes: list[AppliedChange] = []
-    for path in sites.block_paths(model):
-        block = modules[path]
-        choice = choices if isinstance(choices, BlockChoice) else choices.get(path)
-        if choice is None:
-            changes.append(AppliedChange(path, "compile", "no choice for this block", True))
-            continue
-        if filter_fn is not None and not filter_fn(block, path):
-            changes.append(AppliedChange(path, "compile", "filtered out", skipped=True))
-            continue
-        prev = block.__dict__.get("forward")
-        done = compiled_choice(block)
-        if done == choice:
-            changes.append(AppliedChange(path, "compile", f"already compiled ({done.label})", True))
-            continue
-        if done is not None:
-            raise ValueError(
-                f"block {path!r} is already compiled by slimact ({done.label}); a block is "
-                f"compiled once, not under {choice.label} around it: slimact.revert(model) first"
-            )
-        fwd = compile_block(block, choice, prev or block.forward, **compile_kwargs)
-        block.forward = NotCopyable(fwd, f"compiled block ({choice.label})")
-        sites.seal(block)
+    try:  # all or nothing: a block that fails leaves none of this call's blocks compiled
+        for path in sites.block_paths(model):
+            block = modules[path]
+            choice = choices if isinstance(choices, BlockChoice) else choices.get(path)
+            if choice is None:
+                changes.append(AppliedChange(path, "compile", "no choice for this block", True))
+                continue
+            if filter_fn is not None and not filter_fn(block, path):
+                changes.append(AppliedChange(path, "compile", "filtered out", skipped=True))
+                continue
+            prev = block.__dict__.get("forward")
+            done = compiled_choice(block)
+            if done == choice:
+                changes.append(
+                    AppliedChange(path, "compile", f"already compiled ({done.label})", True)
+                )
+                continue
+            if done is not None:
+                raise ValueError(
+                    f"block {path!r} is already compiled by slimact ({done.label}); a block is "
+                    f"compiled once, not under {choice.label} around it: slimact.revert(model) first"
+                )
+            fwd = compile_block(block, choice, prev or block.forward, **compile_kwargs)
+            block.forward = NotCopyable(fwd, f"compiled block ({choice.label})")
+            sites.seal(block)
 
-        def undo(b: nn.Module = block, prev=prev) -> None:
-            sites.seal(b, compiled=False)
-            if prev is None:
-                b.__dict__.pop("forward", None)
-            else:
-                b.forward = prev
+            def undo(b: nn.Module = block, prev=prev) -> None:
+                sites.seal(b, compiled=False)
+                if prev is None:
+                    b.__dict__.pop("forward", None)
+                else:
+                    b.forward = prev
 
-        changes.append(AppliedChange(path, "compile", choice.label, undo=undo))
+            changes.append(AppliedChange(path, "compile", choice.label, undo=undo))
+    except BaseException:
+        for c in reversed(changes):
+            if c.undo is not None:
+                c.undo()
+        raise
     if not changes:
         changes.append(AppliedChange("", "compile", "model has no repeated blocks", skipped=True))
     return changes
