@@ -41,16 +41,24 @@ from slimact.planner.plan import Plan
 from slimact.registry import AppliedChange, FilterFn, register_strategy
 
 
-def apply_auto(
-    model: nn.Module, config: AutoConfig, filter_fn: FilterFn | None = None
-) -> list[AppliedChange]:
+def auto_refusal(config: AutoConfig, filter_fn: FilterFn | None) -> str:
+    """Why ``auto`` cannot plan with ``config`` and ``filter_fn`` ("" where it can): the
+    strategy's and its preset's (``presets.plan_of``) one check."""
     if config.budget is None:
-        raise ValueError(
+        return (
             "strategy 'auto' needs a memory budget: use 'auto@25%' (a share of the baseline "
             "activation memory), AutoConfig(budget='6GiB') (device memory), or --budget"
         )
     if filter_fn is not None:
-        raise ValueError("strategy 'auto' plans the whole model; filter_fn is not supported")
+        return "strategy 'auto' plans the whole model; filter_fn is not supported"
+    return ""
+
+
+def apply_auto(
+    model: nn.Module, config: AutoConfig, filter_fn: FilterFn | None = None
+) -> list[AppliedChange]:
+    if why := auto_refusal(config, filter_fn):
+        raise ValueError(why)
     refuse_unless_token_ids(model, "auto", "its planner profiles model(input_ids) on token ids")
     if config.host_budget is not None:  # offload asked for: CUDA only, refused here at once
         check_device(next(iter(model.parameters())).device)

@@ -79,6 +79,7 @@ from slimact.registry import (
     resolve,
 )
 from slimact.state import peek
+from slimact.strategies.auto import auto_refusal
 from slimact.strategies.cola import COLAM, CoLAMConfig, apply_colam
 from slimact.strategies.int4 import Int4Config, NaiveInt4Config
 from slimact.strategies.none import NoneConfig
@@ -285,13 +286,8 @@ def refusal(config: StrategyConfig, filter_fn: FilterFn | None) -> str:
             f"{config.name} with preserve_rng_state=False has no preset: the plan runtime "
             "checkpoints with the RNG state preserved"
         )
-    if isinstance(config, AutoConfig) and filter_fn is not None:
-        return "strategy 'auto' plans the whole model; filter_fn is not supported"
-    if isinstance(config, AutoConfig) and config.budget is None:
-        return (
-            "strategy 'auto' needs a memory budget: use 'auto@25%' (a share of the baseline "
-            "activation memory) or AutoConfig(budget='6GiB') (device memory)"
-        )
+    if isinstance(config, AutoConfig):
+        return auto_refusal(config, filter_fn)
     if isinstance(config, Int4Config | NaiveInt4Config | PracConfig) and filter_fn is not None:
         return f"{config.name}: a filter_fn has no preset form (apply the strategy)"
     if isinstance(config, InvActConfig):
