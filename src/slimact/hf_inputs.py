@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from slimact.utils import model_device
+
 TOKEN_INPUT = "input_ids"
 
 
@@ -41,10 +43,6 @@ def is_encoder_decoder(model: nn.Module) -> bool:
 
 def _float_dtype(model: nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-
-
-def _device(model: nn.Module) -> torch.device:
-    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def _pair(v: Any) -> tuple[int, int] | None:
@@ -104,7 +102,7 @@ def dummy_inputs(model: nn.Module) -> dict[str, torch.Tensor] | None:
         if is_encoder_decoder(model):
             start = getattr(model.config, "decoder_start_token_id", None)
             out["decoder_input_ids"] = torch.full((1, 4), int(start or 0), dtype=torch.long)
-    dev = _device(model)
+    dev = model_device(model)
     return {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
 
 
@@ -166,7 +164,7 @@ def random_token_batch(
     if not isinstance(vocab, int):
         raise ValueError(f"{who}(batch, seq) needs model.config.vocab_size to draw tokens")
     gen = torch.Generator().manual_seed(seed)
-    t = torch.randint(0, vocab, (batch, seq + 1), generator=gen).to(_device(model))
+    t = torch.randint(0, vocab, (batch, seq + 1), generator=gen).to(model_device(model))
     return t[:, :-1], t[:, 1:]
 
 

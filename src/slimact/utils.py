@@ -28,6 +28,13 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where ``model`` lives: its first parameter's device (else its first buffer's, else CPU)."""
+    for t in (*model.parameters(), *model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
 def default_device() -> str:
     """'cuda' when a GPU is visible, else 'cpu' (queried at call time, never at import)."""
     return "cuda" if torch.cuda.is_available() else "cpu"

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 from slimact import sites
 from slimact.codecs.base import (
@@ -57,6 +58,7 @@ from slimact.codecs.base import (
     register_codec,
     storage_nbytes,
 )
+from slimact.utils import model_device
 
 REFUSED_ON_CPU = (
     "offload moves saved tensors from a CUDA device to pinned host memory; a tensor on {dev} is "
@@ -238,6 +240,12 @@ def check_device(device: torch.device | str) -> None:
     device = torch.device(device)
     if not _STREAMS[-1].accepts(device):
         raise ValueError(REFUSED_ON_CPU.format(dev=device))
+
+
+def check_model(model: nn.Module) -> None:
+    """:func:`check_device` for where ``model`` lives (a strategy or plan that offloads, refused
+    at apply time on a CPU model)."""
+    check_device(model_device(model))
 
 
 @contextmanager

@@ -52,7 +52,7 @@ from slimact.checkpointing import checkpoint_module, guard_cache
 from slimact.classify import call_batch, site_role
 from slimact.codecs.base import Codec
 from slimact.codecs.build import build_codec
-from slimact.codecs.offload import check_device
+from slimact.codecs.offload import check_model
 from slimact.codecs.saving import CodecPolicy, hidden_channels
 from slimact.planner.plan import Plan, abs_path, abs_site, site_module
 from slimact.planner.prac_sites import PracPolicy, PracState
@@ -209,7 +209,7 @@ class PlanRuntime:
                 f"its blocks are {sites.block_paths(self.model)[:3]}..."
             )
         if any(c.startswith("offload") for lp in plan.layers for c, _ in lp.codecs):
-            check_device(next(iter(self.model.parameters())).device)  # CUDA only: refused here
+            check_model(self.model)  # CUDA only: refused here
         self._clear_patches()
         changes: list[AppliedChange] = []
         if filter_fn is not None and plan.rules:  # kept for later plans (a checkpoint's)

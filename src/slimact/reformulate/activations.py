@@ -50,6 +50,7 @@ from slimact.ops.inv_act_approx import KINDS, MODES
 from slimact.ops.inv_norm import inv_layer_norm, inv_rms_norm, invertible
 from slimact.patching import override_forward, pop_attr, run_all
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig
+from slimact.utils import model_device
 
 
 @dataclass(frozen=True)
@@ -112,15 +113,9 @@ class InvActConfig(StrategyConfig):
 _SPEC_FIELDS = ("bf16", "mode", "variant", "backend", "ops")
 
 
-def _device(model: nn.Module) -> torch.device:
-    for t in (*model.parameters(), *model.buffers()):
-        return t.device
-    return torch.device("cpu")
-
-
 def _dummy_call(model: nn.Module):
     """A zero-argument callable running a tiny forward, or None."""
-    dev = _device(model)
+    dev = model_device(model)
     if is_hf_model(model):  # the input its forward takes: pixel_values, input_features, ...
         inputs = dummy_inputs(model)
         return None if inputs is None else (lambda: model(**inputs))
@@ -234,7 +229,7 @@ def _ln_forward(inner, module, x):
 def apply_invact(
     model: nn.Module, config: InvActConfig, filter_fn: FilterFn | None = None
 ) -> list[AppliedChange]:
-    dev = _device(model)
+    dev = model_device(model)
     changes: list[AppliedChange] = []
     plan: dict[str, tuple[str, str]] = {}  # path -> ("act", kind) | ("norm", "rms"/"layer")
     for path, m in model.named_modules():

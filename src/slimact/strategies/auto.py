@@ -32,7 +32,7 @@ import functools
 
 import torch.nn as nn
 
-from slimact.codecs.offload import check_device
+from slimact.codecs.offload import check_model
 from slimact.hf_inputs import random_token_batch, refuse_unless_token_ids
 from slimact.planner.adaptive import BudgetCheck
 from slimact.planner.apply import install
@@ -61,7 +61,7 @@ def apply_auto(
         raise ValueError(why)
     refuse_unless_token_ids(model, "auto", "its planner profiles model(input_ids) on token ids")
     if config.host_budget is not None:  # offload asked for: CUDA only, refused here at once
-        check_device(next(iter(model.parameters())).device)
+        check_model(model)
     planner = functools.partial(plan_model, model, config, return_profile=True)
     replanner = functools.partial(planner, refresh=True)
     opts = solve_options(config)

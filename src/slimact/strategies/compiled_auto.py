@@ -28,7 +28,7 @@ import torch.nn as nn
 from slimact import sites
 from slimact.budget import Budget
 from slimact.classify import call_batch
-from slimact.codecs.offload import check_device
+from slimact.codecs.offload import check_device, check_model
 from slimact.compiled.blocks import compile_blocks_with
 from slimact.compiled.codec import CODECS as TRACED_CODECS
 from slimact.hf_inputs import random_token_batch, refuse_unless_token_ids
@@ -234,9 +234,7 @@ def install_compiled(
     model in one line, before anything is compiled; a root that fails to install takes the
     compiled blocks back. ``compile_kwargs`` go to ``torch.compile``."""
     if any(c.offload for c in plan.choices.values()):
-        for t in (*model.parameters(), *model.buffers()):
-            check_device(t.device)  # one line: a CPU model's tensors are in host memory already
-            break
+        check_model(model)  # one line: a CPU model's tensors are in host memory already
     changes = compile_blocks_with(model, plan.choices, filter_fn, **compile_kwargs)
     if plan.root is not None:
         try:
@@ -347,9 +345,7 @@ def apply_compiled_auto(
         raise ValueError("strategy 'compiled-auto' plans every block; filter_fn is not supported")
     refuse_unless_token_ids(model, "compiled-auto", "its planner profiles blocks on token ids")
     if config.host_budget is not None:  # refused at apply, not at the first training forward
-        for t in (*model.parameters(), *model.buffers()):
-            check_device(t.device)
-            break
+        check_model(model)
     lazy = _LazyPlanner(model, config)
     if config.batch is not None:
         ids, targets = random_token_batch(

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from slimact.codecs.base import Codec, get_codec
-from slimact.codecs.offload import check_device
+from slimact.codecs.offload import check_model
 from slimact.codecs.saving import CodecPolicy
 from slimact.planner.apply import install_policy
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
@@ -46,16 +46,10 @@ def _assign(blocks: frozenset[str], codec: Codec, site: str, t: torch.Tensor) ->
     return codec if module in blocks and op.startswith("checkpoint_input#") else None
 
 
-def model_device(model: nn.Module) -> torch.device:
-    for t in (*model.parameters(), *model.buffers()):
-        return t.device
-    return torch.device("cpu")
-
-
 def apply_offload(
     model: nn.Module, config: OffloadStrategyConfig, filter_fn: FilterFn | None = None
 ) -> list[AppliedChange]:
-    check_device(model_device(model))
+    check_model(model)
     changes = apply_recompute(model, RecomputeConfig(config.preserve_rng_state), filter_fn)
     blocks = frozenset(c.path for c in changes if c.action == "recompute" and not c.skipped)
     if not blocks:
