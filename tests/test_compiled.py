@@ -62,7 +62,7 @@ def test_encode_equals_quant_reference(name, shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ["int8", "int6", "int4", "outlier-int4", "prac"])
+@pytest.mark.parametrize("name", ["int8", "int6", "int4", "int4-outlier", "prac"])
 def test_noncontiguous_input_decodes_with_its_strides(name, dtype):
     """What a q/k/v transpose saves ([B, H, S, D] over [B, S, H, D] storage) is coded in memory
     order and comes back with the same strides: a compiled backward was laid out for them."""
@@ -76,7 +76,7 @@ def test_noncontiguous_input_decodes_with_its_strides(name, dtype):
         return
     ref = C.encode_ref(codec, x)
     assert torch.equal(_codes(payload[2:]), _ref_codes(ref))  # codes in memory order
-    if name != "outlier-int4":  # (its decode puts the exact channels back; the ref zeroes them)
+    if name != "int4-outlier":  # (its decode puts the exact channels back; the ref zeroes them)
         assert torch.equal(y, C.decode_ref(ref, x))
     contiguous = C.decode(C.encode(codec, x.contiguous()))  # the same values, either layout
     assert torch.equal(y.contiguous(), contiguous)
@@ -109,7 +109,7 @@ def test_pack_codes_round_trip_every_code(bits):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(4, 64, 128), (3, 7, 96), (2, 33, 101)])
 def test_outlier_channels_equal_reference_and_are_exact(shape, dtype):
-    codec = dataclasses.replace(C.CODECS["outlier-int4"], outliers=0.02)  # k = 2 or 3
+    codec = dataclasses.replace(C.CODECS["int4-outlier"], outliers=0.02)  # k = 2 or 3
     x = _x(*shape, dtype=dtype)
     idx = torch.tensor([1, shape[-1] - 2])
     x[..., idx] *= 40  # two outlier channels
@@ -137,7 +137,7 @@ def test_outlier_path_keeps_a_nan_where_it_was():
     exactly, so the NaN comes back alone instead of spreading over its INT4 group."""
     x = _x(64, 256)
     x[5, 10] = float("nan")
-    y = C.decode(C.encode(C.CODECS["outlier-int4"], x))
+    y = C.decode(C.encode(C.CODECS["int4-outlier"], x))
     assert torch.isnan(y[5, 10]) and int(torch.isnan(y).sum()) == 1
     assert torch.equal(y[:, 10][~torch.isnan(x[:, 10])], x[:, 10][~torch.isnan(x[:, 10])])
 
@@ -152,7 +152,7 @@ def test_outlier_separation_keeps_the_small_channels_accurate():
         y = C.decode(C.encode(C.CODECS[name], x))
         return float((y - x)[:, small].norm() / x[:, small].norm())
 
-    assert err("outlier-int4") < 0.5 * err("int4")
+    assert err("int4-outlier") < 0.5 * err("int4")
 
 
 def test_pack_codes_layout():
@@ -324,7 +324,7 @@ def test_strategies_registered():
         "compiled-int8",
         "compiled-int6",
         "compiled-int4",
-        "compiled-outlier-int4",
+        "compiled-int4-outlier",
         "compiled-prac",
     ):
         assert n in names
@@ -402,7 +402,7 @@ def test_compiled_none_matches_autograd(compiled_model, exact):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "strategy", ["compiled-int8", "compiled-int6", "compiled-int4", "compiled-outlier-int4"]
+    "strategy", ["compiled-int8", "compiled-int6", "compiled-int4", "compiled-int4-outlier"]
 )
 def test_lossy_codecs_gradient_cosine(compiled_model, exact, strategy):
     g = _grads(compiled_model(strategy))
@@ -474,3 +474,23 @@ def test_revert_restores_eager(base, compiled_model, exact):
     with slimact.measure(model) as m:  # eager again: the router names every save
         _ = model(X, targets=Y).loss
     assert any(s.op == "linear" for s in m.report.sites)
+
+
+def test_the_outlier_codec_is_named_as_its_eager_twin_and_its_old_name_still_reads():
+    """The traced outlier codec is ``int4-outlier`` (the eager codec's word order); its earlier
+    name ``outlier-int4`` still reads, in a spec, a codec name and a saved choice."""
+    from slimact.compiled.strategies import CompiledCodecConfig
+    from slimact.registry import resolve
+
+    assert "int4-outlier" in C.CODECS and "outlier-int4" not in C.CODECS
+    assert C.resolve_codec("outlier-int4") is C.CODECS["int4-outlier"]
+    assert C.resolve_codec("outlier-int4-sr").rounding == "stochastic"
+    assert C.BlockChoice(0.5, "outlier-int4").codec == "int4-outlier"
+    old = {"budget": 0.5, "codec": "outlier-int4-sr", "offload": False}
+    assert C.BlockChoice.from_dict(old) == C.BlockChoice(0.5, "int4-outlier-sr")
+    (config,) = resolve("compiled-outlier-int4@0.25,sr")
+    assert config == CompiledCodecConfig("int4-outlier-sr", 0.25)
+    assert config.name == "compiled-int4-outlier@0.25,sr"
+    assert "compiled-outlier-int4" not in slimact.strategy_names()
+    with pytest.raises(ValueError, match="unknown compiled codec 'int4-outliers'"):
+        C.resolve_codec("int4-outliers")

@@ -19,7 +19,7 @@ def no_opt_in(monkeypatch):
 def test_verified_codecs_run_on_cuda_the_others_only_with_the_opt_in(no_opt_in, monkeypatch):
     for dev in ("cpu", "cuda", "mps"):
         assert C.usable_on("none", dev)
-    for codec in ("int8", "int6", "int4", "outlier-int4", C.CODECS["int8"]):  # checked on an H200
+    for codec in ("int8", "int6", "int4", "int4-outlier", C.CODECS["int8"]):  # checked on an H200
         assert C.usable_on(codec, "cpu") and C.usable_on(codec, "cuda")
     for codec in ("prac", "int4-sr", "int8-sr"):  # noisier by design: not verified there
         assert C.usable_on(codec, "cpu") and not C.usable_on(codec, "cuda")

@@ -71,7 +71,7 @@ def test_compiled_codec_blocks_on_hf(arch):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize(
-    ("strategy", "cos"), [("compiled-int6", 0.999), ("compiled-outlier-int4", 0.99)]
+    ("strategy", "cos"), [("compiled-int6", 0.999), ("compiled-int4-outlier", 0.99)]
 )
 def test_sub_int8_codecs_on_hf(arch, strategy, cos):
     """INT6 (four codes in three bytes) and outlier INT4 (top-k channels exact, ``topk`` and

@@ -124,7 +124,7 @@ def _llama20m_grad_cosine(codec: str, device: str) -> float:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("codec", ["int8", "int4", "int8-qk", "int6", "outlier-int4"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int8-qk", "int6", "int4-outlier"])
 def test_traced_codecs_give_every_parameter_its_gradient_on_cuda(codec, monkeypatch):
     """The GPU half: per-parameter gradient cosine against exact eager autograd; ``int8-qk``
     codes q and k as well (where the wrong gradient showed)."""

@@ -342,7 +342,7 @@ def test_extreme_values_decode_finite_and_within_a_step(symmetric):
 
 
 # ----------------------------------------------------------------------------- traced codecs
-@pytest.mark.parametrize("name", ["int8", "int6", "int4", "outlier-int4"])
+@pytest.mark.parametrize("name", ["int8", "int6", "int4", "int4-outlier"])
 @pytest.mark.parametrize("shape", [(4, 64, 128), (3, 7, 96), (2, 33, 101)])
 def test_traced_sr_with_the_hash_draws_equals_the_ref(name, shape):
     """The traced pack rounds floor(x/S + draw); given the eager hash's draws it codes what

@@ -23,7 +23,7 @@ Composition rule (checked before anything is applied, in one spec and across ``a
   policy in any order: ``invact+int4``, ``invact+recompute+prac``, ``invact+int4+chunked-ce``.
 * Compiled blocks (``compiled-none``, ``compiled-int8``, ``compiled-int4``) do not compose with
   per-block checkpointing (``recompute``, ``cola-m``): an error, whatever the order. The traced
-  codecs (``compiled-int8``, ``-int6``, ``-int4``, ``-outlier-int4``, ``-prac``) and
+  codecs (``compiled-int8``, ``-int6``, ``-int4``, ``-int4-outlier``, ``-prac``) and
   ``compiled-auto`` are codec policies. A block is compiled once: a second ``compiled-*``
   strategy is an error, the same one again is skipped block by block.
 * A model compiled whole by the user (``torch.compile(model)``) is refused: ``compile=True``.
@@ -159,6 +159,17 @@ def register_strategy(
     )  # fmt: skip
 
 
+_RENAMED: dict[str, str] = {}  # an earlier strategy name -> its registered name
+
+
+def register_rename(old: str, new: str) -> None:
+    """Let a spec name strategy ``new`` by its earlier name ``old`` (``old@...`` too), so saved
+    specs and plans keep working; ``strategy_names`` lists only ``new``."""
+    if old in _REGISTRY:
+        raise ValueError(f"cannot rename {old!r} to {new!r}: {old!r} is a registered strategy")
+    _RENAMED[old] = new
+
+
 def _qualname(fn: Callable[..., object]) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
@@ -212,6 +223,8 @@ def _resolve_named(strategy: str | StrategyConfig) -> list[tuple[str, StrategyCo
     for part in strategy.split("+"):
         part = part.strip()
         base = part.split("@", 1)[0]
+        if base in _RENAMED:  # an earlier name: read as today's
+            base, part = _RENAMED[base], _RENAMED[base] + part[len(base) :]
         if not part:
             raise ValueError(
                 f"strategy {strategy!r} has an empty part: join names with single '+' "
@@ -339,7 +352,7 @@ def compiled_spec(strategy: str) -> str:
             "compiled-int8",
             "compiled-int6",
             "compiled-int4",
-            "compiled-outlier-int4",
+            "compiled-int4-outlier",
             "compiled-none",
         ):
             blocks = [f"{other}@0"]

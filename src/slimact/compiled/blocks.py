@@ -58,7 +58,7 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch.profiler import ProfilerActivity, profile
 
 from slimact import actions, sites
-from slimact.compiled.codec import codec_hooks, codec_names
+from slimact.compiled.codec import canonical_codec, codec_hooks, codec_names
 from slimact.compiled.devices import check_device
 from slimact.compiled.offload import OffloadedCall
 from slimact.patching import NotCopyable
@@ -84,6 +84,8 @@ class BlockChoice:
         if not 0.0 <= float(self.budget) <= 1.0:
             raise ValueError(f"BlockChoice.budget must be in [0, 1], got {self.budget!r}")
         object.__setattr__(self, "budget", float(self.budget))
+        if isinstance(self.codec, str):  # an earlier name (a saved plan's) as today's
+            object.__setattr__(self, "codec", canonical_codec(self.codec))
         if self.codec not in codec_names():
             raise ValueError(
                 f"BlockChoice.codec must be one of {', '.join(codec_names())}, got {self.codec!r}"

@@ -47,7 +47,7 @@ What this module adds:
   planes, each with two bits of the last quarter's code on top (4 codes in 3 bytes, D % 4 == 0).
   Packing neighbours (codes 2j, 2j + 1) instead needs strided lane shuffles, several times
   slower to encode on a CPU.
-* ``outliers`` (``outlier-int4``: 1/128 of the channels): adacc's outlier separation (§3.2)
+* ``outliers`` (``int4-outlier``: 1/128 of the channels): adacc's outlier separation (§3.2)
   in a compiled graph. The k channels (last dimension) of largest ``sum |x|`` are stored as
   they are (``[rows, k]`` plus their indices) and zeroed before coding. Adacc takes channels
   whose Z-score exceeds 3, a data-dependent count; a compiled graph needs a static shape, so
@@ -198,10 +198,21 @@ CODECS: dict[str, CompiledCodec] = {
     "int8": CompiledCodec(bits=8),
     "int6": CompiledCodec(bits=6),  # SDPA's v and output INT8, q and k exact (module docstring)
     "int4": CompiledCodec(bits=4, group_size=32, attention_bits=8),
-    "outlier-int4": CompiledCodec(bits=4, group_size=32, attention_bits=8, outliers=1 / 128),
+    "int4-outlier": CompiledCodec(bits=4, group_size=32, attention_bits=8, outliers=1 / 128),
     # prac.txt's rule: linear inputs at 0.3n + 0.3n, other saves at 0.2n + 0.2n, SDPA's exact
     "prac": CompiledCodec(bits=0, attention_bits=0, prac=TracedPrac()),
 }
+
+# earlier names, still read (a saved compiled plan, a spec): old -> the name in CODECS
+RENAMED = {"outlier-int4": "int4-outlier"}  # the eager codecs' word order (``int4-outlier``)
+
+
+def canonical_codec(name: str) -> str:
+    """``name`` with an earlier codec name replaced by its name in :data:`CODECS` (``-sr``
+    kept): ``outlier-int4-sr`` -> ``int4-outlier-sr``; any other name as it is."""
+    base = name.removesuffix(SR_SUFFIX)
+    return RENAMED[base] + name[len(base) :] if base in RENAMED else name
+
 
 # Python calls of the traced helpers: they run while AOTAutograd traces, never per step once the
 # hooks are inlined (the tests check that these stop growing after the first compiled step).
@@ -455,6 +466,8 @@ def resolve_codec(codec: CompiledCodec | str) -> CompiledCodec:
     appended (stochastic rounding: ``int4-sr``)."""
     if isinstance(codec, CompiledCodec):
         return codec
+    if isinstance(codec, str):
+        codec = canonical_codec(codec)
     base = codec.removesuffix(SR_SUFFIX) if isinstance(codec, str) else codec
     found = CODECS.get(base) if isinstance(base, str) else None
     if found is None or (base != codec and (found.bits == 0 or found.prac is not None)):

@@ -13,7 +13,7 @@ tensor, so its strides hold by construction (``tests/test_compiled_layout.py`` c
 graph on CPU, and every parameter's gradient on CUDA).
 
 Verified on CUDA since (BENCHMARKS.md, the GPU section): the INT codecs with nearest rounding
-(``int8``, ``int6``, ``int4``, ``outlier-int4``, and INT8 with q/k coded). They run there like the
+(``int8``, ``int6``, ``int4``, ``int4-outlier``, and INT8 with q/k coded). They run there like the
 identity pair. Not verified there, a wrong gradient being the worst result slimact can give:
 stochastic rounding (``-sr``) and ``prac``, whose per-step gradients are noisier by design, so the
 per-parameter bar did not tell a layout bug from their variance. They are refused on CUDA, and the
@@ -54,7 +54,7 @@ def check_device(codec: CompiledCodec | str, device_types: Iterable[str]) -> Non
             raise UnverifiedOnDevice(
                 f"traced codec {codec!r} is not verified on {dev}: its gradients were not "
                 "checked there (BENCHMARKS.md, the GPU section; verified: the INT codecs with "
-                "nearest rounding, int8, int6, int4 and outlier-int4). Use one of those, its eager "
+                "nearest rounding, int8, int6, int4 and int4-outlier). Use one of those, its eager "
                 "codec (apply without compile=True), or compiled-auto (which then plans without "
                 f"it) under compile; {CUDA_OPT_IN}=1 runs it anyway, to check it on a GPU "
                 "(benchmarks/gpu_check.sh)"

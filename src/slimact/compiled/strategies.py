@@ -1,6 +1,6 @@
 """Strategies of compiled blocks: ``compiled-none``, ``compiled-int8``, ``compiled-int6``,
-``compiled-int4``, ``compiled-outlier-int4``, ``compiled-prac``, ``compiled-recompute``, each ``@<budget>`` for
-compile's region budget (``compiled-int8@0.25``); the quantizing ones also take ``sr`` (or
+``compiled-int4``, ``compiled-int4-outlier``, ``compiled-prac``, ``compiled-recompute``, each
+``@<budget>`` for compile's region budget (``compiled-int8@0.25``); the quantizing ones also take ``sr`` (or
 ``rounding=stochastic``) for stochastic rounding (``compiled-int4@sr``, ``compiled-int8@0.25,sr``;
 ``int4@sr`` under ``compile=True``), their codec then ``int4-sr`` (``compiled.codec``).
 
@@ -18,10 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slimact.compiled.blocks import BlockChoice
-from slimact.compiled.codec import SR_SUFFIX, resolve_codec
+from slimact.compiled.codec import RENAMED, SR_SUFFIX, canonical_codec, resolve_codec
 from slimact.registry import StrategyConfig
 
 PREFIX = "compiled-"
+# the strategies named after an earlier codec name: old -> the name in PRESETS (read in specs)
+RENAMED_STRATEGIES = {PREFIX + old: PREFIX + new for old, new in RENAMED.items()}
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class CompiledCodecConfig(StrategyConfig):
 
     def __post_init__(self) -> None:
         resolve_codec(self.codec)
+        object.__setattr__(self, "codec", canonical_codec(self.codec))  # an earlier name
         self.choice  # noqa: B018 - validates the budget
 
     @property
@@ -114,8 +117,8 @@ PRESETS: dict[str, tuple[CompiledCodecConfig, str]] = {
         CompiledCodecConfig("int4"),
         "torch.compile per block, INT4 (groups of 32) inlined; SDPA q/k/v/output INT8 per row",
     ),
-    "compiled-outlier-int4": (
-        CompiledCodecConfig("outlier-int4"),
+    "compiled-int4-outlier": (
+        CompiledCodecConfig("int4-outlier"),
         "compiled-int4 with the 1/128 of channels of largest absolute sum stored exactly "
         "(adacc's outlier separation, a static count)",
     ),

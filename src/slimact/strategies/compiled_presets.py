@@ -7,7 +7,7 @@ traced codec, offload) and one for the eager root, i.e. a ``CompiledPlan``
 ``compiled_auto.install_compiled``:
 
     compiled-none, -int8, -int6, -int4,     the same choice for every block (the config's
-    -outlier-int4, -prac, -recompute,       ``choice``), the root kept; registered here from
+    -int4-outlier, -prac, -recompute,       ``choice``), the root kept; registered here from
     -offload (``@<budget>``, ``sr``)        ``slimact.compiled.strategies.PRESETS``
     compiled-auto@<budget>                  the plan its planner solves on a batch
                                             (``example=(ids, targets)``, or its own
@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from slimact import sites
-from slimact.compiled.strategies import PRESETS, CompiledCodecConfig
+from slimact.compiled.strategies import PRESETS, RENAMED_STRATEGIES, CompiledCodecConfig
 from slimact.hf_inputs import random_token_batch
 from slimact.planner.compiled import CompiledPlan
 from slimact.registry import (
@@ -41,6 +41,7 @@ from slimact.registry import (
     StrategyConfig,
     compiled_spec,
     register_config_type,
+    register_rename,
     register_strategy,
     resolve,
 )
@@ -166,6 +167,8 @@ for _name, (_config, _description) in PRESETS.items():
     register_strategy(
         _name, _config, apply_compiled_preset, _description, codec_policy=_config.is_codec_policy
     )
+for _old, _new in RENAMED_STRATEGIES.items():
+    register_rename(_old, _new)
 register_strategy(
     PLAN_NAME,
     CompiledPlanConfig(),
