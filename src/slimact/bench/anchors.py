@@ -5,7 +5,7 @@ the ``forward(model, x, y) -> loss`` to call, a note, and a ``restore`` to call 
 
 * ``torch-checkpoint``: every block (``sites.block_paths``: ModuleList children) wrapped in
   ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, nothing else, through the same
-  wrapper as slimact's ``recompute`` (``slimact.checkpointing.checkpointed``: the block inputs the
+  wrapper as slimact's ``recompute`` (``slimact.checkpointing.checkpoint_module``: the block inputs the
   checkpoint saves are named ``<block>:checkpoint_input#k``), so the two are measured alike.
 * ``compile-budget`` (``compile-budget@0.25``: that budget): ``torch.compile`` (inductor) of the
   whole loss function with ``torch._functorch.config.activation_memory_budget`` set (the suite's
@@ -45,7 +45,7 @@ import torch.nn as nn
 
 from slimact import sites
 from slimact.bench.cases import ANCHORS
-from slimact.checkpointing import checkpointed
+from slimact.checkpointing import checkpoint_module
 from slimact.compiled import compiled_saved_tensors, own_code
 from slimact.patching import override_forward, run_all
 
@@ -88,7 +88,7 @@ def torch_checkpoint(model: nn.Module, forward: Forward) -> Prepared:
     blocks = sites.block_paths(model)
     if not blocks:
         raise ValueError("anchor torch-checkpoint: the model has no repeated blocks")
-    undos = [override_forward(modules[path], checkpointed, True)[1] for path in blocks]
+    undos = [checkpoint_module(modules[path]) for path in blocks]
     return Prepared(
         model,
         forward,
