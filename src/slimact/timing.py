@@ -11,8 +11,8 @@ therefore taken like this:
 plus the 1-minute load average before and after. ``interleaved`` runs the rounds (with
 ``alternate=True`` every other round in reverse, A B C | C B A, for long rounds whose load drifts
 within them: the compiled planner's 21 options); ``RatioStats.of`` turns per-round ratios into
-a :class:`RatioStats`. Where a difference is smaller than one run's spread (a bar of 1.0x met
-by 1.006x), :func:`median_ci` gives the median's confidence interval (scipy's bootstrap over
+a :class:`RatioStats`. Where a difference is smaller than one run's spread (a bar met by less
+than the rounds vary), :func:`median_ci` gives the median's confidence interval (scipy's bootstrap over
 rounds), and runs of the same command pool their rounds: the bar is met where the whole
 interval is under it, missed where the whole interval is over it, and otherwise too close to
 call on this machine.

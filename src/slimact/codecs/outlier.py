@@ -74,7 +74,7 @@ from slimact.ops.quant import dequantize, quantize
 
 def channel_abs_sums(x2d: torch.Tensor) -> torch.Tensor:
     """fp32 ``sum_rows |x[:, c]|`` of an [R, C] tensor without materializing ``|x|`` (on CPU,
-    compiled: eager, this column reduction took 7.7 ms on a 2048 x 1376 tensor)."""
+    compiled: eager, this column reduction is slow on CPU)."""
     return compiled_ref.run(channel_abs_sums_ref, x2d)
 
 

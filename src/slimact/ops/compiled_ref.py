@@ -16,7 +16,7 @@ outlier channels' sums) through :func:`run`, which decides where compiling pays.
   grad and some not, made one key recompile past dynamo's limit).
   ``dynamic=True`` (callers pass flat tensors, so one symbolic size serves every shape) with
   ``specialize_int`` (the static arguments, closure cells of the bound function, stay constants:
-  a symbolic group size turned a dequantize's index math into divisions, 3x slower) and
+  a symbolic group size turned a dequantize's index math into divisions) and
   ``fullgraph=True`` (the refs are written without graph breaks: ``dense=True`` selects the
   pointwise Newton form).
 * each key gets its own copy of the function's code object, since dynamo keeps its cache (and

@@ -162,7 +162,7 @@ def _bwd(dy, y, side, kind: str, mode: str, variant: str, backend: str):
     coeffs = poly_floats(kind) if mode == "newton" else None
     if variant == "bitmask" and n % 32 == 0 and _word_aligned(side):
         # 32 elements per row, their bits one int32 word: full 16-lane vectors (rows of 8 left
-        # half of every AVX-512 vector idle: 17 -> 10 ms on llama-20m's SiLU input)
+        # half of every AVX-512 vector idle)
         dx = compiled_ref.call(
             inv_act_bwd_dense,
             dy.view(-1, 32),

@@ -101,7 +101,7 @@ def poly_coeffs(kind: str) -> torch.Tensor:
 def poly_floats(kind: str) -> tuple[tuple[float, ...], ...]:
     """:func:`poly_coeffs` as Python floats (fp32 values): what :func:`dinv_poly` takes, so
     that the compiled loop holds them as literals (as a tensor, every coefficient was a load
-    and a broadcast per vector: the loop could not hoist them past its stores; 13 -> 10 ms)."""
+    and a broadcast per vector: the loop could not hoist them past its stores)."""
     return tuple(tuple(row) for row in poly_coeffs(kind).tolist())
 
 

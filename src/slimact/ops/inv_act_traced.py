@@ -21,10 +21,11 @@ so both packing (8 contiguous slices OR-ed) and unpacking (a broadcast over 8 ro
 contiguous, vectorized loops; the §2 layout made inductor's inner loop 8 lanes wide. It never
 leaves this module: the forward's side is only read by this backward.
 
-This path is several times faster per call than the custom-op pair it replaces (BENCHMARKS.md
-§7, the compiled inverted activations). What remains of the backward is mostly the table's
+This path is faster per call than the custom-op pair it replaces (BENCHMARKS.md, the compiled
+inverted activations). What remains of the backward is mostly the table's
 two gathers, which inductor's CPU code runs lane by lane. (A gather-free piecewise-polynomial g
-was tried: its 17 pieces' coefficient selects made inductor materialize ~120 masks, 100x slower.)
+was tried: its pieces' coefficient selects made inductor materialize a mask per select, far
+slower.)
 """
 
 from __future__ import annotations

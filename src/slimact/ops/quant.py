@@ -270,8 +270,7 @@ def quantize_codes_ref(
     non-finite counts: what the CPU path compiles (``ops.compiled_ref``); ``key`` (a seed's 0-d
     int64 ``ops.stochastic.key_tensor``) rounds stochastically with its draws. Packing neighbours
     into one byte is a strided access that inductor does not vectorize, so it stays an eager
-    op after the compiled call (llama-20m's 2048 x 1376 in groups of 16: 11 ms in all, the codes
-    6 ms, against about 60 ms for the eager ref, one thread; the counts use :func:`count_true`)."""
+    op after the compiled call (the counts use :func:`count_true`; the timings: BENCHMARKS.md)."""
     n, gs = x.numel(), group_size
     groups = -(-n // gs)
     xo = x.reshape(-1).float()
@@ -323,8 +322,7 @@ def quantize_codes_ref(
 def count_true(mask: torch.Tensor, dim: int) -> torch.Tensor:
     """int32 count of True along ``dim``, summed in floating point: exact (float32 holds every
     integer up to 2**24, float64 up to 2**53), and compiled it is a vectorized float reduction,
-    where an integer sum per group of 16 ran lane by lane (28 ms against 5.5 ms for llama-20m's
-    2048 x 1376 INT4 codes, one thread)."""
+    where inductor runs an integer sum per small group lane by lane."""
     acc = torch.float32 if mask.shape[dim] <= 2**24 else torch.float64
     ones = torch.ones((), dtype=acc, device=mask.device)
     return torch.where(mask, ones, 0.0).sum(dim).to(torch.int32)

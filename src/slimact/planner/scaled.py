@@ -54,7 +54,7 @@ __all__ = [
 
 SCALED_FROM_BYTES = 2 << 30  # ``slimact plan --profile auto``: parameters above 2 GiB are scaled
 # the twin's gradient figures (planner.gradstats) hold several copies of a block's parameter
-# gradients: above this a block's are not measured (llama-7b: 772 MiB, 5.6 GB peak RSS with them)
+# gradients: above this a block's are not measured (a 7B model's blocks are above it)
 GRAD_MAX_BLOCK_BYTES = 256 << 20
 
 SCALING = (
