@@ -1,6 +1,8 @@
 """The README's Quick start is exactly two commands, and CI runs the second one verbatim."""
 
+import io
 import re
+import tokenize
 from pathlib import Path
 
 from slimact.bench.document import build
@@ -56,4 +58,22 @@ def test_src_names_no_issue_numbers():
         for i, line in enumerate(p.read_text().splitlines(), 1)
         if pattern.search(line)
     ]
+    assert not hits, "\n".join(hits)
+
+
+def test_src_quotes_no_measured_timings():
+    """Comments and docstrings in src/ quote no measured timings or speed ratios (``11 ms``,
+    ``3x slower``, ``1.006x``): they go stale; the figures live in BENCHMARKS.md. Read from the
+    tokens, so a format string or a help text that prints a measured value is not a hit."""
+    timing = re.compile(
+        r"\b\d+(\.\d+)? ?(ms|us|µs)\b|\b\d+(\.\d+)?x (faster|slower)\b|\b\d\.\d{2,}x\b"
+    )
+    hits = []
+    for p in sorted((ROOT / "src").rglob("*.py")):
+        for tok in tokenize.generate_tokens(io.StringIO(p.read_text()).readline):
+            is_doc = tok.type == tokenize.STRING and tok.string.lstrip("rbuRBU").startswith(
+                ('"""', "'''")
+            )
+            if (tok.type == tokenize.COMMENT or is_doc) and timing.search(tok.string):
+                hits.append(f"{p.relative_to(ROOT)}:{tok.start[0]}: {timing.search(tok.string)[0]}")
     assert not hits, "\n".join(hits)

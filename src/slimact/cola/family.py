@@ -7,8 +7,8 @@ vocabulary); ``cola-7b`` uses r = d/4 = 1024 (App. D's default). ``cola-tiny`` (
 (App. E.1) is on for d <= 768 (60M/130M and our small models) and off above, as in the paper.
 
 ``llama-20m-control`` is Table 7's "control": a full-rank LLaMA scaled down (4 layers of width 384,
-d_ff 1152, instead of 6 of 512) to cola-20m's training FLOPs (0.99x of cola-20m's at seq 64,
-0.93x at seq 256, by ``slimact.cola.flops``; 7.87M vs 7.77M parameters), to show whether CoLA's
+d_ff 1152, instead of 6 of 512) to about cola-20m's training FLOPs and parameters (``slimact flops``
+computes both), to show whether CoLA's
 quality comes from the architecture or just from being a smaller model.
 """
 
