@@ -17,6 +17,7 @@ importing a subcommand's module only when it runs would save no start-up time.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import sys
@@ -35,6 +36,7 @@ from slimact.models import count_params, get_spec, model_names
 from slimact.planner import cli as plan_cli
 from slimact.registry import add_compile_argument, cli_spec
 from slimact.strategies import describe_strategies
+from slimact.strategies.describe import describe
 from slimact.train import cli as train_cli
 from slimact.train import rank as rank_cli
 from slimact.train.config import TrainConfig
@@ -217,7 +219,11 @@ COMMANDS: dict[str, tuple[Callable, Callable, str]] = {
         rank_cli.run_rank,
         "effective rank r(alpha) of a checkpoint's activations",
     ),
-    "plan": (plan_cli.add_arguments, plan_cli.run, "solve a per-site plan under a memory budget"),
+    "plan": (
+        plan_cli.add_arguments,
+        functools.partial(plan_cli.run, describe=describe),  # --strategy: a strategy's plan
+        "solve a per-site plan under a memory budget",
+    ),
     "bench": (
         bench_cli.add_arguments,
         bench_cli.run,

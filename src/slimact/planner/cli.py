@@ -3,8 +3,9 @@
     slimact plan --model llama-20m --batch 4 --seq 256 --budget 25% [--json] [--out plan.json]
     slimact plan --model llama-20m --batch 4 --seq 256 --strategy int4 [--json]
 
-With ``--strategy NAME`` it prints the plan any strategy amounts to (``slimact.planner.describe``:
-one measured step beside ``none``, every storage's action and bytes in the same words).
+With ``--strategy NAME`` it prints the plan a strategy is, applied and measured on one step
+beside ``none`` (``slimact.strategies.describe``: every storage's action and bytes in the same
+words). The strategies sit above the planner, so ``slimact.cli`` hands ``run`` that function.
 
 The profile is cached (``--cache DIR``, default ``~/.cache/slimact/profiles``), so re-planning
 for another budget only re-solves. ``slimact.apply(model, Plan.load("plan.json"))`` applies a
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 
 import torch
 
@@ -22,7 +24,7 @@ from slimact.budget import add_budget_argument
 from slimact.models import build_model
 from slimact.models.registry import get_spec
 from slimact.planner.auto import plan_for
-from slimact.planner.describe import describe
+from slimact.planner.plan import Plan
 from slimact.planner.scaled import (
     SCALED_FROM_BYTES,
     ScaledConfig,
@@ -33,6 +35,9 @@ from slimact.planner.scaled import (
 from slimact.planner.solve import solve_plan
 from slimact.utils import default_device, seed_everything
 
+# (model, spec, token ids, model name) -> the measured plan: slimact.strategies.describe.describe
+Describe = Callable[..., Plan]
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-20m", help="registered model name")
@@ -42,8 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--strategy",
         default=None,
-        help="print the plan this strategy (any spec, e.g. int4, invact+recompute, auto@25%%) "
-        "amounts to, read from one measured step, instead of solving for --budget",
+        help="print the plan this strategy (a preset spec, e.g. int4, invact+recompute, "
+        "auto@25%%, or a compiled-* one) is, with its bytes measured on one step, instead of "
+        "solving for --budget",
     )
     p.add_argument("--layers", default="ends", choices=["uniform", "ends", "each"])
     p.add_argument("--codecs", default=None, help="comma-separated candidate codecs (default all)")
@@ -80,7 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, describe: Describe | None = None) -> int:
+    """``slimact plan``; ``describe`` measures a ``--strategy`` (``slimact.cli`` passes
+    ``slimact.strategies.describe.describe``)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -92,7 +100,9 @@ def run(args: argparse.Namespace) -> int:
     if (args.strategy is None) == (args.budget is None):
         raise ValueError("slimact plan needs exactly one of --budget (solve) or --strategy NAME")
     if args.strategy is not None:
-        return _print(args, _described(args, device, dtype), "measured", None)
+        if describe is None:
+            raise ValueError("slimact plan --strategy needs a describe function (slimact.cli)")
+        return _print(args, _described(args, device, dtype, describe), "measured", None)
     mode = args.profile
     if mode == "auto":
         mode = "scaled" if param_bytes(args.model, dtype) > SCALED_FROM_BYTES else "full"
@@ -126,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     return _print(args, plan, mode, scaled)
 
 
-def _described(args: argparse.Namespace, device, dtype):
+def _described(args: argparse.Namespace, device, dtype, describe: Describe) -> Plan:
     model = build_model(args.model, device=device).to(dtype)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(args.seed)

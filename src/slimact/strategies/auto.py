@@ -90,7 +90,7 @@ def apply_plan(model: nn.Module, plan: Plan, filter_fn: FilterFn | None = None):
     described = dict(plan.meta).get("describes")
     if described:
         raise ValueError(
-            f"this Plan describes what strategy {described!r} does (slimact.planner.describe); "
+            f"this Plan describes what strategy {described!r} does (slimact.strategies.describe); "
             f"apply the strategy itself: slimact.apply(model, {described!r})"
         )
     if plan == Plan():  # the registry's default: ``apply(model, "plan")``

@@ -1,5 +1,6 @@
-"""planner/describe: every registered strategy yields a Plan in the one action vocabulary,
-compiled blocks included."""
+"""strategies/describe: every strategy with a plan form is described by that plan, applied and
+measured on one step, in the one action vocabulary (compiled blocks included); the others are
+refused, naming what can be described."""
 
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ from slimact.cli import main
 from slimact.codecs.offload import using_streams
 from slimact.compiled.blocks import BlockChoice
 from slimact.planner.compiled import CompiledPlan
-from slimact.planner.describe import describe
-from slimact.planner.plan import LayerPlan, Plan
+from slimact.planner.plan import LayerPlan, Plan, abs_site
 from slimact.registry import strategy_names
+from slimact.strategies import presets
+from slimact.strategies.describe import describe
 
-# what each needs besides llama-tiny: cola/cola-m a CoLA model; auto* and compiled-* run (profile
+# what each needs besides llama-tiny: cola-m a CoLA model; auto* and compiled-* run (profile
 # / compile) for tens of seconds: one of each, marked slow
-SPECIAL = {"cola": "cola-tiny", "cola-m": "cola-tiny"}
+SPECIAL = {"cola-m": "cola-tiny"}
+NO_PLAN = {"cola"}  # replaces the model's layers: no plan form, refused
 SLOW = {"auto@10%", "auto@50%", "compiled-none", "compiled-int8", "compiled-int4"}
 SLOW |= {"compiled-recompute"}
 # registered names that carry no budget or plan of their own: described with one (compiled-auto:
@@ -31,7 +34,7 @@ BUDGETED = {
     "auto": "auto@30%,repeats=1",
     "compiled-auto": "compiled-auto@50%,rounds=1,budgets=1/0,codecs=none/int8",
 }
-PLANNED = ("plan", "auto")  # describe returns the plan the runtime runs: a prediction
+SOLVED = ("auto",)  # solved on measured times: the strategy may solve another plan
 
 
 def _plan() -> Plan:
@@ -65,7 +68,10 @@ def ids():
     return torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("name", [*_params(), pytest.param("invact+int4", id="invact+int4")])
+ALL = [*_params(), pytest.param("invact+int4", id="invact+int4")]
+
+
+@pytest.mark.parametrize("name", [p for p in ALL if p.values[0] not in NO_PLAN])
 def test_every_strategy_describes_itself_as_a_plan(name, ids, request):
     # offload runs on CUDA only: here its code path with the streams stubbed
     cuda_only = name in ("offload", "compiled-offload")
@@ -86,13 +92,12 @@ def _describes_itself(name, ids):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # untouched
     acts = plan.site_actions()
     assert acts and {actions.parse(a).kind for a in acts.values()} <= set(actions.KINDS)
-    planned = name in PLANNED or name.startswith("auto@")
-    if not planned:  # measured: rows add up to the totals
-        assert dict(plan.meta)["describes"] == (
-            spec if isinstance(spec, str) else type(spec).__name__
-        )
-        assert sum(lp.predicted_bytes for lp in plan.layers) == plan.predicted_bytes
-        assert sum(lp.baseline_bytes for lp in plan.layers) == plan.baseline_bytes
+    solved = name in SOLVED or name.startswith("auto@")
+    # measured: rows add up to the totals
+    assert dict(plan.meta)["describes"] == (spec if isinstance(spec, str) else name)
+    assert dict(plan.meta)["measured"] is True
+    assert sum(lp.predicted_bytes for lp in plan.layers) == plan.predicted_bytes
+    assert sum(lp.baseline_bytes for lp in plan.layers) == plan.baseline_bytes
     if name == "compiled-offload":  # its blocks save nothing in their graphs: the input, offloaded
         blocks = [lp for lp in plan.layers if lp.block]
         assert blocks and all(
@@ -101,7 +106,7 @@ def _describes_itself(name, ids):
         assert all((":checkpoint_input#0", "offload", 0, 0) in lp.storages for lp in blocks)
     elif name.startswith("compiled-"):
         _check_compiled_rows(plan)
-    if not planned and name != "compiled-auto":  # (its choices follow measured times)
+    if not solved and name != "compiled-auto":  # (its choices follow measured times)
         m = slimact.apply(_model(model_name), spec)
         with slimact.measure(m) as meter:
             m(ids, targets=ids).loss.backward()
@@ -171,7 +176,97 @@ def test_a_bad_spec_fails_before_any_work(ids):
         describe(_model("llama-tiny"), "int5", ids)
 
 
-@pytest.mark.parametrize("spec", ["recompute", "invact+int4"])
+def _meter_rows(model, ids) -> dict[str, tuple[str, int]]:
+    """site -> (action, bytes) the meter reports for one step of ``model``, owners only."""
+    with slimact.measure(model) as meter:
+        model(ids, targets=ids).loss.backward()
+    shared = {s for r in meter.report.sites for s in r.shared_with}
+    return {r.site: (r.action, r.bytes) for r in meter.report.sites if r.site not in shared}
+
+
+def _described_rows(plan: Plan) -> dict[str, tuple[str, int]]:
+    rows = [(lp.block, n, a, after) for lp in plan.layers for n, a, _, after in lp.storages]
+    return {abs_site(n, block): (a, after) for block, n, a, after in rows}
+
+
+def test_rows_are_the_meter_under_the_strategys_plan(ids):
+    """``recompute+int4``: every site the meter sees under ``apply(model, plan_of(...))`` is a
+    row with the meter's action and bytes; the recomputed blocks are the plan's."""
+    described = describe(_model("llama-tiny"), "recompute+int4", ids)
+    model = _model("llama-tiny")
+    plan = presets.plan_of(model, "recompute+int4")
+    rows = _described_rows(described)
+    measured = _meter_rows(slimact.apply(model, plan), ids)
+    assert measured and {s: rows[s] for s in measured} == measured
+    assert all(b == 0 for s, (_, b) in rows.items() if s not in measured)
+    assert [(lp.block, lp.recompute) for lp in plan.layers] == [
+        (lp.block, lp.recompute) for lp in described.layers if lp.recompute
+    ]
+    assert described.rules == plan.rules
+
+
+@pytest.mark.parametrize("spec", ["invact+int4", "prac", "chunked-ce", "recompute+int8"])
+def test_a_preset_is_described_as_the_meter_sees_the_strategy(spec, ids):
+    """The description's actions and bytes are what the meter reports under ``slimact.apply(
+    model, spec)`` (``prac`` installs through its own strategy: the same plan)."""
+    described = describe(_model("llama-tiny"), spec, ids)
+    measured = _meter_rows(slimact.apply(_model("llama-tiny"), spec), ids)
+    rows = _described_rows(described)
+    assert {s: rows[s] for s in measured} == measured
+    assert described.predicted_bytes == sum(b for _, b in measured.values())
+
+
+def test_prac_fused_norms_are_its_plans_reformulation(ids):
+    """PRAC's plan reformulates the RMSNorms (kind ``rms-norm``): the norm's former saves are
+    ``reformulate:rms_norm``, read from the plan (the change rows named no such module)."""
+    plan = describe(_model("llama-tiny"), "prac", ids)
+    acts = plan.site_actions()
+    assert acts["layers.0.input_layernorm:"] == "reformulate:rms_norm"
+    assert acts["layers.0.input_layernorm:pow#0"] == "reformulate:rms_norm"
+    assert plan.layer("layers.0").reform_kinds == (
+        ("input_layernorm", "rms-norm"),
+        ("post_attention_layernorm", "rms-norm"),
+    )
+
+
+def test_cola_m_is_a_block_reformulation(ids):
+    """``cola-m``'s plan reformulates each CoLA block whole: the block's former saves are
+    ``reformulate:cola_m`` and nothing is listed as recomputed."""
+    plan = describe(_model("cola-tiny"), "cola-m", ids)
+    lp = plan.layer("layers.0")
+    assert lp.recompute == () and lp.reform == ("",) and lp.reform_kinds == (("", "cola-m"),)
+    acts = plan.site_actions()
+    assert acts["layers.0:"] == "reformulate:cola_m"
+    assert acts["layers.0.mlp.act_fn:silu#0"] == "reformulate:cola_m"
+
+
+def test_a_plan_is_described_by_its_measured_step(ids):
+    """A solved ``Plan`` is applied and measured like any other: its bytes are the meter's,
+    not its own prediction."""
+    plan = describe(_model("llama-tiny"), _plan(), ids)
+    assert dict(plan.meta) == {"describes": "plan", "measured": True}
+    measured = _meter_rows(slimact.apply(_model("llama-tiny"), _plan()), ids)
+    assert plan.predicted_bytes == sum(b for _, b in measured.values())
+    assert plan.layer("layers.1").recompute == ("mlp",)
+    assert plan.site_actions()["layers.1.mlp.act_fn:silu#0"] == "recompute"
+
+
+@pytest.mark.parametrize(
+    "spec, model, named",
+    [
+        ("cola", "cola-tiny", "'cola' has no plan form"),
+        ("cola+int4", "cola-tiny", "'cola' has no plan form"),
+        ("invact@ops=none+compiled-none", "llama-tiny", "'compiled-none' is a compiled plan"),
+        ("invact@bf16=exact-near-branch", "llama-tiny", "no preset"),
+    ],
+)
+def test_a_strategy_without_a_plan_form_is_refused(spec, model, named, ids):
+    with pytest.raises(ValueError, match="describable are the presets") as err:
+        describe(_model(model), spec, ids)
+    assert f"describe({spec!r})" in str(err.value) and named in str(err.value)
+
+
+@pytest.mark.parametrize("spec", ["recompute", "invact+int4", "int4"])
 def test_plan_cli_prints_any_strategy(spec, capsys):
     argv = ["plan", "--model", "llama-tiny", "--batch", "2", "--seq", "16", "--strategy", spec]
     assert main([*argv, "--json"]) == 0
@@ -180,6 +275,12 @@ def test_plan_cli_prints_any_strategy(spec, capsys):
     assert {actions.parse(a).kind for a in out["site_actions"].values()} <= set(actions.KINDS)
     assert main(argv) == 0
     assert f"strategy {spec}: activations measured" in capsys.readouterr().out
+
+
+def test_plan_cli_refuses_a_strategy_without_a_plan(capsys):
+    argv = ["plan", "--model", "cola-tiny", "--batch", "1", "--seq", "8", "--strategy", "cola"]
+    assert main(argv) != 0
+    assert "describe('cola')" in capsys.readouterr().err
 
 
 def test_plan_cli_needs_a_budget_or_a_strategy(capsys):
