@@ -89,9 +89,16 @@ def _checked(model: nn.Module, changes: list[AppliedChange], replanner=None):  #
 def apply_plan(model: nn.Module, plan: Plan, filter_fn: FilterFn | None = None):
     described = dict(plan.meta).get("describes")
     if described:
+        of = "compiled_plan_of" if described.startswith("compiled-") else "plan_of"
+        what = (
+            "the Plan or CompiledPlan it was made from"
+            if described in ("plan", "compiled-plan")
+            else f"the strategy itself, slimact.apply(model, {described!r}), or its plan, "
+            f"slimact.apply(model, slimact.{of}(model, {described!r}))"
+        )
         raise ValueError(
-            f"this Plan describes what strategy {described!r} does (slimact.strategies.describe); "
-            f"apply the strategy itself: slimact.apply(model, {described!r})"
+            f"this Plan describes what {described!r} does, measured on one step "
+            f"(slimact.strategies.describe); apply {what}"
         )
     if plan == Plan():  # the registry's default: ``apply(model, "plan")``
         raise ValueError(
