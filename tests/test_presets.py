@@ -273,7 +273,7 @@ def test_what_is_not_all_presets_applies_part_by_part():
     assert [r.roles for r in runtime_of(model).plan.rules] == ["prac"]
     assert not any(lp.reform for lp in runtime_of(model).plan.layers if lp.block)
     model = slimact.apply(build_model("llama-tiny"), "int4", lambda m, p: p.startswith("layers.0"))
-    assert runtime_of(model).rule_modules is not None
+    assert runtime_of(model).plan.rules[0].modules is not None  # the filter_fn, in the plan
     model = slimact.apply(build_model("llama-tiny"), "recompute")
     with pytest.raises(ValueError, match=r"slimact.revert\(model\) and apply 'recompute\+int4'"):
         slimact.apply(model, "int4", lambda m, p: True)
