@@ -38,8 +38,8 @@ how to get the paper's 500/500: ``codecs/prac.py``). The codecs' state (Q1, Q2, 
 Composition: ``recompute`` wins inside checkpointed blocks (its saved-tensor hooks are innermost,
 nothing is saved there), so ``prac+recompute`` compresses what is saved outside them (final norm,
 lm_head input); checkpoint some blocks and PRAC the rest with ``filter_fn``. With ``invact``
-(apply it first, ``invact+prac``: its probe forward would otherwise initialise the subspaces from
-a dummy batch) the inverted norms and activations save their output y (float: PRAC-compressed,
+(one plan in either order, ``invact+prac``; in two calls, invact first: after ``prac`` its norms
+are fused ones, which invact does not invert) the inverted norms and activations save their output y (float: PRAC-compressed,
 one payload shared with the next op's save of y) plus rstd or a uint8 mask (kept: too small /
 not float). y stands for the next layer's input (q/k/v or gate/up after a norm, c_proj's after
 GPT-2's GELU) and the first saver of a storage fixes its ranks, so ``inv_*`` saves take the
