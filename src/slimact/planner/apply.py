@@ -21,9 +21,10 @@ between steps (adaptive evolution) and ``slimact.revert`` undoes it all:
   table does not encode goes to the plan's lazy rules (``SiteRule``): its role
   (``slimact.classify.site_role``) -> the rule's codec label, one instance per (rule, role,
   channel count), for the sites of the rule's ``modules`` only (``filter_fn`` at install is
-  written into the plan's rules: ``restrict_rules``). A PRAC rule (``roles="prac"``) goes to the runtime's PRAC state (``planner.prac_sites``): its
-  per-site decisions, one codec per compressed storage, the step clock every codec reads
-  (advanced per training forward), checkpointed as ``stateful["prac"]``.
+  written into the plan's rules: ``restrict_rules``). A PRAC rule (``roles="prac"``) goes to
+  the runtime's PRAC state (``planner.prac_sites``): its per-site decisions, one codec per
+  compressed storage, the step clock every codec reads (advanced per training forward),
+  checkpointed as ``stateful["prac"]``.
 
 The router and the policy are entered around every root forward by the runtime's own hooks:
 the one way into the router (a ``CodecPolicy`` of one's own rides an empty plan's runtime,

@@ -2,8 +2,8 @@
 
 prac.txt §5.1 and App. B, Table 6. A plan on the plan runtime (``presets.prac_plan``: one lazy
 ``SiteRule(roles="prac")``, for the modules a ``filter_fn`` accepts, and the fused norms;
-``planner/prac_sites.py`` decides each site and holds the codecs) stores, per site, Z = [XQ1, k·XQ2] and P = [Q1, Q2] instead of X
-(``codecs/prac.py`` has the math):
+``planner/prac_sites.py`` decides each site and holds the codecs) stores, per site,
+Z = [XQ1, k·XQ2] and P = [Q1, Q2] instead of X (``codecs/prac.py`` has the math):
 
 - inputs of linear layers (q/k/v, gate/up, down, lm_head; o_proj see below): r1 = r2 = ⌊0.3n⌋;
 - saves inside norms (the norm's input x; ``fuse_norms`` swaps an RMSNorm for ``ops/rms_norm``,
@@ -39,11 +39,12 @@ Composition: ``recompute`` wins inside checkpointed blocks (its saved-tensor hoo
 nothing is saved there), so ``prac+recompute`` compresses what is saved outside them (final norm,
 lm_head input); checkpoint some blocks and PRAC the rest with ``filter_fn``. With ``invact``
 (one plan in either order, ``invact+prac``; in two calls, invact first: after ``prac`` its norms
-are fused ones, which invact does not invert) the inverted norms and activations save their output y (float: PRAC-compressed,
-one payload shared with the next op's save of y) plus rstd or a uint8 mask (kept: too small /
-not float). y stands for the next layer's input (q/k/v or gate/up after a norm, c_proj's after
-GPT-2's GELU) and the first saver of a storage fixes its ranks, so ``inv_*`` saves take the
-*linear* ranks; for SwiGLU's SiLU, whose y feeds the gate product, that is conservative.
+are fused ones, which invact does not invert) the inverted norms and activations save their
+output y (float: PRAC-compressed, one payload shared with the next op's save of y) plus rstd or
+a uint8 mask (kept: too small / not float). y stands for the next layer's input (q/k/v or
+gate/up after a norm, c_proj's after GPT-2's GELU) and the first saver of a storage fixes its
+ranks, so ``inv_*`` saves take the *linear* ranks; for SwiGLU's SiLU, whose y feeds the gate
+product, that is conservative.
 """
 
 from __future__ import annotations

@@ -31,9 +31,10 @@ preset yet and is refused, as are ``recompute``, ``offload`` and ``cola-m`` with
 RNG state, ``auto`` without a batch, with a ``filter_fn`` or with another part (its plan is solved
 for the model as it is) and the strategies that are not presets (``cola``, ``compiled-*``). A
 ``filter_fn`` is part of the plan: blocks and modules it rejects are left out of the layers, and
-each lazy rule names the modules whose sites it may code (``SiteRule.modules``). ``offload``'s policy offloads every input a block's checkpoint saves
-(``#k``), the plan names the first, the block's hidden states: the same site where the block is
-called with one positional tensor (slimact's models, Hugging Face's decoders). A spec with
+each lazy rule names the modules whose sites it may code (``SiteRule.modules``). ``offload``'s
+policy offloads every input a block's checkpoint saves (``#k``), the plan names the first, the
+block's hidden states: the same site where the block is called with one positional tensor
+(slimact's models, Hugging Face's decoders). A spec with
 ``+`` merges its parts' plans (``Plan.merge``), which names every site where two parts conflict.
 A plan is applied in the runtime's one order (reformulate, recompute, then codecs), whatever the
 order of the spec's parts.
