@@ -185,8 +185,6 @@ def test_what_has_no_preset_is_refused_by_name():
         slimact.plan_of(build_model("cola-tiny"), "cola")
     with pytest.raises(ValueError, match="'cola-m' needs a CoLA model"):
         slimact.plan_of(model, "cola-m")  # the strategy's own refusal
-    with pytest.raises(ValueError, match="prac: a filter_fn has no preset form"):
-        slimact.plan_of(model, "prac", filter_fn=lambda m, p: True)
     with pytest.raises(ValueError, match="chunk_size=256 has no preset"):
         slimact.plan_of(model, "chunked-ce@256")
     with pytest.raises(ValueError, match="bf16='exact-near-branch' has no preset"):
@@ -265,19 +263,27 @@ def test_presets_applied_one_after_another_merge_into_one_plan():
 
 
 def test_what_is_not_all_presets_applies_part_by_part():
-    """A spec with a strategy that is not a preset (``prac``), or a preset refused (a
-    ``filter_fn`` on a codec rule), applies its parts one after another, as the strategies do."""
-    model = slimact.apply(build_model("llama-tiny"), "invact+prac")
-    # invact patched by its own transform; the runtime is PRAC's strategy's (its rule alone)
+    """A spec with a strategy that is not a preset (``cola``), or on a model carrying a change
+    that is not a preset's (a solved plan), applies its parts one after another, as the
+    strategies do; ``prac``, ``invact+prac`` and a ``filter_fn`` on a codec rule are presets."""
+    model = build_model("llama-tiny")
+    slimact.apply(model, slimact.plan_of(build_model("llama-tiny"), "int4"))
+    slimact.apply(model, "invact")
+    # invact patched by its own transform; the runtime is the plan's (its rule alone)
     assert "forward" in model.layers[0].mlp.act_fn.__dict__
-    assert [r.roles for r in runtime_of(model).plan.rules] == ["prac"]
-    assert not any(lp.reform for lp in runtime_of(model).plan.layers if lp.block)
-    model = slimact.apply(build_model("llama-tiny"), "int4", lambda m, p: p.startswith("layers.0"))
-    assert runtime_of(model).rule_modules is not None
+    assert runtime_of(model).preset_rows is None
+    assert not any(lp.reform for lp in runtime_of(model).plan.layers)
+    model = slimact.apply(build_model("llama-tiny"), "invact+prac")
+    assert runtime_of(model).plan == slimact.plan_of(build_model("llama-tiny"), "invact+prac")
+    assert runtime_of(model).preset_rows == len(slimact.applied(model))  # one preset plan
     model = slimact.apply(build_model("llama-tiny"), "recompute")
+    slimact.apply(model, "int4", lambda m, p: p.startswith("layers.0"))  # joins its plan
+    assert applied_strategies(model) == ["recompute", "int4"]
+    assert runtime_of(model).plan.rules[0].modules[0] == "layers.0"  # the filter_fn, in the plan
+    cola = slimact.apply(build_model("cola-tiny"), "recompute")
     with pytest.raises(ValueError, match=r"slimact.revert\(model\) and apply 'recompute\+int4'"):
-        slimact.apply(model, "int4", lambda m, p: True)
-    assert applied_strategies(model) == ["recompute"]
+        slimact.apply(cola, "int4+cola")  # cola is no preset: int4 by its own transform
+    assert applied_strategies(cola) == ["recompute"]
 
 
 def test_prac_after_a_preset_joins_its_plan_and_reverts():

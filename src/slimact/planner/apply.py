@@ -20,10 +20,11 @@ between steps (adaptive evolution) and ``slimact.revert`` undoes it all:
   channel count, so stateful codecs (PRAC) keep one state per storage and block. A site the
   table does not encode goes to the plan's lazy rules (``SiteRule``): its role
   (``slimact.classify.site_role``) -> the rule's codec label, one instance per (rule, role,
-  channel count); ``filter_fn`` at install restricts the rules to the modules it accepts. A
-  PRAC rule (``roles="prac"``) goes to the runtime's PRAC state (``planner.prac_sites``): its
-  per-site decisions, one codec per compressed storage, the step clock every codec reads
-  (advanced per training forward), checkpointed as ``stateful["prac"]``.
+  channel count), for the sites of the rule's ``modules`` only (``filter_fn`` at install is
+  written into the plan's rules: ``restrict_rules``). A PRAC rule (``roles="prac"``) goes to
+  the runtime's PRAC state (``planner.prac_sites``): its per-site decisions, one codec per
+  compressed storage, the step clock every codec reads (advanced per training forward),
+  checkpointed as ``stateful["prac"]``.
 
 The router and the policy are entered around every root forward by the runtime's own hooks:
 the one way into the router (a ``CodecPolicy`` of one's own rides an empty plan's runtime,
@@ -85,16 +86,23 @@ def register_block_reform(kind: str, fn: BlockReform) -> None:
     _BLOCK_REFORMS[kind] = fn
 
 
+def restrict_rules(
+    plan: Plan, model: nn.Module, filter_fn: Callable[[nn.Module, str], bool] | None
+) -> Plan:
+    """``plan`` with each lazy rule restricted to the modules of ``model`` that ``filter_fn``
+    accepts (``SiteRule.within``: a rule with ``modules`` keeps those of them it accepts);
+    ``plan`` itself without a ``filter_fn`` or without rules."""
+    if filter_fn is None or not plan.rules:
+        return plan
+    paths = [p for p, m in model.named_modules() if filter_fn(m, p)]
+    return dataclasses.replace(plan, rules=tuple(r.within(paths) for r in plan.rules))
+
+
 class PlanAssign:
     """``assign(site, tensor) -> Codec | None`` from a plan's site table, then its lazy rules
-    (for the sites of ``modules`` only, where given: ``install``'s ``filter_fn``)."""
+    (each for the sites of its ``modules`` only, where it has some)."""
 
-    def __init__(
-        self,
-        plan: Plan,
-        runtime: PlanRuntime | None = None,
-        modules: frozenset[str] | None = None,
-    ) -> None:
+    def __init__(self, plan: Plan, runtime: PlanRuntime | None = None) -> None:
         self.runtime = runtime
         self.table: dict[str, tuple[str, str]] = {}  # abs site -> (codec, storage key)
         for lp in plan.layers:
@@ -104,7 +112,7 @@ class PlanAssign:
                     self.table[abs_site(n, lp.block)] = (codec, key)
         self.codecs: dict[str, Codec] = {}
         self.rules = plan.rules
-        self.modules = modules
+        self.allowed = [None if r.modules is None else frozenset(r.modules) for r in plan.rules]
         self.rule_codecs: dict[tuple[int, str, int], Codec] = {}  # (rule, role, channels)
         self.prac: PracState | None = None  # a PRAC rule's state (the runtime sets it)
 
@@ -125,7 +133,6 @@ class PlanAssign:
         return codec
 
     def _by_rule(self, site: str, t: torch.Tensor) -> Codec | None:
-        blocked = self.modules is not None and site_module(site) not in self.modules
         for i, rule in enumerate(self.rules):
             if rule.roles == "prac":  # its state filters (and reports what it filters out)
                 if self.prac is None:
@@ -134,7 +141,8 @@ class PlanAssign:
                 if codec is not None:
                     return codec
                 continue
-            if blocked:
+            allowed = self.allowed[i]
+            if allowed is not None and site_module(site) not in allowed:
                 continue
             role = site_role(site, t, rule.min_numel, rule.sdpa_out)
             label = rule.codec(role) if role is not None else None
@@ -188,7 +196,6 @@ class PlanRuntime:
         self._head_planned = False
         self.history: list[dict] = []
         self.last_input: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        self.rule_modules: frozenset[str] | None = None  # filter_fn's modules, for the rules
         self.preset_rows: int | None = None  # a preset's runtime: the changes its applies made
         self._hooks = [
             model.register_forward_pre_hook(self._pre, with_kwargs=True),
@@ -199,7 +206,9 @@ class PlanRuntime:
 
     # -- plans --------------------------------------------------------------------------------
     def set_plan(self, plan: Plan, filter_fn: Callable[[nn.Module, str], bool] | None = None):
-        """Undo the current plan's patches and install ``plan``'s; returns the change list."""
+        """Undo the current plan's patches and install ``plan``'s; returns the change list.
+        ``filter_fn``: only the blocks it accepts, and the rules restricted to the modules it
+        accepts (``restrict_rules``: written into the installed plan, ``self.plan``)."""
         modules = dict(self.model.named_modules())
         known = {lp.block for lp in plan.layers}
         missing = sorted(b for b in known if b and b not in modules)
@@ -208,12 +217,18 @@ class PlanRuntime:
                 f"plan for {plan.model!r} names blocks {missing[:3]} this model does not have; "
                 f"its blocks are {sites.block_paths(self.model)[:3]}..."
             )
+        for rule in plan.rules:
+            absent = [p for p in rule.modules or () if p not in modules]
+            if absent:
+                raise ValueError(
+                    f"plan for {plan.model!r} has a rule ({rule.describe()}) for modules "
+                    f"{absent[:3]} this model does not have"
+                )
         if any(c.startswith("offload") for lp in plan.layers for c, _ in lp.codecs):
             check_model(self.model)  # CUDA only: refused here
         self._clear_patches()
         changes: list[AppliedChange] = []
-        if filter_fn is not None and plan.rules:  # kept for later plans (a checkpoint's)
-            self.rule_modules = frozenset(p for p, m in modules.items() if filter_fn(m, p))
+        plan = restrict_rules(plan, self.model, filter_fn)
         allowed = {
             lp.block for lp in plan.layers
             if filter_fn is None or filter_fn(modules[lp.block] if lp.block else self.model, lp.block)
@@ -237,7 +252,7 @@ class PlanRuntime:
             changes.extend(self._reformulate(targets, kinds))
         old = self.assign
         self.plan = plan
-        self.assign = PlanAssign(plan, self, self.rule_modules)
+        self.assign = PlanAssign(plan, self)
         if old is not None:  # keep codec instances (and their state) where the codec is unchanged
             for key, codec in old.codecs.items():
                 names = {c for c, k in self.assign.table.values() if k == key}
@@ -280,7 +295,7 @@ class PlanRuntime:
                 f"a PRAC-family strategy ({stateful['prac'].name}) is already applied to this "
                 f"model; revert it before installing a plan with a PRAC rule"
             )
-        self.assign.prac = PracState(self.model, rules[0], self.rule_modules)
+        self.assign.prac = PracState(self.model, rules[0])
         stateful["prac"] = self.assign.prac
 
     def _reformulate(self, targets: set[str], kinds: dict[str, str]) -> list[AppliedChange]:

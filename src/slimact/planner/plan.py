@@ -16,7 +16,8 @@ listed with every site that saves it (checkpoint inputs ``<module>:checkpoint_in
 included), plus predicted bytes and added time. ``Plan`` is a ``StrategyConfig``, so
 ``slimact.apply(model, plan)`` applies it; ``Plan.site_actions()`` is the flat site -> action map.
 
-A plan may also carry **lazy rules** (``SiteRule``): a decision that needs the first save. A rule
+A plan may also carry **lazy rules** (``SiteRule``, ``slimact.planner.rules``): a decision that
+needs the first save, for the sites of the modules the rule names (``modules``; None: all). A rule
 maps a saved tensor's role (``slimact.classify.site_role``: act / qk / qkv / scores / mask, read from
 the site name and the tensor) to a codec label (``int4-outlier-g16``, ``int4-asym/g16``); the
 runtime builds the codec on the first save of each role and channel count. The fixed-rule codec
@@ -44,6 +45,7 @@ from typing import Any
 
 from slimact import actions
 from slimact.budget import Budget
+from slimact.planner.rules import SiteRule
 from slimact.registry import StrategyConfig
 from slimact.utils import fmt_bytes
 
@@ -252,78 +254,6 @@ class LayerPlan:
 
     def signature(self) -> tuple:
         return (self.kind, self.recompute, self.reform, tuple(s[:2] for s in self.storages))
-
-
-@dataclass(frozen=True)
-class SiteRule:
-    """A lazy rule (module docstring): role -> codec label, decided on the first save.
-
-    ``codecs``: (role, codec label) pairs, a role absent is kept; ``min_numel`` and ``sdpa_out``
-    are ``slimact.classify.site_role``'s options; ``sized``: the roles whose codec gets the
-    tensor's hidden channel count (``slimact.codecs.saving.hidden_channels``), the others 0 (a
-    per-channel codec then takes the last dimension of the memory-order tensor).
-
-    ``roles="prac"``: PRAC's roles instead (linear / output / norm / act / gate, decided per
-    site by ``slimact.planner.prac_sites``), each labelled with a PRAC-family codec whose ranks are
-    fractions of the feature size or absolute (``prac/r1=0.3,r2=0.3``); ``overrides``: (pattern,
-    r1, r2), first match wins; ``keep``: patterns of sites kept; ``gate_modules``: modules whose
-    product saves are the ``gate`` role; ``min_features``; ``only_if_smaller``: keep a site whose
-    payload plus basis would not be smaller than its tensor. The runtime builds one codec per
-    compressed storage, all reading one step clock (the count of training forwards)."""
-
-    codecs: tuple[tuple[str, str], ...] = ()
-    min_numel: int = 1024
-    sdpa_out: bool = False
-    sized: tuple[str, ...] = ("act", "qk", "qkv")
-    roles: str = "site"
-    keep: tuple[str, ...] = ()
-    overrides: tuple[tuple[str, int | float, int | float], ...] = ()
-    gate_modules: tuple[str, ...] = ()
-    min_features: int = 0
-    only_if_smaller: bool = False
-
-    def __post_init__(self) -> None:  # tuples also when read from JSON lists
-        object.__setattr__(self, "codecs", tuple((r, c) for r, c in self.codecs))
-        object.__setattr__(self, "sized", tuple(self.sized))
-        object.__setattr__(self, "keep", tuple(self.keep))
-        object.__setattr__(self, "overrides", tuple((p, a, b) for p, a, b in self.overrides))
-        object.__setattr__(self, "gate_modules", tuple(self.gate_modules))
-        roles = [r for r, _ in self.codecs]
-        if len(set(roles)) != len(roles):
-            raise ValueError(f"SiteRule names a role twice: {roles}")
-        if not isinstance(self.min_numel, int) or self.min_numel < 0:
-            raise ValueError(f"SiteRule.min_numel must be an int >= 0, got {self.min_numel!r}")
-        if self.roles not in ("site", "prac"):
-            raise ValueError(f"SiteRule.roles must be 'site' or 'prac', got {self.roles!r}")
-        prac_only = ("keep", "overrides", "gate_modules", "min_features", "only_if_smaller")
-        if self.roles == "site" and any(getattr(self, f) for f in prac_only):
-            raise ValueError(f"SiteRule: {', '.join(prac_only)} are options of roles='prac'")
-
-    def codec(self, role: str) -> str | None:
-        """The codec label of ``role``, or None (kept)."""
-        return dict(self.codecs).get(role)
-
-    def describe(self) -> str:
-        """``act=int4-outlier-g16, qkv=int8-channel, ...``."""
-        return ", ".join(f"{r}={c}" for r, c in self.codecs)
-
-    def table_lines(self) -> list[str]:
-        """The rule's rows in ``Plan.table``."""
-        if self.roles == "prac":
-            head = (
-                "== rule (PRAC's roles, on each site's first save"
-                f"{'; kept where payload + basis would not be smaller' if self.only_if_smaller else ''}"
-                f"; features >= {self.min_features})"
-            )
-        else:
-            head = (
-                f"== rule (on the first save of each role; {self.min_numel}+ values"
-                f"{', SDPA output as act' if self.sdpa_out else ''})"
-            )
-        lines = [head, *(f"   {role:<44} {actions.codec(codec)}" for role, codec in self.codecs)]
-        lines += [f"   {p:<44} ranks r1={a}, r2={b} (override)" for p, a, b in self.overrides]
-        lines += [f"   {p:<44} {actions.KEEP}" for p in self.keep]
-        return lines
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 A PRAC *rule* (``slimact.planner.plan.SiteRule`` with ``roles="prac"``; read here by its
 attributes) maps PRAC's roles (``linear``, ``norm``, ``act``, ``gate``, ``output``: see
 ``strategies/prac.py``) to codec labels carrying the ranks (``prac/r1=0.3,r2=0.3``), with keep
-patterns, rank overrides, the gate modules, ``min_features`` and ``only_if_smaller``.
+patterns, rank overrides, the gate modules, ``min_features``, ``only_if_smaller`` and the
+modules whose sites it may compress (``modules``, None: all).
 :class:`PracState` decides each site at its first save (role, keep patterns, filter, ranks,
 worth-it check), builds one ``PracCodec`` per compressed storage (named by its first saver, which
 seeds its generator), and holds the step clock that every codec reads: the count of training
@@ -51,17 +52,17 @@ class PracState:
     """All of one model's PRAC codecs, the step clock and the per-site decisions.
 
     ``rule``: a PRAC rule (module docstring); ``allowed``: the modules whose sites may be
-    compressed (a ``filter_fn``'s; the others are reported), None: all. ``name``: the strategy
-    (``prac``, ``pac``, ``rac``: the codec its labels name)."""
+    compressed (the rule's ``modules``, a ``filter_fn``'s choice; the others are reported),
+    None: all. ``name``: the strategy (``prac``, ``pac``, ``rac``: the codec its labels name)."""
 
-    def __init__(self, model: nn.Module, rule: Any, allowed: frozenset[str] | None = None) -> None:
+    def __init__(self, model: nn.Module, rule: Any) -> None:
         self.rule = rule
         self.labels = dict(rule.codecs)
         if not self.labels:
             raise ValueError("a PRAC rule names at least one role's codec")
         self.name = next(iter(self.labels.values())).partition("/")[0]
         self.modules = dict(model.named_modules())
-        self.allowed = allowed
+        self.allowed = None if rule.modules is None else frozenset(rule.modules)
         self.forwards = 0
         self.codecs: dict[str, PracCodec] = {}
         self.plan: dict[str, str | None] = {}  # site -> codec key, or None (kept)

@@ -84,7 +84,7 @@ from slimact.codecs.base import (
     codec_names,
 )
 from slimact.codecs.token import TokenQuantConfig
-from slimact.planner.apply import PlanAssign, install, runtime_of
+from slimact.planner.apply import PlanAssign, install, restrict_rules, runtime_of
 from slimact.planner.plan import Plan, SiteRule
 from slimact.registry import (
     AppliedChange,
@@ -256,13 +256,17 @@ class Int4Assign(PlanAssign):
     def __init__(
         self, config: Int4Config | NaiveInt4Config, allowed: set[str] | None = None
     ) -> None:
-        super().__init__(config.plan(), modules=None if allowed is None else frozenset(allowed))
+        plan = config.plan()
+        if allowed is not None:  # the rule for the sites of those modules only
+            plan = dataclasses.replace(plan, rules=(plan.rules[0].within(sorted(allowed)),))
+        super().__init__(plan)
 
 
 def apply_int4(
     model: nn.Module, config: Int4Config | NaiveInt4Config, filter_fn: FilterFn | None = None
 ) -> list[AppliedChange]:
-    """Install ``config.plan()`` (``slimact.planner.apply.install``): one plan runtime, undone by
+    """Install ``config.plan()`` (``slimact.planner.apply.install``), its rule restricted to the
+    modules ``filter_fn`` accepts (``restrict_rules``): one plan runtime, undone by
     ``slimact.revert``; its head change reads the strategy's name and roles. (A spec of presets
     alone installs its merged plan instead: ``strategies/presets.apply_presets``.)"""
     rt = runtime_of(model)
@@ -270,10 +274,10 @@ def apply_int4(
         before = "+".join(applied_strategies(model))
         raise ValueError(
             f"cannot apply {config.name!r}: the model carries the plan of {before!r}, which "
-            f"{config.name!r} joins only as a preset (no filter_fn, every part of the spec a "
-            f"preset); call slimact.revert(model) and apply '{before}+{config.name}' in one call"
+            f"{config.name!r} joins only as a preset (every part of the spec a preset); call "
+            f"slimact.revert(model) and apply '{before}+{config.name}' in one call"
         )
-    changes = install(model, config.plan(), filter_fn=filter_fn)
+    changes = install(model, restrict_rules(config.plan(), model, filter_fn))
     changes[0].action, changes[0].detail = config.name, config.describe()
     return changes
 

@@ -1,9 +1,9 @@
 """``prac`` / ``pac`` / ``rac``: store saved activations through principal + random subspaces.
 
 prac.txt §5.1 and App. B, Table 6. A plan on the plan runtime (``presets.prac_plan``: one lazy
-``SiteRule(roles="prac")`` and the fused norms; ``planner/prac_sites.py`` decides each site and
-holds the codecs) stores, per site, Z = [XQ1, k·XQ2] and P = [Q1, Q2] instead of X
-(``codecs/prac.py`` has the math):
+``SiteRule(roles="prac")``, for the modules a ``filter_fn`` accepts, and the fused norms;
+``planner/prac_sites.py`` decides each site and holds the codecs) stores, per site,
+Z = [XQ1, k·XQ2] and P = [Q1, Q2] instead of X (``codecs/prac.py`` has the math):
 
 - inputs of linear layers (q/k/v, gate/up, down, lm_head; o_proj see below): r1 = r2 = ⌊0.3n⌋;
 - saves inside norms (the norm's input x; ``fuse_norms`` swaps an RMSNorm for ``ops/rms_norm``,
@@ -38,12 +38,13 @@ how to get the paper's 500/500: ``codecs/prac.py``). The codecs' state (Q1, Q2, 
 Composition: ``recompute`` wins inside checkpointed blocks (its saved-tensor hooks are innermost,
 nothing is saved there), so ``prac+recompute`` compresses what is saved outside them (final norm,
 lm_head input); checkpoint some blocks and PRAC the rest with ``filter_fn``. With ``invact``
-(apply it first, ``invact+prac``: its probe forward would otherwise initialise the subspaces from
-a dummy batch) the inverted norms and activations save their output y (float: PRAC-compressed,
-one payload shared with the next op's save of y) plus rstd or a uint8 mask (kept: too small /
-not float). y stands for the next layer's input (q/k/v or gate/up after a norm, c_proj's after
-GPT-2's GELU) and the first saver of a storage fixes its ranks, so ``inv_*`` saves take the
-*linear* ranks; for SwiGLU's SiLU, whose y feeds the gate product, that is conservative.
+(one plan in either order, ``invact+prac``; in two calls, invact first: after ``prac`` its norms
+are fused ones, which invact does not invert) the inverted norms and activations save their
+output y (float: PRAC-compressed, one payload shared with the next op's save of y) plus rstd or
+a uint8 mask (kept: too small / not float). y stands for the next layer's input (q/k/v or
+gate/up after a norm, c_proj's after GPT-2's GELU) and the first saver of a storage fixes its
+ranks, so ``inv_*`` saves take the *linear* ranks; for SwiGLU's SiLU, whose y feeds the gate
+product, that is conservative.
 """
 
 from __future__ import annotations
@@ -52,70 +53,33 @@ from typing import Any
 
 import torch.nn as nn
 
-from slimact.classify import is_norm
-from slimact.codecs.prac import resolve_rank
 from slimact.planner.apply import install, runtime_of
 from slimact.planner.prac_sites import PracPolicy, PracState
 from slimact.registry import AppliedChange, FilterFn, register_strategy
 from slimact.state import peek, state_of
 from slimact.strategies.prac_config import PacConfig, PracConfig, RacConfig
-from slimact.strategies.presets import prac_plan
+from slimact.strategies.presets import prac_part
 
 
 def apply_prac(
     model: nn.Module, config: PracConfig, filter_fn: FilterFn | None = None
 ) -> list[AppliedChange]:
-    """Install PRAC's plan (``presets.prac_plan``: its rule and fused norms) on the plan runtime;
-    ``filter_fn`` restricts the rule through the runtime's PRAC state (``planner.prac_sites``)."""
-    registry = state_of(model).stateful
-    if "prac" in registry:
-        raise ValueError(
-            f"a PRAC-family strategy ({registry['prac'].name}) is already applied to this "
-            f"model; revert it before applying {config.name}"
-        )
+    """The strategy's own transform, for a spec that is not all presets (``slimact.apply``
+    installs one of presets alone through ``presets.apply_presets``): its preset's plan and rows
+    (``presets.prac_part``) on a plan runtime of its own, or joined to one that only presets made
+    (``Plan.merge``; reverting this change puts the old plan back); the runtime's rows (fused
+    norms, codec policy) after the head row, as on the preset path."""
+    plan, rows = prac_part(model, config, filter_fn)
     rt = runtime_of(model)
     if rt is not None and rt.preset_rows == len(state_of(model).applied):
-        # a runtime that only presets made (``apply(m, "recompute")`` before): PRAC's plan joins
-        # its plan (``Plan.merge``), and the revert of this change puts the old plan back
-        merged, undo = rt.merge_plan(prac_plan(model, config, filter_fn))
+        merged, undo = rt.merge_plan(plan)
         rt.preset_rows = None  # no longer a preset's runtime: later presets apply part by part
-        changes = [
-            AppliedChange("", config.name, "", undo=undo),
-            *(AppliedChange(c.path, c.action, c.detail, c.skipped) for c in merged),
-        ]
+        changes = [AppliedChange(c.path, c.action, c.detail, c.skipped) for c in merged]
     else:
-        changes = install(model, prac_plan(model, config, filter_fn))
-    if filter_fn is not None:
-        state = registry["prac"]
-        state.allowed = frozenset(p for p, m in state.modules.items() if filter_fn(m, p))
-    changes[0].action = config.name
-    changes[0].detail = (
-        f"linear ranks {config.linear}, nonlinear {config.nonlinear} (of n), "
-        f"T1={config.t1} T2={config.t2}, svd={config.svd}"
-    )
-    for path, m in model.named_modules():  # what is known before the first forward
-        role = "linear" if isinstance(m, nn.Linear) else "norm" if is_norm(m) else None
-        if role is None:
-            continue
-        if filter_fn is not None and not filter_fn(m, path):
-            changes.append(AppliedChange(path, config.name, "filtered out", skipped=True))
-            continue
-        n = (
-            m.in_features
-            if role == "linear"
-            else (m.weight.shape[-1] if getattr(m, "weight", None) is not None else None)
-        )
-        if n is None:
-            continue
-        r1, r2 = config.ranks_for(role, f"{path}:?", path)
-        a1, a2 = resolve_rank(r1, n), resolve_rank(r2, n)
-        if n < config.min_features or a1 + a2 == 0:
-            changes.append(
-                AppliedChange(path, config.name, f"feature size {n} too small", skipped=True)
-            )
-        else:
-            changes.append(AppliedChange(path, config.name, f"{role} n={n} r1={a1} r2={a2}"))
-    return changes
+        head, *changes = install(model, plan)
+        undo = head.undo
+    rows[0].undo = undo
+    return [rows[0], *changes, *rows[1:]]
 
 
 def prac_state(model: nn.Module) -> PracState:

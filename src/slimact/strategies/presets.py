@@ -7,11 +7,13 @@ checks each). Each config type has one handler (torchao's shape: dispatch by con
 
     none                  the empty plan: every site keeps its tensor
     recompute             every block (or those ``filter_fn`` passes) recomputed whole
-    int4, int8, ...       the config's lazy rule, role -> codec (``Int4Config.plan``)
+    int4, int8, ...       the config's lazy rule, role -> codec (``Int4Config.plan``); with a
+                          ``filter_fn``, the rule for the modules it accepts (``modules``)
     invact, invact-act    the modules the strategy would invert, as ``reform`` per block
     chunked-ce            the loss head, as ``reform`` of the root's row
-    prac, pac, rac        PRAC's lazy rule (its roles -> codec labels with the ranks) and its
-                          fused RMSNorms as ``reform`` (``prac_plan``; the strategy installs it)
+    prac, pac, rac        PRAC's lazy rule (its roles -> codec labels with the ranks; with a
+                          ``filter_fn``, for the modules it accepts) and its fused RMSNorms as
+                          ``reform`` (``prac_plan``)
     offload               ``recompute``'s blocks, each block's input (``:checkpoint_input#0``)
                           through the codec ``offload`` (applied on CUDA only, as the strategy)
     cola-m                the CoLA blocks as ``reform`` of the whole block, kind ``cola-m`` (the
@@ -26,11 +28,13 @@ strategy does (its probe included): the strategy is applied to the model, its ch
 undone, so the model is left as it was. The runtime reformulates with the default settings, so
 a config with other settings (``invact@bf16=exact-near-branch``, ``chunked-ce@256``) has no
 preset yet and is refused, as are ``recompute``, ``offload`` and ``cola-m`` without a preserved
-RNG state, a codec rule with a ``filter_fn``, ``auto`` without a batch or with another part (its
-plan is solved for the model as it is) and the strategies that are not presets (``cola``,
-``compiled-*``). ``offload``'s policy offloads every input a block's checkpoint saves
-(``#k``), the plan names the first, the block's hidden states: the same site where the block is
-called with one positional tensor (slimact's models, Hugging Face's decoders). A spec with
+RNG state, ``auto`` without a batch, with a ``filter_fn`` or with another part (its plan is solved
+for the model as it is) and the strategies that are not presets (``cola``, ``compiled-*``). A
+``filter_fn`` is part of the plan: blocks and modules it rejects are left out of the layers, and
+each lazy rule names the modules whose sites it may code (``SiteRule.modules``). ``offload``'s
+policy offloads every input a block's checkpoint saves (``#k``), the plan names the first, the
+block's hidden states: the same site where the block is called with one positional tensor
+(slimact's models, Hugging Face's decoders). A spec with
 ``+`` merges its parts' plans (``Plan.merge``), which names every site where two parts conflict.
 A plan is applied in the runtime's one order (reformulate, recompute, then codecs), whatever the
 order of the spec's parts.
@@ -38,13 +42,13 @@ order of the spec's parts.
 ``slimact.apply`` goes through these plans (``apply_presets``, the registry's preset path): a
 spec whose every part is a preset installs ``plan_of``'s one merged plan on the one runtime,
 and a later spec of presets on such a model is merged into its plan. The changes it records are
-the strategies' own (``int4``'s head row, the per-module rows with their skips). Any other spec
-(one part not a preset, or a model carrying a change that is not a preset's: ``prac``, a
-solved plan) is applied part by part by the strategies' own transforms, as before. The PRAC
-family has a preset for ``plan_of`` but installs its plan through its own strategy
-(``strategies/prac.py``: it also takes a ``filter_fn`` and reports its per-module ranks), so a
-spec with ``prac`` takes the part-by-part path; so does ``auto`` (its lazy planning on the first
-batch and its re-planning budget check), shown to store and train as its plan does.
+the strategies' own (``int4``'s and ``prac``'s head rows, the per-module rows with their skips:
+PRAC's ranks per linear and norm module). Any other spec (one part not a preset, or a model
+carrying a change that is not a preset's: a solved plan, ``cola``) is applied part by part by the
+strategies' own transforms, as before; the PRAC family's (``strategies/prac.py``) installs the
+plan and rows of its preset (``prac_part``). ``auto`` always takes the part-by-part path (its lazy
+planning on the first batch and its re-planning budget check), shown to store and train as its
+plan does.
 """
 
 from __future__ import annotations
@@ -60,8 +64,10 @@ import torch.nn as nn
 from slimact import sites
 from slimact.actions import FUSED_RMS, OFFLOAD_CODEC
 from slimact.checkpointing import GUARD_ACTION, guard_cache
+from slimact.classify import is_norm
+from slimact.codecs.prac import resolve_rank
 from slimact.hf_inputs import random_token_batch, refuse_unless_token_ids
-from slimact.planner.apply import PlanRuntime, runtime_of
+from slimact.planner.apply import PlanRuntime, restrict_rules, runtime_of
 from slimact.planner.auto import AutoConfig, plan_model
 from slimact.planner.plan import LayerPlan, Plan
 from slimact.reformulate import (
@@ -155,7 +161,8 @@ def _offload(model: nn.Module, config: OffloadStrategyConfig, filter_fn: FilterF
 
 def _rule(model: nn.Module, config: Int4Config | NaiveInt4Config, filter_fn) -> Part:
     # its rows: the strategy's name and roles, then the runtime's codec-policy row (filled in)
-    return config.plan(), [AppliedChange("", config.name, config.describe())]
+    plan = restrict_rules(config.plan(), model, filter_fn)
+    return plan, [AppliedChange("", config.name, config.describe())]
 
 
 def _reformulated(apply_fn: Callable, strategy: str, model: nn.Module, config, filter_fn) -> Part:
@@ -220,23 +227,63 @@ def _auto(
 
 def prac_plan(model: nn.Module, config: PracConfig, filter_fn: FilterFn | None = None) -> Plan:
     """PRAC's plan: its lazy rule (``PracConfig.rule``: PRAC's roles -> codec labels carrying the
-    ranks) and, with ``fuse_norms``, the RMSNorms ``filter_fn`` passes reformulated to save (x,
-    rstd) (kind ``rms-norm``). The strategy installs it; ``filter_fn`` also restricts the rule,
-    which a plan cannot say (the strategy hands it to the runtime's PRAC state)."""
+    ranks), for the modules ``filter_fn`` accepts (``SiteRule.modules``: the runtime's PRAC state
+    reports the others as filtered out), and, with ``fuse_norms``, the RMSNorms ``filter_fn``
+    passes reformulated to save (x, rstd) (kind ``rms-norm``)."""
     paths = fusable_rms_norms(model, filter_fn) if config.fuse_norms else []
-    return Plan(
+    plan = Plan(
         layers=_layers(model, "reform", paths, dict.fromkeys(paths, FUSED_RMS)),
         rules=(config.rule(),),
         meta=(("strategy", config.name),),
     )
+    return restrict_rules(plan, model, filter_fn)
 
 
-def _prac(model: nn.Module, config: PracConfig, filter_fn: FilterFn | None) -> Part:
-    return prac_plan(model, config), []  # (its rows are the strategy's: plan_of only)
+def _prac_rows(model: nn.Module, config: PracConfig, filter_fn) -> list[AppliedChange]:
+    """PRAC's rows, known before the first forward: the strategy's name, ranks and clock, then
+    per linear and norm module its ranks, ``filtered out`` or ``feature size too small``."""
+    head = (
+        f"linear ranks {config.linear}, nonlinear {config.nonlinear} (of n), "
+        f"T1={config.t1} T2={config.t2}, svd={config.svd}"
+    )
+    rows = [AppliedChange("", config.name, head)]
+    for path, m in model.named_modules():
+        role = "linear" if isinstance(m, nn.Linear) else "norm" if is_norm(m) else None
+        if role is None:
+            continue
+        if filter_fn is not None and not filter_fn(m, path):
+            rows.append(AppliedChange(path, config.name, "filtered out", skipped=True))
+            continue
+        weight = getattr(m, "weight", None)
+        n = m.in_features if role == "linear" else (None if weight is None else weight.shape[-1])
+        if n is None:
+            continue
+        r1, r2 = config.ranks_for(role, f"{path}:?", path)
+        a1, a2 = resolve_rank(r1, n), resolve_rank(r2, n)
+        if n < config.min_features or a1 + a2 == 0:
+            too_small = f"feature size {n} too small"
+            rows.append(AppliedChange(path, config.name, too_small, skipped=True))
+        else:
+            rows.append(AppliedChange(path, config.name, f"{role} n={n} r1={a1} r2={a2}"))
+    return rows
+
+
+def prac_part(model: nn.Module, config: PracConfig, filter_fn: FilterFn | None) -> Part:
+    """PRAC's preset: its plan (``prac_plan``) and rows (``_prac_rows``), refused on a model that
+    carries a PRAC-family strategy already (``stateful["prac"]``: one PRAC state per model).
+    The runtime's rows (fused norms, codec policy) go after the head row (``apply_presets``)."""
+    st = peek(model)
+    if st is not None and "prac" in st.stateful:
+        raise ValueError(
+            f"a PRAC-family strategy ({st.stateful['prac'].name}) is already applied to this "
+            f"model; revert it before applying {config.name}"
+        )
+    return prac_plan(model, config, filter_fn), _prac_rows(model, config, filter_fn)
 
 
 # a preset for plan_of; apply: the strategy (see the module docstring)
-_OWN_STRATEGY = (PracConfig, PacConfig, RacConfig, AutoConfig)
+_OWN_STRATEGY = (AutoConfig,)
+_CODEC_PARTS = (Int4Config, NaiveInt4Config, PracConfig)  # the runtime's rows after their head
 
 # config type -> handler (model, config, filter_fn) -> (Plan, changes)
 PRESETS: dict[type, Callable[..., Part]] = {
@@ -246,9 +293,9 @@ PRESETS: dict[type, Callable[..., Part]] = {
     NaiveInt4Config: _rule,
     InvActConfig: _invact,
     ChunkedCEConfig: _chunked_ce,
-    PracConfig: _prac,
-    PacConfig: _prac,
-    RacConfig: _prac,
+    PracConfig: prac_part,
+    PacConfig: prac_part,
+    RacConfig: prac_part,
     OffloadStrategyConfig: _offload,
     CoLAMConfig: _colam,
     AutoConfig: _auto,
@@ -288,8 +335,6 @@ def refusal(config: StrategyConfig, filter_fn: FilterFn | None) -> str:
         )
     if isinstance(config, AutoConfig):
         return auto_refusal(config, filter_fn)
-    if isinstance(config, Int4Config | NaiveInt4Config | PracConfig) and filter_fn is not None:
-        return f"{config.name}: a filter_fn has no preset form (apply the strategy)"
     if isinstance(config, InvActConfig):
         return _non_default(config, InvActConfig(), ("norms", "ops", "probe"))
     if isinstance(config, ChunkedCEConfig):
@@ -350,8 +395,10 @@ def apply_presets(
     which names a conflicting site) on the one plan runtime; None (nothing changed) for any
     other spec, which ``apply`` applies part by part as before (see the module docstring).
 
-    The changes are the ones each strategy reports (``int4``'s head row, ``recompute``'s and
-    ``invact``'s per-module rows, skipped ones with their reasons), in spec order; the first one
+    The changes are the ones each strategy reports (``int4``'s and ``prac``'s head rows, each
+    followed by the runtime's rows for it: the codec policy, PRAC's fused norms; ``recompute``'s,
+    ``invact``'s and ``prac``'s per-module rows, skipped ones with their reasons), in spec order;
+    the first one
     that changes something removes the runtime (``slimact.revert``). A model that carries
     earlier changes takes this path only when all of them came from presets: the new parts'
     plan is merged into its runtime's plan."""
@@ -381,11 +428,14 @@ def apply_presets(
     else:
         changes, undo = rt.merge_plan(new)
     policy = changes[-1]  # the runtime's codec-policy row, after a codec rule's head row
+    fused = [c for c in changes if c.action == FUSED_RMS]  # PRAC's norms, as the runtime did them
     out: list[AppliedChange] = []
     for config, (_, part_rows) in zip(configs, parts):
+        if isinstance(config, _CODEC_PARTS):
+            ran = [*fused, policy] if isinstance(config, PracConfig) else [policy]
+            head, *rest = part_rows
+            part_rows = [head, *(AppliedChange(c.path, c.action, c.detail) for c in ran), *rest]
         out += part_rows
-        if isinstance(config, Int4Config | NaiveInt4Config):
-            out.append(AppliedChange(policy.path, policy.action, policy.detail))
     next(c for c in out if not c.skipped).undo = undo
     if any(lp.recompute for lp in new.layers):
         guard = guard_cache(model)

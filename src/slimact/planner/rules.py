@@ -1,0 +1,119 @@
+"""A plan's lazy rules (``SiteRule``): decisions that need a site's first save.
+
+A rule maps a saved tensor's role (``slimact.classify.site_role``: act / qk / qkv / scores / mask,
+read from the site name and the tensor; or PRAC's roles, ``roles="prac"``) to a codec label; the
+plan runtime (``slimact.planner.apply``) builds the codec on the first save of each role and
+channel count. ``modules`` restricts a rule to the sites of some modules (absolute module paths,
+a ``filter_fn``'s choice written into the plan: ``slimact.planner.apply.restrict_rules``); the
+others are kept, and a PRAC rule reports them as filtered out. ``slimact.planner.plan`` carries
+the rules in a ``Plan`` (and re-exports ``SiteRule``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from slimact import actions
+
+
+@dataclass(frozen=True)
+class SiteRule:
+    """A lazy rule (module docstring): role -> codec label, decided on the first save.
+
+    ``codecs``: (role, codec label) pairs, a role absent is kept; ``min_numel`` and ``sdpa_out``
+    are ``slimact.classify.site_role``'s options; ``sized``: the roles whose codec gets the
+    tensor's hidden channel count (``slimact.codecs.saving.hidden_channels``), the others 0 (a
+    per-channel codec then takes the last dimension of the memory-order tensor).
+
+    ``roles="prac"``: PRAC's roles instead (linear / output / norm / act / gate, decided per
+    site by ``slimact.planner.prac_sites``), each labelled with a PRAC-family codec whose ranks are
+    fractions of the feature size or absolute (``prac/r1=0.3,r2=0.3``); ``overrides``: (pattern,
+    r1, r2), first match wins; ``keep``: patterns of sites kept; ``gate_modules``: modules whose
+    product saves are the ``gate`` role; ``min_features``; ``only_if_smaller``: keep a site whose
+    payload plus basis would not be smaller than its tensor. The runtime builds one codec per
+    compressed storage, all reading one step clock (the count of training forwards).
+
+    ``modules``: None, every module's sites; a tuple of absolute module paths, the sites of those
+    modules only (a site belongs to the module its name carries: ``layers.0.mlp`` for
+    ``layers.0.mlp:mul#0``), the others kept by this rule."""
+
+    codecs: tuple[tuple[str, str], ...] = ()
+    min_numel: int = 1024
+    sdpa_out: bool = False
+    sized: tuple[str, ...] = ("act", "qk", "qkv")
+    roles: str = "site"
+    keep: tuple[str, ...] = ()
+    overrides: tuple[tuple[str, int | float, int | float], ...] = ()
+    gate_modules: tuple[str, ...] = ()
+    min_features: int = 0
+    only_if_smaller: bool = False
+    modules: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:  # tuples also when read from JSON lists
+        object.__setattr__(self, "codecs", tuple((r, c) for r, c in self.codecs))
+        object.__setattr__(self, "sized", tuple(self.sized))
+        object.__setattr__(self, "keep", tuple(self.keep))
+        object.__setattr__(self, "overrides", tuple((p, a, b) for p, a, b in self.overrides))
+        object.__setattr__(self, "gate_modules", tuple(self.gate_modules))
+        if self.modules is not None:
+            paths = self.modules
+            if not isinstance(paths, tuple | list) or not all(isinstance(p, str) for p in paths):
+                raise ValueError(
+                    "SiteRule.modules must be None (every module) or a tuple of module paths "
+                    f"(str), got {paths!r}"
+                )
+            object.__setattr__(self, "modules", tuple(dict.fromkeys(paths)))
+        roles = [r for r, _ in self.codecs]
+        if len(set(roles)) != len(roles):
+            raise ValueError(f"SiteRule names a role twice: {roles}")
+        if not isinstance(self.min_numel, int) or self.min_numel < 0:
+            raise ValueError(f"SiteRule.min_numel must be an int >= 0, got {self.min_numel!r}")
+        if self.roles not in ("site", "prac"):
+            raise ValueError(f"SiteRule.roles must be 'site' or 'prac', got {self.roles!r}")
+        prac_only = ("keep", "overrides", "gate_modules", "min_features", "only_if_smaller")
+        if self.roles == "site" and any(getattr(self, f) for f in prac_only):
+            raise ValueError(f"SiteRule: {', '.join(prac_only)} are options of roles='prac'")
+
+    def codec(self, role: str) -> str | None:
+        """The codec label of ``role``, or None (kept)."""
+        return dict(self.codecs).get(role)
+
+    def within(self, paths: Iterable[str]) -> SiteRule:
+        """This rule for the sites of ``paths`` only (of those among its own ``modules``, where
+        it has some), in the order of ``paths``."""
+        mine = None if self.modules is None else set(self.modules)
+        return dataclasses.replace(
+            self, modules=tuple(p for p in paths if mine is None or p in mine)
+        )
+
+    def describe(self) -> str:
+        """``act=int4-outlier-g16, qkv=int8-channel, ...`` (``; in 12 modules``: ``modules``)."""
+        where = "" if self.modules is None else f"; in {len(self.modules)} module(s)"
+        return ", ".join(f"{r}={c}" for r, c in self.codecs) + where
+
+    def table_lines(self) -> list[str]:
+        """The rule's rows in ``Plan.table``."""
+        if self.roles == "prac":
+            head = (
+                "== rule (PRAC's roles, on each site's first save"
+                f"{'; kept where payload + basis would not be smaller' if self.only_if_smaller else ''}"
+                f"; features >= {self.min_features})"
+            )
+        else:
+            head = (
+                f"== rule (on the first save of each role; {self.min_numel}+ values"
+                f"{', SDPA output as act' if self.sdpa_out else ''})"
+            )
+        lines = [head, *(f"   {role:<44} {actions.codec(codec)}" for role, codec in self.codecs)]
+        lines += [f"   {p:<44} ranks r1={a}, r2={b} (override)" for p, a, b in self.overrides]
+        lines += [f"   {p:<44} {actions.KEEP}" for p in self.keep]
+        if self.modules is not None:
+            shown = ", ".join(p or "(root)" for p in self.modules[:4])
+            more = f", ... ({len(self.modules)} in all)" if len(self.modules) > 4 else ""
+            lines.append(f"   only the sites of modules: {shown or '(none)'}{more}")
+        return lines
+
+
+__all__ = ["SiteRule"]
