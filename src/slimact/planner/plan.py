@@ -414,7 +414,7 @@ class Plan(StrategyConfig):
             lines.extend(rule.table_lines())
         ratio = self.predicted_bytes / self.baseline_bytes if self.baseline_bytes else 0.0
         described = dict(self.meta).get("describes")
-        if described:  # slimact.planner.describe: read from one measured step, not solved
+        if described:  # slimact.strategies.describe: a strategy's plan measured on one step
             lines += [
                 "",
                 f"model {self.model}  batch {self.batch} x seq {self.seq}  {self.dtype}",
