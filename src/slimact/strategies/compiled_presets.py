@@ -16,11 +16,25 @@ traced codec, offload) and one for the eager root, i.e. a ``CompiledPlan``
                                             ``int8`` -> ``compiled-int8``, ``int8+recompute``
                                             -> ``compiled-int8@0``)
 
+A spec whose compiled form has eager parts before the blocks (``invact`` ->
+``invact@ops=none+compiled-none``, ``chunked-ce+int8`` -> ``chunked-ce+compiled-int8``) is one
+plan too: those compile-safe parts (``invact@ops=none``, ``invact-act``, ``chunked-ce``; their
+``plan_of``) are its eager part (``CompiledPlan.eager``), installed on the plan runtime before
+the blocks compile; ``compiled-auto`` after such parts is solved on a copy that carries them.
+A root option (``compiled-auto``'s) then runs on the runtime merged with the eager part into one
+plan (``CompiledPlan.runtime_plan``; a conflicting site is refused). A spec written with a
+``compiled-*`` part is read as written (``invact+compiled-int8`` inverts the activations too,
+as ``slimact.apply(model, spec)`` does); one without, as ``compile=True`` rewrites it. An eager
+part with no plan form (``chunked-ce@256``, ``cola``) is refused, naming it.
+
 ``slimact.apply(model, plan)`` (``compile=True`` or not) applies a ``CompiledPlan`` through the
-``compiled-plan`` strategy (``registry.register_config_type``): the same saved bytes, choices
-and gradients as the strategy it came from (``tests/test_compiled_presets.py``). A spec whose
-compiled form has an eager part beside the blocks (``invact`` -> ``invact@ops=none+
-compiled-none``) is not one plan: ``compiled_plan_of`` refuses it, naming the part.
+``compiled-plan`` strategy (``registry.register_config_type``): the same saved bytes, choices,
+action per site and gradients as the strategy it came from (``tests/test_compiled_presets.py``).
+``slimact.apply(model, spec, compile=True)`` itself still applies the compiled spec part by part
+(each eager part by its strategy's own transform, then the blocks): ``compiled-auto`` plans on
+the first training forward, when there is no plan to install yet, and the changes it records
+(each strategy's rows and name in ``slimact.applied_strategies``, no plan runtime for an eager
+part alone) are what composing with later ``apply`` calls reads.
 """
 
 from __future__ import annotations
@@ -39,6 +53,7 @@ from slimact.hf_inputs import random_token_batch
 from slimact.planner.compiled import CompiledPlan
 from slimact.planner.plan import Plan
 from slimact.registry import (
+    COMPILED_PREFIX,
     AppliedChange,
     FilterFn,
     StrategyConfig,
@@ -113,14 +128,19 @@ _COMPILED_KINDS = (CompiledCodecConfig, CompiledAutoConfig, CompiledPlanConfig)
 
 
 def _compiled_config(strategy: object) -> tuple[list[StrategyConfig], StrategyConfig]:
-    """The eager parts and the one compiled config ``strategy`` names under ``compile=True``
-    (``registry.compiled_spec``: the eager parts first), or a ValueError."""
-    spec = compiled_spec(strategy) if isinstance(strategy, str) else strategy
+    """The eager parts and the one compiled config of ``strategy``, or a ValueError: a spec
+    with a ``compiled-*`` part as it is written (what ``slimact.apply(model, spec)`` does), an
+    eager one as ``compile=True`` rewrites it (``registry.compiled_spec``)."""
+    spec = strategy
+    if isinstance(strategy, str):
+        rewritten = compiled_spec(strategy)  # (also refuses two compiled forms of the blocks)
+        written = any(p.strip().startswith(COMPILED_PREFIX) for p in strategy.split("+"))
+        spec = strategy if written else rewritten
     configs = resolve(spec)
     compiled = [c for c in configs if isinstance(c, _COMPILED_KINDS)]
     eager = [c for c in configs if not isinstance(c, _COMPILED_KINDS)]
     unsafe = [c.name for c in eager if not compile_safe(c)]
-    if len(compiled) == 1 and not unsafe and (not eager or configs[-1] is compiled[0]):
+    if len(compiled) == 1 and not unsafe:
         if eager and isinstance(compiled[0], CompiledPlanConfig):
             raise ValueError(
                 f"{strategy!r}: a solved CompiledPlan is the whole plan; its eager part is its "
