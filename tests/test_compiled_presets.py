@@ -1,7 +1,8 @@
 """The compiled strategies as plans (``compiled_plan_of``): applying the ``CompiledPlan`` of a
 ``compiled-*`` strategy, or of an eager one under ``compile=True``, does what applying the
 strategy does: the same choice per block, the same changes, the same saved bytes and action per
-site, and bit-identical losses and gradients over two steps. Blocks compile with the fast test
+site, and bit-identical losses and gradients over two steps; an eager spec's compile-safe eager
+parts (``invact``, ``chunked-ce``) are the plan's eager part. Blocks compile with the fast test
 backend (conftest); one compiled graph per choice serves both models of a case."""
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from slimact.codecs.offload import using_streams
 from slimact.compiled.blocks import BlockChoice, compiled_choice
 from slimact.compiled.strategies import PRESETS
 from slimact.models import build_model
+from slimact.planner.apply import runtime_of
 from slimact.planner.compiled import CompiledPlan
-from slimact.registry import applied_strategies, compiled_form_of, strategy_names
+from slimact.planner.compiled_root import RootOption
+from slimact.registry import applied_strategies, compiled_form_of, compiled_spec, strategy_names
 from slimact.state import state_of
 from slimact.strategies.compiled_presets import CompiledPlanConfig, compiled_plan_of
+from slimact.strategies.presets import plan_of
 
 IDS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
 # PRAC codes a tensor only where its subspaces are smaller than it: not at 64 tokens
@@ -34,6 +38,8 @@ COMPILED = [n for n in strategy_names() if n in PRESETS]
 COMPILED += ["compiled-int8@0.25", "compiled-int4@sr"]
 EAGER = [n for n in strategy_names() if compiled_form_of(n) in PRESETS]
 EAGER += ["int8+recompute", "int4@sr"]
+# eager specs whose compiled form has compile-safe eager parts before the blocks (plan.eager)
+WITH_EAGER = ["invact", "invact+int4", "chunked-ce+int8", "invact-act+recompute"]
 OFFLOADING = ("compiled-offload", "offload")  # CUDA only: here with the streams stubbed
 
 
@@ -116,13 +122,20 @@ def test_the_uniform_plans_choices():
     assert set(plan.choices.values()) == {BlockChoice(1.0, "int6")}
     assert compiled_plan_of(model, plan) is plan and slimact.compiled_plan_of is compiled_plan_of
     assert compiled_plan_of(model, CompiledPlanConfig(plan)) is plan
+    written = compiled_plan_of(model, "invact+compiled-int8")  # as written: activations too
+    assert written.eager == plan_of(model, "invact") != plan_of(model, "invact@ops=none")
+    saved = plan.to_dict()
+    del saved["eager"]  # a plan saved before plans had an eager part
+    assert plan.eager is None and CompiledPlan.from_dict(saved) == plan
 
 
 def test_bad_specs_and_plans_are_refused_in_one_line():
     model = build_model("llama-tiny")
     cases = {
-        "invact": "'invact' is not one compiled plan: under compile=True it is 'invact@ops=none",
-        "int8+chunked-ce": "part\\(s\\) chunked-ce are not a choice per block",
+        "chunked-ce@256+int8": "has an eager part with no plan form: chunked-ce with chunk_size",
+        "invact@bf16=exact-near-branch": "has an eager part with no plan form: invact with bf16",
+        "cola+compiled-none": "has an eager part with no plan form: strategy 'cola' has no",
+        "invact+compiled-plan": "a solved CompiledPlan is the whole plan",
         "cola-m": "has no compiled form",
         "compiled-int3": "unknown strategy",
         "compiled-auto": "needs a memory budget",
@@ -138,6 +151,11 @@ def test_bad_specs_and_plans_are_refused_in_one_line():
     other = CompiledPlan({"blocks.0": BlockChoice()}, "", 0, 0, 0.0, 0)
     with pytest.raises(ValueError, match="solved for another model"):
         slimact.apply(model, other)
+    clash = compiled_plan_of(model, "chunked-ce+int8")  # the root's codec where the head is chunked
+    clash.root = RootOption("int8", 0, sites=("lm_head:linear#0",))
+    with pytest.raises(ValueError, match="(?s)do not compose on the plan runtime.*inside lm_head"):
+        slimact.apply(model, clash)
+    assert runtime_of(model) is None
     offload = compiled_plan_of(model, "compiled-offload")
     with pytest.raises(ValueError, match="in host memory already"):  # on CPU, unstubbed
         slimact.apply(model, offload, compile=True)
@@ -193,3 +211,85 @@ def test_an_eager_part_beside_the_plan_composes_as_in_the_spec():
     assert applied_strategies(by_plan) == ["chunked-ce", "compiled-plan"]
     assert _rows(by_name) == _rows(by_plan) and any(r[1] == "chunked-ce" for r in _rows(by_plan))
     _same_steps(by_name, by_plan)
+
+
+def _reformed(model):
+    """(path, action) of every module the model's changes reformulate (not its blocks, heads)."""
+    return {
+        (c.path, c.action)
+        for c in slimact.applied(model)
+        if c.path and not c.skipped and c.action != "compile"
+    }
+
+
+@pytest.mark.parametrize("spec", WITH_EAGER)
+def test_an_eager_part_is_part_of_the_one_compiled_plan(spec):
+    """An eager spec whose compiled form has eager parts (``invact`` -> ``invact@ops=none+
+    compiled-none``) is one ``CompiledPlan``: those parts' ``plan_of`` as its eager part, the
+    compiled part's choices. Applied, it does what ``apply(..., compile=True)`` does: the same
+    modules reformulated, choices, bytes, actions per site and gradients; reverted, the model
+    is the eager one again."""
+    torch.manual_seed(0)
+    base = build_model("llama-tiny")
+    plan = compiled_plan_of(base, spec)
+    assert slimact.applied(base) == [] and runtime_of(base) is None  # untouched
+    eager_spec, _, blocks_spec = compiled_spec(spec).rpartition("+")
+    assert plan.eager is not None and plan.eager == plan_of(base, eager_spec) and plan.eager.layers
+    assert plan.choices == compiled_plan_of(base, blocks_spec).choices and plan.root is None
+    assert CompiledPlan.from_dict(json.loads(plan.to_json())) == plan
+    assert "; eager " in plan.summary() and "reformulate:" in plan.table()
+    by_name = slimact.apply(copy.deepcopy(base), spec, compile=True)
+    by_plan = slimact.apply(copy.deepcopy(base), plan)
+    assert applied_strategies(by_plan) == ["compiled-plan"]
+    blocks = sites.block_paths(base)
+    for m in (by_name, by_plan):
+        mods = dict(m.named_modules())
+        assert [compiled_choice(mods[p]) for p in blocks] == list(plan.choices.values())
+    assert _reformed(by_name) == _reformed(by_plan) and _reformed(by_plan)
+    _same_steps(by_name, by_plan)
+    _, eager_report, eager_grads = _step(base)
+    for m in (by_name, by_plan):  # both revert to the eager model, reformulations included
+        slimact.revert(m)
+        assert slimact.applied(m) == [] and runtime_of(m) is None
+        assert "forward" not in m.layers[0].__dict__
+        _, report, grads = _step(m)
+        assert report.total_bytes == eager_report.total_bytes
+        assert all(torch.equal(g, grads[k]) for k, g in eager_grads.items())
+
+
+def test_the_eager_part_and_the_roots_option_run_as_one_plan():
+    """A plan with an eager part and a root option (here the chunked head) installs both as one
+    plan on the runtime (``Plan.merge``, before the blocks compile): it trains as the spec that
+    has both as eager parts."""
+    torch.manual_seed(0)
+    base = build_model("llama-tiny")
+    plan = compiled_plan_of(base, "invact+int8")
+    plan.root = RootOption("none", 0, reform=(("lm_head", "chunked-ce"),))
+    assert plan.runtime_plan().layer("").reform == ("norm", "lm_head")
+    by_plan = slimact.apply(copy.deepcopy(base), plan)
+    by_name = slimact.apply(copy.deepcopy(base), "invact+chunked-ce+int8", compile=True)
+    assert runtime_of(by_plan).plan == plan.runtime_plan()
+    assert _reformed(by_name) == _reformed(by_plan)
+    _same_steps(by_name, by_plan)
+    slimact.revert(by_plan)
+    assert runtime_of(by_plan) is None and "forward" not in by_plan.layers[0].__dict__
+
+
+def test_compiled_auto_after_an_eager_part_is_one_plan(tmp_path):
+    """``invact+auto@<budget>`` under compile=True: the plan ``compiled_plan_of`` solves (on a
+    copy that carries the eager part, as the strategy plans) is the eager part, the blocks'
+    choices and the root's option, the last two merged on the runtime; applied, it trains bit
+    for bit as the strategy does, planning on its first training forward."""
+    torch.manual_seed(0)
+    base = build_model("llama-tiny")
+    spec = f"invact+auto@15%,codecs=none/int8,budgets=1/0,rounds=1,cache={tmp_path}"
+    plan = compiled_plan_of(base, spec, example=(IDS, IDS))
+    assert slimact.applied(base) == [] and runtime_of(base) is None
+    assert plan.eager == plan_of(base, "invact@ops=none") and plan.root is not None
+    assert CompiledPlan.from_dict(json.loads(plan.to_json())) == plan
+    by_name = slimact.apply(copy.deepcopy(base), spec, compile=True)
+    by_plan = slimact.apply(copy.deepcopy(base), plan)
+    _same_steps(by_name, by_plan)
+    solved = state_of(by_name).compiled_plan
+    assert solved.choices == plan.choices and solved.root == plan.root
+    assert runtime_of(by_plan).plan == plan.runtime_plan()

@@ -242,6 +242,21 @@ def test_cola_m_is_a_block_reformulation(ids):
     assert acts["layers.0.mlp.act_fn:silu#0"] == "reformulate:cola_m"
 
 
+def test_a_compiled_spec_with_an_eager_part_is_described_by_its_one_plan(ids):
+    """``invact@ops=none+compiled-int8``: its ``CompiledPlan`` (the eager part, then the
+    blocks), measured: compiled blocks as any compiled strategy's, the eager part's final norm
+    reformulated in the root, the meter's bytes of the spec itself."""
+    spec = "invact@ops=none+compiled-int8"
+    plan = describe(_model("llama-tiny"), spec, ids)
+    _check_compiled_rows(plan)
+    assert plan.site_actions()["norm:"] == "reformulate:inv_rms_norm"
+    assert "input_layernorm" in plan.layer("layers.0").reform
+    m = slimact.apply(_model("llama-tiny"), spec)
+    with slimact.measure(m) as meter:
+        m(ids, targets=ids).loss.backward()
+    assert plan.predicted_bytes == meter.report.total_bytes
+
+
 def test_a_plan_is_described_by_its_measured_step(ids):
     """A solved ``Plan`` is applied and measured like any other: its bytes are the meter's,
     not its own prediction."""
@@ -258,7 +273,7 @@ def test_a_plan_is_described_by_its_measured_step(ids):
     [
         ("cola", "cola-tiny", "'cola' has no plan form"),
         ("cola+int4", "cola-tiny", "'cola' has no plan form"),
-        ("invact@ops=none+compiled-none", "llama-tiny", "'compiled-none' is a compiled plan"),
+        ("cola+compiled-none", "cola-tiny", "eager part with no plan form"),
         ("invact@bf16=exact-near-branch", "llama-tiny", "no preset"),
     ],
 )

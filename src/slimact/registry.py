@@ -199,6 +199,16 @@ def compiled_form_of(name: str) -> str | None:
     return entry.compiled_form if entry is not None else None
 
 
+def compile_safe(config: StrategyConfig) -> bool:
+    """Is ``config``'s strategy applied as it is under ``compile=True`` (its ops compile)?"""
+    return _entry_for(config).compile_safe
+
+
+def transform_of(config: StrategyConfig) -> Transform:
+    """The transform ``apply`` runs for one part ``config`` (its strategy's own)."""
+    return _entry_for(config).transform
+
+
 def _entry_named(label: str) -> _Entry | None:
     return _REGISTRY.get(label) or _REGISTRY.get(label.split("@", 1)[0])
 

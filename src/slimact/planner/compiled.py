@@ -63,7 +63,7 @@ import json
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,7 @@ from slimact.compiled.devices import usable_codecs
 from slimact.gradcheck import grad_error
 from slimact.meter import MemoryReport, measure
 from slimact.planner import highs
+from slimact.planner.compiled_plan import CompiledPlan
 from slimact.planner.compiled_root import (
     ROOT_CODECS,
     RootOption,
@@ -196,83 +197,6 @@ class CompiledProfile:
             profile_time_s=float(d["profile_time_s"]),
             load=tuple(d["load"]),
             root_options=[RootOption.from_dict(r) for r in d["root_options"]],
-        )
-
-
-@dataclass
-class CompiledPlan:
-    """A choice per block path, with the predicted (and, once verified, measured) bytes."""
-
-    choices: dict[str, BlockChoice]
-    budget: str
-    allowed_bytes: int
-    predicted_bytes: int
-    predicted_seconds: float  # sum of the blocks' fwd+bwd seconds
-    baseline_bytes: int
-    measured_bytes: int | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-    root: RootOption | None = None  # the eager root's option (None: keep)
-
-    def rows(self) -> list[dict[str, Any]]:
-        rows = [{"block": p, "action": c.label, **c.to_dict()} for p, c in self.choices.items()]
-        root = self.root.label if self.root is not None else "keep"
-        return [*rows, {"block": "(root)", "action": root, "budget": None, "codec": None}]
-
-    def table(self) -> str:
-        lines = [f"{'block':<24} action"]
-        lines += [f"{r['block']:<24} {r['action']}" for r in self.rows()]
-        base = max(self.baseline_bytes, 1)
-        if self.budget:  # (a fixed strategy's plan has none: ``compiled_plan_of``)
-            lines.append(
-                f"predicted {fmt_bytes(self.predicted_bytes)} ({self.predicted_bytes / base:.3f} "
-                f"of eager), allowed {fmt_bytes(self.allowed_bytes)} (budget {self.budget})"
-            )
-        if self.measured_bytes is not None:
-            lines.append(f"measured {fmt_bytes(self.measured_bytes)}")
-        return "\n".join(lines)
-
-    def summary(self) -> str:
-        """One line: each distinct block action with its count, the root's, and the bytes
-        (measured once verified, else predicted) against the budget's allowance."""
-        counts: dict[str, int] = {}
-        for c in self.choices.values():
-            counts[c.label] = counts.get(c.label, 0) + 1
-        blocks = ", ".join(f"{n} x {label}" for label, n in counts.items())
-        root = self.root.label if self.root is not None else "keep"
-        kept = self.measured_bytes if self.measured_bytes is not None else self.predicted_bytes
-        word = "keeps" if self.measured_bytes is not None else "predicted to keep"
-        host = self.meta.get("measured_host_bytes", self.meta.get("host_bytes", 0))
-        if not self.budget:  # a fixed strategy's plan (``compiled_plan_of``): no bytes solved
-            return f"blocks {blocks}; root {root}"
-        return (
-            f"blocks {blocks}; root {root}; {word} {fmt_bytes(kept)} of "
-            f"{fmt_bytes(self.allowed_bytes)} allowed"
-            + (f", {fmt_bytes(host)} offloaded to host memory" if host else "")
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["choices"] = {p: c.to_dict() for p, c in self.choices.items()}
-        d["root"] = self.root.to_dict() if self.root is not None else None
-        d["rows"] = self.rows()
-        return d
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> CompiledPlan:
-        """Inverse of :meth:`to_dict` (``rows`` is derived and ignored)."""
-        return cls(
-            choices={p: BlockChoice.from_dict(c) for p, c in d["choices"].items()},
-            budget=str(d["budget"]),
-            allowed_bytes=int(d["allowed_bytes"]),
-            predicted_bytes=int(d["predicted_bytes"]),
-            predicted_seconds=float(d["predicted_seconds"]),
-            baseline_bytes=int(d["baseline_bytes"]),
-            measured_bytes=None if d.get("measured_bytes") is None else int(d["measured_bytes"]),
-            meta=dict(d.get("meta") or {}),
-            root=None if d.get("root") is None else RootOption.from_dict(d["root"]),
         )
 
 

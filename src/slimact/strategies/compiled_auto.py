@@ -33,7 +33,7 @@ from slimact.compiled.blocks import compile_blocks_with
 from slimact.compiled.codec import CODECS as TRACED_CODECS
 from slimact.hf_inputs import random_token_batch, refuse_unless_token_ids
 from slimact.patching import NotCopyable
-from slimact.planner.apply import runtime_of
+from slimact.planner.apply import install, runtime_of
 from slimact.planner.compiled import (
     BUDGETS,
     CODECS,
@@ -228,13 +228,19 @@ def _pending(model: nn.Module) -> _LazyPlanner:
 def install_compiled(
     model: nn.Module, plan: CompiledPlan, filter_fn: FilterFn | None = None, **compile_kwargs
 ) -> list[AppliedChange]:
-    """Compile each block under its choice in ``plan`` and put the root's option on the plan
-    runtime: the one install path of every compiled plan (one ``compiled-auto`` solved, a fixed
-    ``compiled-*`` strategy's uniform one, a saved one). An offload choice is refused on a CPU
-    model in one line, before anything is compiled; a root that fails to install takes the
-    compiled blocks back. ``compile_kwargs`` go to ``torch.compile``."""
+    """Install ``plan``: its eager part on the plan runtime first (``CompiledPlan.eager``: what
+    the blocks compile is the reformulated model), then each block compiled under its choice,
+    then the root's option on the plan runtime: the one install path of every compiled plan
+    (one ``compiled-auto`` solved, a fixed ``compiled-*`` strategy's uniform one, an eager spec's
+    under ``compile=True``, a saved one). With an eager part the runtime takes that part and the
+    root's option merged into one plan (``CompiledPlan.runtime_plan``; a conflict is refused
+    before anything is installed). An offload choice is refused on a CPU model in one line,
+    before anything is compiled; a failure takes back what was installed. ``filter_fn`` limits
+    the compiled blocks (and the eager part); ``compile_kwargs`` go to ``torch.compile``."""
     if any(c.offload for c in plan.choices.values()):
         check_model(model)  # one line: a CPU model's tensors are in host memory already
+    if plan.eager is not None:
+        return _install_with_eager(model, plan, filter_fn, compile_kwargs)
     changes = compile_blocks_with(model, plan.choices, filter_fn, **compile_kwargs)
     if plan.root is not None:
         try:
@@ -242,6 +248,32 @@ def install_compiled(
         except Exception:
             _undo(changes)
             raise
+    return changes
+
+
+def _install_with_eager(
+    model: nn.Module, plan: CompiledPlan, filter_fn: FilterFn | None, compile_kwargs: dict
+) -> list[AppliedChange]:
+    """The eager part (merged with the root's option) on the runtime, then the blocks."""
+    eager = plan.runtime_plan()  # (the merge's conflicts: refused here, nothing installed)
+    rooted = plan.root is not None and not plan.root.keeps
+    if filter_fn is not None and rooted:
+        raise ValueError(
+            "a compiled plan with an eager part and a root option takes no filter_fn: the two "
+            "run as one plan on the runtime, and the root's option is for the whole root"
+        )
+    if runtime_of(model) is not None:
+        raise ValueError(
+            "the compiled plan's eager part goes on the plan runtime, and this model carries "
+            "a slimact plan already (one runtime per model): slimact.revert(model) first"
+        )
+    changes = install(model, eager, filter_fn=filter_fn)
+    changes[0].detail = f"eager part of the compiled plan: {plan.eager_label()}"
+    try:
+        changes += compile_blocks_with(model, plan.choices, filter_fn, **compile_kwargs)
+    except BaseException:
+        _undo(changes)
+        raise
     return changes
 
 

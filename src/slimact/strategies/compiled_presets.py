@@ -16,16 +16,32 @@ traced codec, offload) and one for the eager root, i.e. a ``CompiledPlan``
                                             ``int8`` -> ``compiled-int8``, ``int8+recompute``
                                             -> ``compiled-int8@0``)
 
+A spec whose compiled form has eager parts before the blocks (``invact`` ->
+``invact@ops=none+compiled-none``, ``chunked-ce+int8`` -> ``chunked-ce+compiled-int8``) is one
+plan too: those compile-safe parts (``invact@ops=none``, ``invact-act``, ``chunked-ce``; their
+``plan_of``) are its eager part (``CompiledPlan.eager``), installed on the plan runtime before
+the blocks compile; ``compiled-auto`` after such parts is solved on a copy that carries them.
+A root option (``compiled-auto``'s) then runs on the runtime merged with the eager part into one
+plan (``CompiledPlan.runtime_plan``; a conflicting site is refused). A spec written with a
+``compiled-*`` part is read as written (``invact+compiled-int8`` inverts the activations too,
+as ``slimact.apply(model, spec)`` does); one without, as ``compile=True`` rewrites it. An eager
+part with no plan form (``chunked-ce@256``, ``cola``) is refused, naming it.
+
 ``slimact.apply(model, plan)`` (``compile=True`` or not) applies a ``CompiledPlan`` through the
-``compiled-plan`` strategy (``registry.register_config_type``): the same saved bytes, choices
-and gradients as the strategy it came from (``tests/test_compiled_presets.py``). A spec whose
-compiled form has an eager part beside the blocks (``invact`` -> ``invact@ops=none+
-compiled-none``) is not one plan: ``compiled_plan_of`` refuses it, naming the part.
+``compiled-plan`` strategy (``registry.register_config_type``): the same saved bytes, choices,
+action per site and gradients as the strategy it came from (``tests/test_compiled_presets.py``).
+``slimact.apply(model, spec, compile=True)`` itself still applies the compiled spec part by part
+(each eager part by its strategy's own transform, then the blocks): ``compiled-auto`` plans on
+the first training forward, when there is no plan to install yet, and the changes it records
+(each strategy's rows and name in ``slimact.applied_strategies``, no plan runtime for an eager
+part alone) are what composing with later ``apply`` calls reads.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -35,15 +51,19 @@ from slimact import sites
 from slimact.compiled.strategies import PRESETS, RENAMED_STRATEGIES, CompiledCodecConfig
 from slimact.hf_inputs import random_token_batch
 from slimact.planner.compiled import CompiledPlan
+from slimact.planner.plan import Plan
 from slimact.registry import (
+    COMPILED_PREFIX,
     AppliedChange,
     FilterFn,
     StrategyConfig,
+    compile_safe,
     compiled_spec,
     register_config_type,
     register_rename,
     register_strategy,
     resolve,
+    transform_of,
 )
 from slimact.state import state_of
 from slimact.strategies.compiled_auto import (
@@ -52,6 +72,7 @@ from slimact.strategies.compiled_auto import (
     install_compiled,
     plan_compiled,
 )
+from slimact.strategies.presets import plan_of
 
 PLAN_NAME = "compiled-plan"
 
@@ -74,15 +95,18 @@ def compiled_plan_of(
     example: Example | None = None,
 ) -> CompiledPlan:
     """The ``CompiledPlan`` that does on ``model`` what ``strategy`` does (module docstring):
-    a ``compiled-*`` spec or config, or an eager spec with a compiled form. ``compiled-auto``
+    a ``compiled-*`` spec or config, or an eager spec with a compiled form, whose compile-safe
+    eager parts (``invact@ops=none``, ``invact-act``, ``chunked-ce``) become the plan's eager
+    part (``plan_of`` of them; ``model`` must carry no slimact change). ``compiled-auto``
     solves its plan on ``example`` (token ids, targets), or on its own ``batch``/``seq``, on a
-    copy of the model (the same cached profile and solver as the strategy; ``model`` is left as
-    it was)."""
-    config = _compiled_config(strategy)
+    copy of the model with the eager parts applied (the same cached profile and solver as the
+    strategy; ``model`` is left as it was)."""
+    eager, config = _compiled_config(strategy)
     if isinstance(config, CompiledPlanConfig):
         if config.plan is None:
             raise ValueError(_NO_PLAN)
         return config.plan
+    eager_plan = _eager_plan(model, strategy, eager)
     if isinstance(config, CompiledCodecConfig):
         choice = config.choice
         return CompiledPlan(
@@ -93,28 +117,66 @@ def compiled_plan_of(
             predicted_seconds=0.0,
             baseline_bytes=0,
             meta={"strategy": config.name},
+            eager=eager_plan,
         )
-    return _solved(model, config, example)
+    plan = _solved(model, config, example, eager)
+    plan.eager = eager_plan
+    return plan
 
 
-def _compiled_config(strategy: object) -> StrategyConfig:
-    """The one compiled config ``strategy`` names under ``compile=True``, or a ValueError."""
-    spec = compiled_spec(strategy) if isinstance(strategy, str) else strategy
+_COMPILED_KINDS = (CompiledCodecConfig, CompiledAutoConfig, CompiledPlanConfig)
+
+
+def _compiled_config(strategy: object) -> tuple[list[StrategyConfig], StrategyConfig]:
+    """The eager parts and the one compiled config of ``strategy``, or a ValueError: a spec
+    with a ``compiled-*`` part as it is written (what ``slimact.apply(model, spec)`` does), an
+    eager one as ``compile=True`` rewrites it (``registry.compiled_spec``)."""
+    spec = strategy
+    if isinstance(strategy, str):
+        rewritten = compiled_spec(strategy)  # (also refuses two compiled forms of the blocks)
+        written = any(p.strip().startswith(COMPILED_PREFIX) for p in strategy.split("+"))
+        spec = strategy if written else rewritten
     configs = resolve(spec)
-    kinds = (CompiledCodecConfig, CompiledAutoConfig, CompiledPlanConfig)
-    if len(configs) == 1 and isinstance(configs[0], kinds):
-        return configs[0]
-    names = [c.name for c in configs if not isinstance(c, kinds)]
+    compiled = [c for c in configs if isinstance(c, _COMPILED_KINDS)]
+    eager = [c for c in configs if not isinstance(c, _COMPILED_KINDS)]
+    unsafe = [c.name for c in eager if not compile_safe(c)]
+    if len(compiled) == 1 and not unsafe:
+        if eager and isinstance(compiled[0], CompiledPlanConfig):
+            raise ValueError(
+                f"{strategy!r}: a solved CompiledPlan is the whole plan; its eager part is its "
+                "own (CompiledPlan.eager), not another part of the spec"
+            )
+        return eager, compiled[0]
     raise ValueError(
         f"{strategy!r} is not one compiled plan: under compile=True it is {spec!r}, whose "
-        f"part(s) {', '.join(names)} are not a choice per block; a compiled plan comes from "
+        f"part(s) {', '.join(unsafe or [c.name for c in eager])} are neither a choice per block "
+        f"nor an eager part applied before the blocks compile; a compiled plan comes from "
         f"{', '.join(PRESETS)}, compiled-auto@<budget>, or an eager strategy whose compiled "
-        "form is one of them (int8, int4, prac, recompute, offload, none, auto@<budget>)"
+        "form is one of them (int8, int4, prac, recompute, offload, none, auto@<budget>), "
+        "after the compile-safe eager parts (invact, invact-act, chunked-ce)"
     )
 
 
-def _solved(model: nn.Module, config: CompiledAutoConfig, example: Example | None) -> CompiledPlan:
-    """What ``compiled-auto`` installs: its planner run on a copy of ``model``, undone."""
+def _eager_plan(model: nn.Module, strategy: object, eager: list[StrategyConfig]) -> Plan | None:
+    """``plan_of`` of the eager parts (None without any), or a ValueError naming the spec."""
+    if not eager:
+        return None
+    try:
+        return functools.reduce(operator.add, [plan_of(model, c) for c in eager])
+    except ValueError as e:
+        raise ValueError(
+            f"{strategy!r} under compile=True has an eager part with no plan form: {e}"
+        ) from e
+
+
+def _solved(
+    model: nn.Module,
+    config: CompiledAutoConfig,
+    example: Example | None,
+    eager: list[StrategyConfig] = (),
+) -> CompiledPlan:
+    """What ``compiled-auto`` installs: its planner run on a copy of ``model`` that carries
+    the eager parts as ``apply`` puts them before it (each strategy's own transform), undone."""
     if config.budget is None:
         raise ValueError(
             "compiled-auto needs a memory budget: compiled_plan_of(model, 'compiled-auto@25%', "
@@ -133,7 +195,8 @@ def _solved(model: nn.Module, config: CompiledAutoConfig, example: Example | Non
             "forward would see), or CompiledAutoConfig(budget=..., batch=B, seq=S)"
         )
     work = copy.deepcopy(model)
-    changes = plan_compiled(work, config, ids, targets)
+    changes = [c for part in eager for c in transform_of(part)(work, part, None)]
+    changes += plan_compiled(work, config, ids, targets)
     plan = state_of(work).compiled_plan
     for c in reversed(changes):
         if c.undo is not None:

@@ -7,7 +7,9 @@ changed:
     and their ``+`` compositions         exact plan (``auto@<budget>``: the plan it solves on
                                          the given ids, through the strategy's planner)
     compiled-*                           ``compiled_plan_of`` (``strategies/compiled_presets.py``;
-                                         ``compiled-auto``: solved on the given ids)
+                                         ``compiled-auto``: solved on the given ids; after
+                                         compile-safe eager parts, ``invact@ops=none+
+                                         compiled-int8``: its eager part)
     a Plan, a CompiledPlan               itself
 
 The plan is applied to a copy of the model (``slimact.apply``, the one plan runtime), and one
@@ -64,7 +66,8 @@ _COMPILED_KINDS = (CompiledCodecConfig, CompiledAutoConfig, CompiledPlanConfig)
 DESCRIBABLE = (
     "describable are the presets (none, recompute, offload, int4, int4-plain, int4-paper, int4-naive, int8, "
     "invact, invact-act, chunked-ce, prac, pac, rac, cola-m, auto@<budget>) and their '+' "
-    "compositions, one compiled strategy (compiled-*), a Plan or a CompiledPlan"
+    "compositions, one compiled strategy (compiled-*, after compile-safe eager parts: invact, "
+    "invact-act, chunked-ce), a Plan or a CompiledPlan"
 )
 
 Forward = Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (model, token ids) -> loss
@@ -101,14 +104,20 @@ def strategy_plan(
     spec = strategy if isinstance(strategy, str) else configs[0].name
     if len(configs) == 1 and isinstance(configs[0], Plan):
         return configs[0]
-    if len(configs) == 1 and isinstance(configs[0], _COMPILED_KINDS):
-        (config,) = configs
+    compiled = [c for c in configs if isinstance(c, _COMPILED_KINDS)]
+    if compiled:  # one, beside compile-safe eager parts (``compiled_plan_of`` refuses others)
+        config = compiled[0]
         solves = isinstance(config, CompiledAutoConfig) and config.batch is None
-        return compiled_plan_of(model, config, example=(ids, ids) if solves else None)
+        try:
+            return compiled_plan_of(model, strategy, example=(ids, ids) if solves else None)
+        except ValueError as e:
+            if len(configs) == 1:
+                raise
+            raise ValueError(
+                f"describe({spec!r}): {e}; a strategy is described by its plan: {DESCRIBABLE}"
+            ) from e
     for config in configs:
-        if isinstance(config, _COMPILED_KINDS):
-            why = f"{config.name!r} is a compiled plan, described alone (not in a '+' spec)"
-        elif type(config) not in PRESETS:
+        if type(config) not in PRESETS:
             why = f"{config.name!r} has no plan form"
         elif not (why := refusal(config, None)):
             continue
@@ -120,12 +129,12 @@ def strategy_plan(
 
 
 def _eager_part(plan: Plan | CompiledPlan) -> tuple[Plan, dict[str, str]]:
-    """The plan the eager runtime runs (a compiled plan's: its root's option) and the compiled
-    blocks, block path -> its choice's label."""
+    """The plan the eager runtime runs (a compiled plan's: its eager part and its root's
+    option, ``CompiledPlan.runtime_plan``) and the compiled blocks, block path -> its choice's
+    label."""
     if isinstance(plan, Plan):
         return plan, {}
-    root = plan.root.plan() if plan.root is not None else Plan()
-    return root, {path: choice.label for path, choice in plan.choices.items()}
+    return plan.runtime_plan() or Plan(), {p: c.label for p, c in plan.choices.items()}
 
 
 def _compiled_row(action: str, label: str) -> str:
