@@ -24,9 +24,14 @@ runtime builds the codec on the first save of each role and channel count. The f
 strategies (``int4``, ``int4-plain``, ``int4-paper``, ``int4-naive``, ``int8``) are plans with one
 rule and no layers. Sites a layer encodes are decided by its table; the rules decide the rest.
 
+How each family of actions computes is the plan's **settings** (``Plan.settings``, typed,
+``slimact.planner.settings``): ``recompute`` (``preserve_rng_state``), ``invact`` (the inverted
+ops' mode, variant, bf16, ...), ``chunked-ce`` (chunk size, mode); only what differs from the
+defaults is stated, and a plan saved without settings loads with the defaults.
+
 Two plans merge (``Plan.merge``, ``plan_a + plan_b``) where their actions can hold together on
 one model; every site where they cannot (two codecs, a codec on a tensor the other plan never
-saves) is named in one error.
+saves) and every family both act with under two settings is named in one error.
 
 ``slimact.planner.solve.solve_plan(profile, budget)`` runs the MILP (``slimact.planner.milp``)
 and turns its decisions into a ``Plan``.
