@@ -132,9 +132,7 @@ def test_the_uniform_plans_choices():
 def test_bad_specs_and_plans_are_refused_in_one_line():
     model = build_model("llama-tiny")
     cases = {
-        "chunked-ce@256+int8": "has an eager part with no plan form: chunked-ce with chunk_size",
-        "invact@bf16=exact-near-branch": "has an eager part with no plan form: invact with bf16",
-        "cola+compiled-none": "has an eager part with no plan form: strategy 'cola' has no",
+        "cola+compiled-none": "needs a CoLA model",  # (on a CoLA model: a preset, one plan)
         "invact+compiled-plan": "a solved CompiledPlan is the whole plan",
         "cola-m": "has no compiled form",
         "compiled-int3": "unknown strategy",
@@ -146,6 +144,9 @@ def test_bad_specs_and_plans_are_refused_in_one_line():
         with pytest.raises(ValueError, match=match) as e:
             compiled_plan_of(model, spec)
         assert "\n" not in str(e.value), spec
+    # an eager part with settings other than the defaults is a preset: its plan states them
+    plan = compiled_plan_of(model, "chunked-ce@256+int8")
+    assert plan.eager.setting("chunked-ce").chunk_size == 256
     with pytest.raises(ValueError, match="needs a solved CompiledPlan"):
         slimact.apply(model, "compiled-plan")
     other = CompiledPlan({"blocks.0": BlockChoice()}, "", 0, 0, 0.0, 0)

@@ -1,6 +1,6 @@
 """strategies/describe: every strategy with a plan form is described by that plan, applied and
-measured on one step, in the one action vocabulary (compiled blocks included); the others are
-refused, naming what can be described."""
+measured on one step, in the one action vocabulary (compiled blocks included), its settings
+(``Plan.settings``) included; the others are refused, naming what can be described."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from slimact.planner.plan import LayerPlan, Plan, abs_site
 from slimact.registry import strategy_names
 from slimact.strategies import presets
 from slimact.strategies.describe import describe
+from slimact.strategies.recompute import RecomputeConfig
 
-# what each needs besides llama-tiny: cola-m a CoLA model; auto* and compiled-* run (profile
-# / compile) for tens of seconds: one of each, marked slow
-SPECIAL = {"cola-m": "cola-tiny"}
-NO_PLAN = {"cola"}  # replaces the model's layers: no plan form, refused
+# what each needs besides llama-tiny: cola and cola-m a CoLA model; auto* and compiled-* run
+# (profile / compile) for tens of seconds: one of each, marked slow
+SPECIAL = {"cola-m": "cola-tiny", "cola": "cola-tiny"}
 SLOW = {"auto@10%", "auto@50%", "compiled-none", "compiled-int8", "compiled-int4"}
 SLOW |= {"compiled-recompute"}
 # registered names that carry no budget or plan of their own: described with one (compiled-auto:
@@ -71,7 +71,7 @@ def ids():
 ALL = [*_params(), pytest.param("invact+int4", id="invact+int4")]
 
 
-@pytest.mark.parametrize("name", [p for p in ALL if p.values[0] not in NO_PLAN])
+@pytest.mark.parametrize("name", ALL)
 def test_every_strategy_describes_itself_as_a_plan(name, ids, request):
     # offload runs on CUDA only: here its code path with the streams stubbed
     cuda_only = name in ("offload", "compiled-offload")
@@ -269,12 +269,42 @@ def test_a_plan_is_described_by_its_measured_step(ids):
 
 
 @pytest.mark.parametrize(
+    "spec, model, settings",
+    [
+        ("cola", "cola-tiny", {}),
+        ("cola+int4", "cola-tiny", {}),
+        ("cola+cola-m", "cola-tiny", {}),
+        ("invact@bf16=exact-near-branch", "llama-tiny", {"invact": "bf16='exact-near-branch'"}),
+        ("chunked-ce@256", "llama-tiny", {"chunked-ce": "chunk_size=256"}),
+        ("recompute", "llama-tiny", {}),
+    ],
+)
+def test_cola_and_presets_with_settings_are_described(spec, model, settings, ids):
+    """``cola`` (the empty plan on a CoLA model, with what it composes), ``invact`` and
+    ``chunked-ce`` with other settings than the defaults: described, their settings the plan's,
+    their bytes what the meter counts under ``slimact.apply(model, spec)``."""
+    described = describe(_model(model), spec, ids)
+    measured = _meter_rows(slimact.apply(_model(model), spec), ids)
+    rows = _described_rows(described)
+    assert {s: rows[s] for s in measured} == measured
+    assert described.predicted_bytes == sum(b for _, b in measured.values())
+    assert {f for f, _ in described.settings} == set(settings)
+    for family, text in settings.items():
+        assert f"== settings of {family}: {text}" in described.table()
+    assert Plan.from_dict(json.loads(described.to_json())) == described
+
+
+def test_a_recompute_without_a_preserved_rng_state_is_described(ids):
+    spec = RecomputeConfig(preserve_rng_state=False)
+    described = describe(_model("llama-tiny"), spec, ids)
+    assert described.setting("recompute").preserve_rng_state is False
+    assert described.site_actions()["layers.0:"] == "recompute"
+
+
+@pytest.mark.parametrize(
     "spec, model, named",
     [
-        ("cola", "cola-tiny", "'cola' has no plan form"),
-        ("cola+int4", "cola-tiny", "'cola' has no plan form"),
-        ("cola+compiled-none", "cola-tiny", "eager part with no plan form"),
-        ("invact@bf16=exact-near-branch", "llama-tiny", "no preset"),
+        ("auto", "llama-tiny", "'auto' needs a memory budget"),
     ],
 )
 def test_a_strategy_without_a_plan_form_is_refused(spec, model, named, ids):
@@ -295,9 +325,9 @@ def test_plan_cli_prints_any_strategy(spec, capsys):
 
 
 def test_plan_cli_refuses_a_strategy_without_a_plan(capsys):
-    argv = ["plan", "--model", "cola-tiny", "--batch", "1", "--seq", "8", "--strategy", "cola"]
+    argv = ["plan", "--model", "llama-tiny", "--batch", "1", "--seq", "8", "--strategy", "auto"]
     assert main(argv) != 0
-    assert "describe('cola')" in capsys.readouterr().err
+    assert "describe('auto')" in capsys.readouterr().err
 
 
 def test_plan_cli_needs_a_budget_or_a_strategy(capsys):

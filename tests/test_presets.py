@@ -16,13 +16,17 @@ import slimact
 from slimact.budget import BudgetWarning
 from slimact.codecs.offload import using_streams
 from slimact.models import build_model
+from slimact.patching import overrides
 from slimact.planner.apply import runtime_of
 from slimact.planner.plan import Plan
-from slimact.registry import applied_strategies
+from slimact.planner.settings import ChunkedCESettings, InvActSettings, RecomputeSettings
+from slimact.registry import _entry_for, applied_strategies, resolve
+from slimact.sites import block_paths
 from slimact.state import state_of
 from slimact.strategies.cola import CoLAMConfig
 from slimact.strategies.offload import OffloadStrategyConfig
 from slimact.strategies.prac import PracConfig, prac_report
+from slimact.strategies.recompute import RecomputeConfig
 
 PRESETS = [
     "none",
@@ -41,6 +45,9 @@ PRESETS = [
     "invact+recompute+chunked-ce",
     "invact+int4+chunked-ce",
     "int4+chunked-ce",
+    "invact@mode=paper,variant=lsb",
+    "chunked-ce@16,precompute",
+    "invact-act@variant=lsb+chunked-ce@16+int4",
 ]
 
 
@@ -55,12 +62,18 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _same_step(a, b, ids) -> None:
+def _same_step(a, b, ids, seed: int | None = None) -> None:
     """One training step of ``a`` and of ``b`` on ``ids``: the same loss, saved bytes, action per
-    site and gradients, bit for bit (the same parameters with and without a gradient)."""
+    site and gradients, bit for bit (the same parameters with and without a gradient). With a
+    ``seed``, each step starts from it (models with dropout)."""
     for m in (a, b):
         m.zero_grad(set_to_none=True)
-    (loss_a, rep_a), (loss_b, rep_b) = _step(a, ids), _step(b, ids)
+    steps = []
+    for m in (a, b):
+        if seed is not None:
+            torch.manual_seed(seed)
+        steps.append(_step(m, ids))
+    (loss_a, rep_a), (loss_b, rep_b) = steps
     assert torch.equal(loss_a, loss_b)
     assert rep_a.total_bytes == rep_b.total_bytes
     assert {s.site: s.action for s in rep_a.sites} == {s.site: s.action for s in rep_b.sites}
@@ -85,6 +98,102 @@ def test_a_preset_plan_applies_like_its_strategy(name, model_name):
     assert (runtime_of(by_name) is None) if name == "none" else runtime_of(by_name).plan == plan
     for _ in range(2):  # the second step runs the codecs' deferred encodes
         _same_step(by_name, by_plan, ids)
+
+
+def _own(model, spec):
+    """``spec`` applied by each strategy's own transform (not the preset path), part by part."""
+    for config in resolve(spec):
+        _entry_for(config).transform(model, config, None)
+    return model
+
+
+# (spec or config, model, model options, the default it must differ from: its settings matter)
+SETTINGS = [
+    ("invact@mode=paper,variant=lsb", "llama-tiny", {}, "invact"),
+    ("invact@bf16=exact-near-branch", "gpt2-tiny", {"dtype": torch.bfloat16}, "invact"),
+    ("chunked-ce@16,precompute", "llama-tiny", {}, "chunked-ce"),
+    (RecomputeConfig(preserve_rng_state=False), "gpt2-tiny", {"dropout": 0.1}, "recompute"),
+    (OffloadStrategyConfig(preserve_rng_state=False), "gpt2-tiny", {"dropout": 0.1}, "offload"),
+    (CoLAMConfig(preserve_rng_state=False), "cola-tiny", {}, None),  # no dropout: as the default
+]
+
+
+@pytest.mark.parametrize(("spec", "model_name", "options", "default"), SETTINGS)
+def test_a_preset_with_settings_is_the_strategys_own_transform(
+    spec, model_name, options, default, fake_streams
+):
+    """A config with other settings than the runtime's defaults (``invact``'s, ``chunked-ce``'s,
+    ``preserve_rng_state=False``) is a preset: its plan states them (``Plan.settings``), and
+    ``apply(spec)`` (the preset path), ``apply(plan_of(spec))`` and the strategy's own transform
+    store the same bytes per site and give bit-identical gradients, also with dropout drawn
+    again in the recomputation; the settings matter (the default differs) where they can."""
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with using_streams(fake_streams):
+        torch.manual_seed(0)
+        base = build_model(model_name, **options)
+        plan = slimact.plan_of(base, spec)
+        assert plan.settings and Plan.from_dict(json.loads(plan.to_json())) == plan
+        own = _own(copy.deepcopy(base), spec)
+        by_name, by_plan = (slimact.apply(copy.deepcopy(base), s) for s in (spec, plan))
+        assert runtime_of(by_name).preset_rows and runtime_of(by_name).plan == plan
+        for _ in range(2):
+            _same_step(own, by_name, ids, seed=1)
+            _same_step(by_name, by_plan, ids, seed=1)
+        if not plan.setting("recompute").preserve_rng_state:  # the runtime's checkpoints
+            blocks = [by_plan.get_submodule(p) for p in block_paths(by_plan)]
+            assert all(o.args[-1] is False for b in blocks for o in overrides(b))
+        if default is not None:
+            other = slimact.apply(copy.deepcopy(base), default)
+            with pytest.raises(AssertionError):
+                _same_step(by_plan, other, ids, seed=1)
+
+
+def test_settings_are_stated_saved_and_merged():
+    """``Plan.settings``: the non-default settings of each family, JSON as ``{_type, _data}``;
+    a plan saved without them (or without a field) loads with the defaults; two parts that set
+    one family two ways are refused, naming it."""
+    model = build_model("llama-tiny")
+    plan = slimact.plan_of(model, "invact@bf16=exact-near-branch+chunked-ce@256+int4")
+    assert plan.setting("invact") == InvActSettings(bf16="exact-near-branch")
+    assert plan.setting("chunked-ce") == ChunkedCESettings(chunk_size=256)
+    assert plan.setting("recompute") == RecomputeSettings()  # not stated: the default
+    saved = json.loads(plan.to_json())
+    assert saved["settings"]["invact"] == {
+        "_type": "InvActSettings",
+        "_data": dataclasses.asdict(InvActSettings(bf16="exact-near-branch")),
+    }
+    assert Plan.from_dict(saved) == plan
+    assert "== settings of invact: bf16='exact-near-branch'" in plan.table()
+    saved["settings"]["invact"]["_data"] = {"bf16": "exact-near-branch"}  # older: fields absent
+    assert Plan.from_dict(saved) == plan
+    old = json.loads(slimact.plan_of(model, "recompute+invact").to_json())
+    del old["settings"]  # a plan saved before settings: every family's defaults
+    assert Plan.from_dict(old).settings == () and Plan.from_dict(old).uses("recompute")
+    assert Plan.from_dict(old).setting("recompute").preserve_rng_state is True
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['tile'\]"):
+        Plan.from_dict({"settings": {"invact": {"_type": "InvActSettings", "_data": {"tile": 1}}}})
+    with pytest.raises(ValueError, match="bf16 must be one of"):
+        InvActSettings(bf16="fast")  # validated as InvActConfig is
+    assert Plan(settings={"invact": InvActSettings()}) == Plan()  # defaults are not stated
+    # merging: one setting per family both plans act with
+    exact = slimact.plan_of(model, "invact@bf16=exact-near-branch")
+    with pytest.raises(ValueError, match="set invact two ways: bf16='exact-near-branch' in invact"):
+        exact + slimact.plan_of(model, "invact-act")
+    with pytest.raises(ValueError, match="set chunked-ce two ways: chunk_size=256 in chunked-ce"):
+        slimact.plan_of(model, "chunked-ce@256") + slimact.plan_of(model, "chunked-ce")
+    no_rng = slimact.plan_of(model, RecomputeConfig(preserve_rng_state=False))
+    with pytest.raises(ValueError, match="set recompute two ways: preserve_rng_state=False"):
+        no_rng + slimact.plan_of(model, "offload")
+    lsb = slimact.apply(copy.deepcopy(model), "invact-act@variant=lsb")
+    with pytest.raises(ValueError, match="the plans set invact two ways"):
+        slimact.apply(lsb, "invact")  # merged into its runtime's plan: refused, the plan kept
+    assert runtime_of(lsb).plan == slimact.plan_of(model, "invact-act@variant=lsb")
+    merged = no_rng + slimact.plan_of(model, "invact@mode=paper+int8")  # other families: kept
+    assert dict(merged.settings) == {
+        "invact": InvActSettings(mode="paper"),
+        "recompute": RecomputeSettings(preserve_rng_state=False),
+    }
+    assert Plan.from_dict(json.loads(merged.to_json())) == merged
 
 
 PRAC_PRESETS = [
@@ -181,14 +290,15 @@ def test_plans_say_what_each_preset_does():
 
 def test_what_has_no_preset_is_refused_by_name():
     model = build_model("llama-tiny")
-    with pytest.raises(ValueError, match="'cola' has no preset plan; presets: none, recompute"):
-        slimact.plan_of(build_model("cola-tiny"), "cola")
+    with pytest.raises(ValueError, match="'compiled-int4' has no preset plan; presets: none"):
+        slimact.plan_of(model, "compiled-int4")
     with pytest.raises(ValueError, match="'cola-m' needs a CoLA model"):
         slimact.plan_of(model, "cola-m")  # the strategy's own refusal
-    with pytest.raises(ValueError, match="chunk_size=256 has no preset"):
-        slimact.plan_of(model, "chunked-ce@256")
-    with pytest.raises(ValueError, match="bf16='exact-near-branch' has no preset"):
-        slimact.plan_of(model, "invact@bf16=exact-near-branch")
+    with pytest.raises(ValueError, match="strategy 'cola' needs a CoLA model"):
+        slimact.plan_of(model, "cola")  # cola's: the model is not CoLA
+    with pytest.raises(ValueError, match="'cola' needs a CoLA model"):
+        slimact.apply(model, "cola+int4")
+    assert slimact.applied(model) == [] and runtime_of(model) is None
     with pytest.raises(ValueError, match="unknown strategy 'int3'"):
         slimact.plan_of(model, "int3")
     slimact.apply(model, "recompute")
@@ -263,9 +373,9 @@ def test_presets_applied_one_after_another_merge_into_one_plan():
 
 
 def test_what_is_not_all_presets_applies_part_by_part():
-    """A spec with a strategy that is not a preset (``cola``), or on a model carrying a change
-    that is not a preset's (a solved plan), applies its parts one after another, as the
-    strategies do; ``prac``, ``invact+prac`` and a ``filter_fn`` on a codec rule are presets."""
+    """A spec on a model carrying a change that is not a preset's (a solved plan) applies its
+    parts one after another, as the strategies do; ``prac``, ``invact+prac``, a ``filter_fn`` on
+    a codec rule and ``cola`` are presets."""
     model = build_model("llama-tiny")
     slimact.apply(model, slimact.plan_of(build_model("llama-tiny"), "int4"))
     slimact.apply(model, "invact")
@@ -281,9 +391,12 @@ def test_what_is_not_all_presets_applies_part_by_part():
     assert applied_strategies(model) == ["recompute", "int4"]
     assert runtime_of(model).plan.rules[0].modules[0] == "layers.0"  # the filter_fn, in the plan
     cola = slimact.apply(build_model("cola-tiny"), "recompute")
-    with pytest.raises(ValueError, match=r"slimact.revert\(model\) and apply 'recompute\+int4'"):
-        slimact.apply(cola, "int4+cola")  # cola is no preset: int4 by its own transform
-    assert applied_strategies(cola) == ["recompute"]
+    slimact.apply(cola, "int4+cola")  # presets: int4's rule joins recompute's plan
+    assert applied_strategies(cola) == ["recompute", "int4", "cola"]
+    assert runtime_of(cola).preset_rows == len(slimact.applied(cola))
+    one = slimact.plan_of(build_model("cola-tiny"), "recompute+int4")
+    assert (runtime_of(cola).plan.layers, runtime_of(cola).plan.rules) == (one.layers, one.rules)
+    assert sum(c.action == "cola" for c in slimact.applied(cola)) == 14  # one per CoLALinear
 
 
 def test_prac_after_a_preset_joins_its_plan_and_reverts():
@@ -309,7 +422,7 @@ def test_prac_after_a_preset_joins_its_plan_and_reverts():
     assert "forward" not in seq.layers[0].__dict__ and "prac" not in state_of(seq).stateful
 
 
-# -- presets that ``slimact.apply`` still applies by the strategy's own transform ------------
+# -- offload (CUDA streams stubbed) and the CoLA presets -----------------------------------
 
 OWN_TRANSFORM = [
     ("offload", "llama-tiny"),
@@ -319,6 +432,9 @@ OWN_TRANSFORM = [
     ("cola-m", "cola-tiny"),
     ("invact+cola-m", "cola-tiny"),
     ("cola-m+int8", "cola-tiny"),
+    ("cola", "cola-tiny"),
+    ("cola+int4", "cola-tiny"),
+    ("cola+cola-m", "cola-tiny"),
 ]
 
 
@@ -363,8 +479,9 @@ def test_offload_and_colam_plans_say_what_they_do():
         slimact.apply(build_model("llama-tiny"), slimact.plan_of(model, "offload"))
     with pytest.raises(ValueError, match="composes two codec-policy strategies, 'offload' and"):
         slimact.plan_of(model, "offload+int8")  # the strategies do not compose either
-    with pytest.raises(ValueError, match="offload with preserve_rng_state=False has no preset"):
-        slimact.plan_of(model, OffloadStrategyConfig(preserve_rng_state=False))
+    no_rng = slimact.plan_of(model, OffloadStrategyConfig(preserve_rng_state=False))
+    assert no_rng.settings == (("recompute", RecomputeSettings(preserve_rng_state=False)),)
+    assert no_rng.site_actions() == slimact.plan_of(model, "offload").site_actions()
     cola = build_model("cola-tiny")
     plan = slimact.plan_of(cola, "cola-m")
     assert plan.site_actions() == {
@@ -372,8 +489,9 @@ def test_offload_and_colam_plans_say_what_they_do():
         "layers.1:": "reformulate:cola_m",
     }
     assert "(whole block): reformulate:cola_m" in plan.table()
-    with pytest.raises(ValueError, match="cola-m with preserve_rng_state=False has no preset"):
-        slimact.plan_of(cola, CoLAMConfig(preserve_rng_state=False))
+    no_rng = slimact.plan_of(cola, CoLAMConfig(preserve_rng_state=False))
+    assert no_rng.settings == (("recompute", RecomputeSettings(preserve_rng_state=False)),)
+    assert plan.settings == () and no_rng.layers == plan.layers
     with pytest.raises(ValueError, match="layers.0 is recomputed in one plan and reformulated"):
         slimact.plan_of(cola, "recompute+cola-m")
     # a block the runtime cannot switch to CoLA-M: refused, the model left as it was

@@ -9,10 +9,13 @@ between steps (adaptive evolution) and ``slimact.revert`` undoes it all:
   them and the codec policy may encode them (a recomputation then starts from the decoded
   input). Nothing is reported with ``sites.hold`` (the save already counts).
 - **reformulate**: ``slimact.reformulate`` swaps the planned norms/activations for inverted
-  ops, and the loss head for ``chunked-ce`` (``probe=False``: the profiler already measured what
-  they save). A *block reformulation* rewrites a whole block's forward (kind ``cola-m``:
-  CoLA-M's two selective checkpoints, ``slimact.cola.colam``); its kind is registered by the
-  layer that implements it (``register_block_reform``), applied after the module ones.
+  ops, and the loss head for ``chunked-ce``, each with the plan's settings of its family
+  (``Plan.setting("invact")``, ``"chunked-ce"``: ``planner.settings``; ``probe=False``: the plan
+  already names the modules). A *block reformulation* rewrites a whole block's forward (kind
+  ``cola-m``: CoLA-M's two selective checkpoints, ``slimact.cola.colam``); its kind is
+  registered by the layer that implements it (``register_block_reform``), applied after the
+  module ones. Every recomputation, a recomputed module's and a block reformulation's, keeps
+  or drops the RNG state as the plan's ``recompute`` settings say (``preserve_rng_state``).
 - **offload** is the codec ``offload`` in the plan's table (``codecs/offload.py``); a plan
   that offloads is refused on a CPU model (its tensors are in host memory already).
 - **codecs**: one ``CodecPolicy`` whose ``assign`` looks every site up in the plan's table
@@ -59,8 +62,6 @@ from slimact.planner.plan import Plan, abs_path, abs_site, site_module
 from slimact.planner.prac_sites import PracPolicy, PracState
 from slimact.reformulate import (
     FUSED_RMS,
-    ChunkedCEConfig,
-    InvActConfig,
     apply_chunked_ce,
     apply_fused_rms,
     apply_invact,
@@ -74,15 +75,18 @@ from slimact.utils import in_worker_thread
 
 _tls = threading.local()
 
-# reformulation kind -> fn(block) -> undo, for kinds that rewrite a whole block's forward; the
-# layers above register theirs (``strategies/cola.py``: ``cola-m``), this one cannot import them
-BlockReform = Callable[[nn.Module], Callable[[], None]]
+# reformulation kind -> fn(block, preserve_rng_state) -> undo, for kinds that rewrite a whole
+# block's forward; the layers above register theirs (``strategies/cola.py``: ``cola-m``), this
+# one cannot import them
+BlockReform = Callable[[nn.Module, bool], Callable[[], None]]
 _BLOCK_REFORMS: dict[str, BlockReform] = {}
 
 
 def register_block_reform(kind: str, fn: BlockReform) -> None:
-    """Let plans reformulate a block with ``kind``: ``fn(block)`` rewrites it in place (raising
-    ``ValueError`` with the reason where it cannot) and returns the function that undoes it."""
+    """Let plans reformulate a block with ``kind``: ``fn(block, preserve_rng_state)`` rewrites it
+    in place, its recomputations keeping the RNG state or not as the plan's ``recompute``
+    settings say (raising ``ValueError`` with the reason where it cannot), and returns the
+    function that undoes it."""
     _BLOCK_REFORMS[kind] = fn
 
 
@@ -237,6 +241,7 @@ class PlanRuntime:
         plan = dataclasses.replace(plan, layers=kept) if len(kept) != len(plan.layers) else plan
         targets: set[str] = set()
         kinds: dict[str, str] = {}
+        rng = plan.setting("recompute").preserve_rng_state
         for lp in plan.layers:
             for path in lp.recompute:
                 full = abs_path(path, lp.block)
@@ -244,12 +249,12 @@ class PlanRuntime:
                     raise ValueError(
                         f"plan recomputes {full!r}, which is not a module of the model"
                     )
-                self._undo.append(checkpoint_module(modules[full]))
+                self._undo.append(checkpoint_module(modules[full], rng))
                 changes.append(AppliedChange(full, "recompute"))
             targets.update(abs_path(p, lp.block) for p in lp.reform)
             kinds.update((abs_path(p, lp.block), k) for p, k in lp.reform_kinds)
         if targets:
-            changes.extend(self._reformulate(targets, kinds))
+            changes.extend(self._reformulate(targets, kinds, plan))
         old = self.assign
         self.plan = plan
         self.assign = PlanAssign(plan, self)
@@ -298,24 +303,28 @@ class PlanRuntime:
         self.assign.prac = PracState(self.model, rules[0])
         stateful["prac"] = self.assign.prac
 
-    def _reformulate(self, targets: set[str], kinds: dict[str, str]) -> list[AppliedChange]:
+    def _reformulate(
+        self, targets: set[str], kinds: dict[str, str], plan: Plan
+    ) -> list[AppliedChange]:
         """Swap the planned modules: the loss head (``chunked-ce``), activations and norms
-        (inverted ops), RMSNorms saving (x, rstd) (kind ``rms-norm``: PRAC's fused norms);
-        ``probe=False`` since the profiler measured what they save."""
+        (inverted ops), each with the plan's settings of its family, RMSNorms saving (x, rstd)
+        (kind ``rms-norm``: PRAC's fused norms); ``probe=False`` since the plan names them."""
         head = find_head(self.model)[0]
         done: list[AppliedChange] = []
         self._head_planned = head in targets
         if head in targets:
-            done += apply_chunked_ce(self.model, ChunkedCEConfig(probe=False))
+            done += apply_chunked_ce(self.model, plan.setting("chunked-ce").config(probe=False))
         fused = {p for p in targets if kinds.get(p) == FUSED_RMS} - {head}
         if fused:
             done += apply_fused_rms(self.model, fused)
         blocks = {p for p in targets if kinds.get(p) in _BLOCK_REFORMS} - {head}
         rest = targets - {head} - fused - blocks
         if rest:
-            done += apply_invact(self.model, InvActConfig(probe=False), lambda m, p: p in rest)
+            config = plan.setting("invact").config(probe=False)
+            done += apply_invact(self.model, config, lambda m, p: p in rest)
         if blocks:
-            done += self._reform_blocks(sorted(blocks), kinds, done)
+            rng = plan.setting("recompute").preserve_rng_state
+            done += self._reform_blocks(sorted(blocks), kinds, done, rng)
         applied = [c for c in done if not c.skipped]
         missing = targets - {c.path for c in applied}
         if missing:
@@ -327,7 +336,7 @@ class PlanRuntime:
         return applied
 
     def _reform_blocks(
-        self, paths: list[str], kinds: dict[str, str], done: list[AppliedChange]
+        self, paths: list[str], kinds: dict[str, str], done: list[AppliedChange], rng: bool
     ) -> list[AppliedChange]:
         """The block reformulations (``register_block_reform``), after the module ones; where
         one refuses its block, everything reformulated so far is undone and the reason raised."""
@@ -335,7 +344,7 @@ class PlanRuntime:
         out: list[AppliedChange] = []
         for path in paths:
             try:
-                undo = _BLOCK_REFORMS[kinds[path]](modules[path])
+                undo = _BLOCK_REFORMS[kinds[path]](modules[path], rng)
             except ValueError as e:
                 for c in reversed([*done, *out]):
                     if not c.skipped and c.undo is not None:

@@ -24,9 +24,14 @@ runtime builds the codec on the first save of each role and channel count. The f
 strategies (``int4``, ``int4-plain``, ``int4-paper``, ``int4-naive``, ``int8``) are plans with one
 rule and no layers. Sites a layer encodes are decided by its table; the rules decide the rest.
 
+How each family of actions computes is the plan's **settings** (``Plan.settings``, typed,
+``slimact.planner.settings``): ``recompute`` (``preserve_rng_state``), ``invact`` (the inverted
+ops' mode, variant, bf16, ...), ``chunked-ce`` (chunk size, mode); only what differs from the
+defaults is stated, and a plan saved without settings loads with the defaults.
+
 Two plans merge (``Plan.merge``, ``plan_a + plan_b``) where their actions can hold together on
 one model; every site where they cannot (two codecs, a codec on a tensor the other plan never
-saves) is named in one error.
+saves) and every family both act with under two settings is named in one error.
 
 ``slimact.planner.solve.solve_plan(profile, budget)`` runs the MILP (``slimact.planner.milp``)
 and turns its decisions into a ``Plan``.
@@ -45,6 +50,7 @@ from typing import Any
 
 from slimact import actions
 from slimact.budget import Budget
+from slimact.planner import settings as _settings
 from slimact.planner.rules import SiteRule
 from slimact.registry import StrategyConfig
 from slimact.utils import fmt_bytes
@@ -275,6 +281,33 @@ class Plan(StrategyConfig):
     layers: tuple[LayerPlan, ...] = ()
     meta: tuple[tuple[str, Any], ...] = ()
     rules: tuple[SiteRule, ...] = ()  # lazy rules, in order: the first with a codec decides
+    # family -> how its actions compute (``planner.settings``; a dict is accepted): non-defaults
+    settings: tuple[tuple[str, _settings.Settings], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "settings", _settings.normalize(self.settings))
+
+    def setting(self, family: str) -> _settings.Settings:
+        """How ``family``'s actions compute in this plan (``planner.settings``)."""
+        return dict(self.settings).get(family) or _settings.default(family)
+
+    def uses(self, family: str) -> bool:
+        """Does the plan act with ``family`` (its settings matter)? ``recompute``: a module
+        recomputed or a block reformulated whole (``cola-m`` recomputes inside); ``invact``,
+        ``chunked-ce``: a module reformulated with a kind of the family (a module of no kind,
+        from a plan saved before kinds: either)."""
+        if family in dict(self.settings):
+            return True
+        kinds = _settings.FAMILIES[family].reform_kinds
+        for lp in self.layers:
+            if family == "recompute" and (lp.recompute or (lp.block and "" in lp.reform)):
+                return True
+            named = dict(lp.reform_kinds)
+            for path in lp.reform:
+                kind = named.get(path, "").partition(":")[0]
+                if kind in kinds or (not kind and family != "recompute"):
+                    return True
+        return False
 
     def layer(self, block: str) -> LayerPlan | None:
         for lp in self.layers:
@@ -301,6 +334,7 @@ class Plan(StrategyConfig):
     def to_dict(self) -> dict:
         d = asdict(self)
         d["meta"] = dict(self.meta)
+        d["settings"] = _settings.settings_to_dict(self.settings)
         d["site_actions"] = self.site_actions()
         return d
 
@@ -329,7 +363,8 @@ class Plan(StrategyConfig):
         )
         rules = tuple(SiteRule(**r) for r in d.get("rules", ()))
         meta = tuple(dict(d.get("meta", {})).items())
-        return cls(**{**d, "layers": layers, "meta": meta, "rules": rules})
+        settings = _settings.settings_from_dict(d.get("settings", {}))
+        return cls(**{**d, "layers": layers, "meta": meta, "rules": rules, "settings": settings})
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
@@ -344,7 +379,8 @@ class Plan(StrategyConfig):
         module both recomputed and reformulated, a codec on a site inside a module the other plan
         recomputes or reformulates (its tensor would never be saved, so the codec would silently
         do nothing), blocks of different kinds, rules giving one role two codecs, plans of two
-        different models. A merged plan is not solved: it predicts nothing (its bytes are the
+        different models, two settings of one family both plans act with (``planner.settings``:
+        ``invact@bf16=exact-near-branch`` and ``invact``). A merged plan is not solved: it predicts nothing (its bytes are the
         meter's to measure).
         """
         if not isinstance(other, Plan):
@@ -368,6 +404,7 @@ class Plan(StrategyConfig):
                     problems.append(
                         f"the rules give role {role!r} two codecs: {roles[role]} and {codec}"
                     )
+        settings = _merge_settings(self, other, problems)
         if problems:
             raise ValueError("the plans conflict:\n  " + "\n  ".join(problems))
         return Plan(
@@ -380,6 +417,7 @@ class Plan(StrategyConfig):
             layers=tuple(layers),
             meta=(("merged", [_plan_name(self), _plan_name(other)]),),
             rules=(*self.rules, *other.rules),
+            settings=settings,
         )
 
     def __add__(self, other: Plan) -> Plan:
@@ -412,6 +450,8 @@ class Plan(StrategyConfig):
             )
         for rule in self.rules:
             lines.extend(rule.table_lines())
+        for family, value in self.settings:
+            lines.append(f"== settings of {family}: {_settings.differences(value)}")
         ratio = self.predicted_bytes / self.baseline_bytes if self.baseline_bytes else 0.0
         described = dict(self.meta).get("describes")
         if described:  # slimact.strategies.describe: a strategy's plan measured on one step
@@ -456,6 +496,21 @@ class Plan(StrategyConfig):
 def _plan_name(plan: Plan) -> str:
     meta = dict(plan.meta)
     return str(meta.get("strategy") or meta.get("describes") or plan.budget or "plan")
+
+
+def _merge_settings(a: Plan, b: Plan, problems: list[str]) -> dict[str, _settings.Settings]:
+    """Both plans' settings (``Plan.merge``): a family both act with must have one setting."""
+    out = {}
+    for family in _settings.FAMILIES:
+        sa, sb = a.setting(family), b.setting(family)
+        ua, ub = a.uses(family), b.uses(family)
+        if ua and ub and sa != sb:
+            problems.append(
+                f"the plans set {family} two ways: {_settings.differences(sa)} in "
+                f"{_plan_name(a)} and {_settings.differences(sb)} in {_plan_name(b)}"
+            )
+        out[family] = sb if ub and not ua else sa if sa != _settings.default(family) else sb
+    return out
 
 
 def _merge_layers(a: LayerPlan, b: LayerPlan, problems: list[str]) -> LayerPlan:

@@ -13,7 +13,8 @@ carry W's weights over, so it is not an in-place transform of a trained model. S
 ``apply(model, "cola")`` is a *marker* that is accepted only on a model that already is CoLA
 (it records one ``cola`` change per ``CoLALinear`` and modifies nothing), so that
 ``slimact memory --model cola-20m --strategy cola`` / ``slimact train --model cola-20m --strategy
-cola`` state what they run. On a full-rank model it raises and says how to get a CoLA model.
+cola`` state what they run. On a full-rank model it raises and says how to get a CoLA model. As a plan (``plan_of(model,
+"cola")``) it is the empty plan with those rows, so ``cola+int4`` is ``int4``'s plan.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ _NOT_COLA = (
 )
 
 
-def _apply_cola(
+def apply_cola(
     model: nn.Module, config: CoLAConfigMarker, filter_fn: FilterFn | None = None
 ) -> list[AppliedChange]:
     layers = [(p, m) for p, m in model.named_modules() if isinstance(m, CoLALinear)]
@@ -99,7 +100,7 @@ register_block_reform(COLAM, colam_block)
 register_strategy(
     "cola",
     CoLAConfigMarker(),
-    _apply_cola,
+    apply_cola,
     "CoLA architecture marker: only valid on cola-* models (cola.txt §3)",
     compile_safe=True,
 )

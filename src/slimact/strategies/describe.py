@@ -24,8 +24,8 @@ bytes after):
                                            else ``keep`` with 0 bytes (its storage is now counted
                                            under another site)
 
-The layers' ``recompute``, ``reform`` and ``reform_kinds`` and the plan's lazy rules are the
-plan's; ``predicted_bytes`` is the meter's total under the plan. The result is a description:
+The layers' ``recompute``, ``reform`` and ``reform_kinds``, the plan's lazy rules and its
+settings (``Plan.settings``: how its families compute) are the plan's; ``predicted_bytes`` is the meter's total under the plan. The result is a description:
 ``meta["describes"]`` names the strategy and ``slimact.apply`` refuses it (apply the strategy
 or its plan). ``slimact plan --strategy NAME`` prints it with ``Plan.table``.
 
@@ -37,8 +37,9 @@ the meter tells a payload by its integer dtype, so a codec's fp32 scales show as
 block's kind names its choice (``BlockChoice.label``), e.g. ``LlamaBlock, compiled
 recompute/budget=0.5+codec:compiled-int8``; the root's option, if any, is the root's plan.
 
-A strategy with no plan form (``cola``, which replaces the model's layers; a spec mixing a
-preset with another strategy) is refused, naming the spec and what can be described.
+A strategy with no plan form (a spec mixing a preset with a compiled strategy, ``auto`` without
+a budget) is refused, naming the spec and what can be described. ``cola`` (the architecture,
+which changes nothing) is the empty plan: its rows are the model's as it is.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ COMPILED = actions.reformulate("compiled")  # an eager site of a compiled block
 _COMPILED_KINDS = (CompiledCodecConfig, CompiledAutoConfig, CompiledPlanConfig)
 DESCRIBABLE = (
     "describable are the presets (none, recompute, offload, int4, int4-plain, int4-paper, int4-naive, int8, "
-    "invact, invact-act, chunked-ce, prac, pac, rac, cola-m, auto@<budget>) and their '+' "
+    "invact, invact-act, chunked-ce, prac, pac, rac, cola, cola-m, auto@<budget>) and their '+' "
     "compositions, one compiled strategy (compiled-*, after compile-safe eager parts: invact, "
     "invact-act, chunked-ce), a Plan or a CompiledPlan"
 )
@@ -227,6 +228,7 @@ def describe(
         layers=tuple(layers),
         meta=(("describes", spec), ("measured", True)),
         rules=eager.rules,
+        settings=eager.settings,
     )
 
 

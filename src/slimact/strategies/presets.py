@@ -6,6 +6,8 @@ saved bytes, the same action per site and bit-identical gradients (``tests/test_
 checks each). Each config type has one handler (torchao's shape: dispatch by config type):
 
     none                  the empty plan: every site keeps its tensor
+    cola                  the empty plan on a CoLA model (the strategy's check: the architecture
+                          is CoLA, else its error) and the strategy's rows, one per CoLALinear
     recompute             every block (or those ``filter_fn`` passes) recomputed whole
     int4, int8, ...       the config's lazy rule, role -> codec (``Int4Config.plan``); with a
                           ``filter_fn``, the rule for the modules it accepts (``modules``)
@@ -25,17 +27,19 @@ checks each). Each config type has one handler (torchao's shape: dispatch by con
 
 ``recompute``, ``offload``, ``invact``, ``chunked-ce`` and ``cola-m`` find their modules as the
 strategy does (its probe included): the strategy is applied to the model, its changes read, and
-undone, so the model is left as it was. The runtime reformulates with the default settings, so
-a config with other settings (``invact@bf16=exact-near-branch``, ``chunked-ce@256``) has no
-preset yet and is refused, as are ``recompute``, ``offload`` and ``cola-m`` without a preserved
-RNG state, ``auto`` without a batch, with a ``filter_fn`` or with another part (its plan is solved
-for the model as it is) and the strategies that are not presets (``cola``, ``compiled-*``). A
+undone, so the model is left as it was. How they compute is the plan's settings of their family
+(``Plan.settings``, ``planner.settings``): ``invact``'s other fields than its module selection
+(``invact@bf16=exact-near-branch,mode=paper``), ``chunked-ce``'s (``chunked-ce@256,precompute``),
+and ``preserve_rng_state`` of ``recompute``, ``offload`` and ``cola-m`` (the ``recompute``
+family). Refused: ``auto`` without a batch, with a ``filter_fn`` or with another part (its plan
+is solved for the model as it is), and the strategies that are not presets (``compiled-*``). A
 ``filter_fn`` is part of the plan: blocks and modules it rejects are left out of the layers, and
 each lazy rule names the modules whose sites it may code (``SiteRule.modules``). ``offload``'s
 policy offloads every input a block's checkpoint saves (``#k``), the plan names the first, the
 block's hidden states: the same site where the block is called with one positional tensor
 (slimact's models, Hugging Face's decoders). A spec with
-``+`` merges its parts' plans (``Plan.merge``), which names every site where two parts conflict.
+``+`` merges its parts' plans (``Plan.merge``), which names every site where two parts conflict
+and every family two parts set two ways (``invact@bf16=exact-near-branch+invact-act``).
 A plan is applied in the runtime's one order (reformulate, recompute, then codecs), whatever the
 order of the spec's parts.
 
@@ -44,7 +48,7 @@ spec whose every part is a preset installs ``plan_of``'s one merged plan on the 
 and a later spec of presets on such a model is merged into its plan. The changes it records are
 the strategies' own (``int4``'s and ``prac``'s head rows, the per-module rows with their skips:
 PRAC's ranks per linear and norm module). Any other spec (one part not a preset, or a model
-carrying a change that is not a preset's: a solved plan, ``cola``) is applied part by part by the
+carrying a change that is not a preset's: a solved plan) is applied part by part by the
 strategies' own transforms, as before; the PRAC family's (``strategies/prac.py``) installs the
 plan and rows of its preset (``prac_part``). ``auto`` always takes the part-by-part path (its lazy
 planning on the first batch and its re-planning budget check), shown to store and train as its
@@ -70,6 +74,7 @@ from slimact.hf_inputs import random_token_batch, refuse_unless_token_ids
 from slimact.planner.apply import PlanRuntime, restrict_rules, runtime_of
 from slimact.planner.auto import AutoConfig, plan_model
 from slimact.planner.plan import LayerPlan, Plan
+from slimact.planner.settings import ChunkedCESettings, InvActSettings, RecomputeSettings
 from slimact.reformulate import (
     ChunkedCEConfig,
     InvActConfig,
@@ -86,7 +91,7 @@ from slimact.registry import (
 )
 from slimact.state import peek
 from slimact.strategies.auto import auto_refusal
-from slimact.strategies.cola import COLAM, CoLAMConfig, apply_colam
+from slimact.strategies.cola import COLAM, CoLAConfigMarker, CoLAMConfig, apply_cola, apply_colam
 from slimact.strategies.int4 import Int4Config, NaiveInt4Config
 from slimact.strategies.none import NoneConfig
 from slimact.strategies.offload import OffloadStrategyConfig
@@ -136,13 +141,24 @@ def _none(model: nn.Module, config: NoneConfig, filter_fn: FilterFn | None) -> P
     return Plan(meta=(("strategy", "none"),)), []
 
 
+def _cola(model: nn.Module, config: CoLAConfigMarker, filter_fn: FilterFn | None) -> Part:
+    """``cola`` changes nothing: the empty plan, on a model the strategy accepts (CoLA), and its
+    rows (one per ``CoLALinear``)."""
+    return Plan(meta=(("strategy", "cola"),)), apply_cola(model, config, filter_fn)
+
+
 def _recompute(model: nn.Module, config: RecomputeConfig, filter_fn: FilterFn | None) -> Part:
     changes = _changes_of(apply_recompute, model, config, filter_fn)
     rows = [c for c in changes if c.action != GUARD_ACTION]
     paths = [c.path for c in rows if not c.skipped]
     if not paths:
         return Plan(), rows
-    return Plan(layers=_layers(model, "recompute", paths), meta=(("strategy", "recompute"),)), rows
+    plan = Plan(
+        layers=_layers(model, "recompute", paths),
+        meta=(("strategy", "recompute"),),
+        settings={"recompute": RecomputeSettings(config.preserve_rng_state)},
+    )
+    return plan, rows
 
 
 BLOCK_INPUT = ":checkpoint_input#0"  # a recomputed block's input, block-relative
@@ -156,7 +172,7 @@ def _offload(model: nn.Module, config: OffloadStrategyConfig, filter_fn: FilterF
         return plan, rows
     offloaded = ((OFFLOAD_CODEC, (BLOCK_INPUT,)),)
     layers = tuple(dataclasses.replace(lp, codecs=offloaded) for lp in plan.layers)
-    return Plan(layers=layers, meta=(("strategy", "offload"),)), rows
+    return dataclasses.replace(plan, layers=layers, meta=(("strategy", "offload"),)), rows
 
 
 def _rule(model: nn.Module, config: Int4Config | NaiveInt4Config, filter_fn) -> Part:
@@ -165,31 +181,41 @@ def _rule(model: nn.Module, config: Int4Config | NaiveInt4Config, filter_fn) -> 
     return plan, [AppliedChange("", config.name, config.describe())]
 
 
-def _reformulated(apply_fn: Callable, strategy: str, model: nn.Module, config, filter_fn) -> Part:
+def _reformulated(
+    apply_fn: Callable, strategy: str, model: nn.Module, config, filter_fn, settings
+) -> Part:
     """The modules ``apply_fn`` would reformulate, as ``reform`` with their kinds
-    (``invact:silu``, ...)."""
+    (``invact:silu``, ...), and how they compute (``settings``: one family's, ``Plan.settings``)."""
     rows = _changes_of(apply_fn, model, config, filter_fn)
     modules = dict(model.named_modules())
     kinds = {c.path: c.action for c in rows if not c.skipped and c.path and c.path in modules}
     if not kinds:
         return Plan(), rows
-    plan = Plan(layers=_layers(model, "reform", list(kinds), kinds), meta=(("strategy", strategy),))
+    plan = Plan(
+        layers=_layers(model, "reform", list(kinds), kinds),
+        meta=(("strategy", strategy),),
+        settings={settings.family: settings},
+    )
     return plan, rows
 
 
 def _invact(model: nn.Module, config: InvActConfig, filter_fn: FilterFn | None) -> Part:
     name = "invact" if config.norms else "invact-act"
-    return _reformulated(apply_invact, name, model, config, filter_fn)
+    settings = InvActSettings.of(config)
+    return _reformulated(apply_invact, name, model, config, filter_fn, settings)
 
 
 def _chunked_ce(model: nn.Module, config: ChunkedCEConfig, filter_fn: FilterFn | None) -> Part:
-    return _reformulated(apply_chunked_ce, "chunked-ce", model, config, filter_fn)
+    settings = ChunkedCESettings.of(config)
+    return _reformulated(apply_chunked_ce, "chunked-ce", model, config, filter_fn, settings)
 
 
 def _colam(model: nn.Module, config: CoLAMConfig, filter_fn: FilterFn | None) -> Part:
     """The CoLA blocks the strategy would switch to CoLA-M, each reformulated whole (kind
-    ``cola-m``: the runtime's block reformulation, ``strategies/cola.py`` registers it)."""
-    return _reformulated(apply_colam, COLAM, model, config, filter_fn)
+    ``cola-m``: the runtime's block reformulation, ``strategies/cola.py`` registers it), its
+    recomputations keeping the RNG state as ``config`` says (the ``recompute`` settings)."""
+    settings = RecomputeSettings(config.preserve_rng_state)
+    return _reformulated(apply_colam, COLAM, model, config, filter_fn, settings)
 
 
 def _auto(
@@ -288,6 +314,7 @@ _CODEC_PARTS = (Int4Config, NaiveInt4Config, PracConfig)  # the runtime's rows a
 # config type -> handler (model, config, filter_fn) -> (Plan, changes)
 PRESETS: dict[type, Callable[..., Part]] = {
     NoneConfig: _none,
+    CoLAConfigMarker: _cola,
     RecomputeConfig: _recompute,
     Int4Config: _rule,
     NaiveInt4Config: _rule,
@@ -303,42 +330,17 @@ PRESETS: dict[type, Callable[..., Part]] = {
 _WITH_EXAMPLE = (AutoConfig,)  # handlers that take plan_of's example= (keyword)
 
 
-def _non_default(config: StrategyConfig, default: StrategyConfig, free: tuple[str, ...]) -> str:
-    diff = [
-        f.name
-        for f in dataclasses.fields(default)
-        if f.name not in free and getattr(config, f.name) != getattr(default, f.name)
-    ]
-    if not diff:
-        return ""
-    return (
-        f"{config.name} with {', '.join(f'{k}={getattr(config, k)!r}' for k in diff)} has "
-        "no preset: the plan runtime reformulates with the default settings (apply the "
-        "strategy itself)"
-    )
-
-
 def refusal(config: StrategyConfig, filter_fn: FilterFn | None) -> str:
     """Why ``config`` has no preset plan ("" where it has one)."""
     if type(config) not in PRESETS:
         return (
             f"strategy {config.name!r} has no preset plan; presets: none, recompute, offload, "
             "int4, int4-plain, int4-paper, int4-naive, int8, invact, invact-act, chunked-ce, "
-            "prac, pac, rac, cola-m (CoLA models), auto@<budget> (with example=) and their "
-            "'+' compositions"
-        )
-    rng = (RecomputeConfig, OffloadStrategyConfig, CoLAMConfig)
-    if isinstance(config, rng) and not config.preserve_rng_state:
-        return (
-            f"{config.name} with preserve_rng_state=False has no preset: the plan runtime "
-            "checkpoints with the RNG state preserved"
+            "prac, pac, rac, cola and cola-m (CoLA models), auto@<budget> (with example=) and "
+            "their '+' compositions"
         )
     if isinstance(config, AutoConfig):
         return auto_refusal(config, filter_fn)
-    if isinstance(config, InvActConfig):
-        return _non_default(config, InvActConfig(), ("norms", "ops", "probe"))
-    if isinstance(config, ChunkedCEConfig):
-        return _non_default(config, ChunkedCEConfig(), ("probe",))
     return ""
 
 
