@@ -16,7 +16,8 @@
 #     after each stage; table and JSON in the log;
 #  k. the Triton INT kernels on CUDA against their refs (tests/test_quant.py and
 #     tests/test_stochastic_rounding.py, -k triton), tiles of many groups across programs; then
-#     the offload gpu tests (strategy offload now installs through the plan runtime);
+#     the offload gpu tests (strategy offload now installs through the plan runtime); then a
+#     spec with eager parts under compile=True as one CompiledPlan (tests/test_compiled_presets.py);
 #  c. slimact bench gpu with what is left less step a's share (its own time budget set to fit,
 #     see src/slimact/bench/suites.py): the peak-first table in $OUT/bench/gpu.summary.md,
 #     rewritten after every point, and every figure in $OUT/bench/gpu.json;
@@ -74,6 +75,9 @@ timeout "${KERNEL_S:-50}" $py -m pytest -q -p no:cacheprovider tests/test_quant.
 echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/log"
 timeout "${OFFLOAD_S:-60}" $py -m pytest -q -p no:cacheprovider -m gpu tests/test_offload.py \
   tests/test_compiled_offload.py tests/test_codecs.py -k offload 2>&1 | tail -8 | tee -a "$OUT/log"
+echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/log"
+timeout "${PLAN_S:-60}" $py -m pytest -q -p no:cacheprovider -m gpu tests/test_compiled_presets.py \
+  2>&1 | tail -8 | tee -a "$OUT/log"
 echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/log"
 
 # what is left of the call, less step a's share and a margin for the process to start and
