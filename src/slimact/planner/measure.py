@@ -61,10 +61,14 @@ def call_module(module: nn.Module, args: tuple, kwargs: dict) -> Any:
         return module(*[detach(a) for a in args], **{k: detach(v) for k, v in kwargs.items()})
 
 
-def fwd_bwd(module: nn.Module, args: tuple, kwargs: dict) -> None:
+def fwd_bwd(
+    module: nn.Module, args: tuple, kwargs: dict, forward: Callable[..., Any] | None = None
+) -> None:
+    """One forward and backward of ``module`` on ``args`` (``forward``: another forward of it,
+    e.g. its class's where the instance's is patched, run instead of the module call)."""
     with torch.enable_grad():
         a = [detach(x) for x in args]
-        out = module(*a, **{k: detach(v) for k, v in kwargs.items()})
+        out = (forward or module)(*a, **{k: detach(v) for k, v in kwargs.items()})
         leaves = [x for x in a if isinstance(x, torch.Tensor) and x.requires_grad]
         leaves += [p for p in module.parameters() if p.requires_grad]
         if isinstance(out, torch.Tensor) and out.requires_grad and leaves:

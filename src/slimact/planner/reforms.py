@@ -73,15 +73,8 @@ def measure_reform(prof: Any, kp: KindProfile, rep: str, rel: str) -> None:
             return
         with torch.enable_grad(), measure(prof.model), sites.listening(events.append):
             out = call_module(module, args, kwargs)
-        inv_fwd = module.__dict__["forward"]
-
-        def run_orig() -> None:  # the same call with the original forward
-            del module.forward
-            try:
-                run()
-            finally:
-                module.forward = inv_fwd
-
+        # the same call with the original forward: the class's (the inverted one is the instance's)
+        run_orig = partial(fwd_bwd, module, args, kwargs, partial(type(module).forward, module))
         dt = time_delta(run, run_orig, prof.repeats, prof.device)
     finally:
         _undo(changes)
