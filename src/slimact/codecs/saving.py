@@ -307,10 +307,14 @@ class CodecPolicy:
 
     def __getstate__(self) -> dict:
         """Copies and pickles start with empty per-forward caches (weak references do not copy)
-        and no site states (a copy's codecs are other objects)."""
+        and the sites' states as a checkpoint carries them (:meth:`site_state_dict`: pending
+        verdicts read first; each state goes to the codec of its site's next save, the copy's
+        own), so that a copy stores each site as the original does: without them its first
+        step would check every site again and train differently."""
+        sites_ = {site: (None, state) for site, state in self.site_state_dict().items()}
         return {
             **self.__dict__, "_cache": {}, "_raw": {}, "_prev": None, "_exact_next": None,
-            "_sites": {},
+            "_sites": sites_,
         }  # fmt: skip
 
     def _exact_sibling(self, prev: tuple | None, prefix: str, site: str) -> None:

@@ -140,6 +140,10 @@ class CompiledPlan:
     def from_dict(cls, d: dict[str, Any]) -> CompiledPlan:
         """Inverse of :meth:`to_dict` (``rows`` is derived and ignored; a plan saved before
         plans had an eager part loads with none)."""
+        try:
+            eager = None if d.get("eager") is None else Plan.from_dict(d["eager"])
+        except ValueError as e:
+            raise ValueError(f"the compiled plan's eager part (a Plan's JSON, or null): {e}") from e
         return cls(
             choices={p: BlockChoice.from_dict(c) for p, c in d["choices"].items()},
             budget=str(d["budget"]),
@@ -150,5 +154,5 @@ class CompiledPlan:
             measured_bytes=None if d.get("measured_bytes") is None else int(d["measured_bytes"]),
             meta=dict(d.get("meta") or {}),
             root=None if d.get("root") is None else RootOption.from_dict(d["root"]),
-            eager=None if d.get("eager") is None else Plan.from_dict(d["eager"]),
+            eager=eager,
         )

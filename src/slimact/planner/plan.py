@@ -51,6 +51,7 @@ from typing import Any
 from slimact import actions
 from slimact.budget import Budget
 from slimact.planner import settings as _settings
+from slimact.planner.jsonread import as_list, as_object, read_entry
 from slimact.planner.rules import SiteRule
 from slimact.registry import StrategyConfig
 from slimact.utils import fmt_bytes
@@ -346,24 +347,19 @@ class Plan(StrategyConfig):
 
     @classmethod
     def from_dict(cls, d: dict) -> Plan:
+        """Inverse of :meth:`to_dict` (``site_actions`` is derived and ignored); what is not a
+        plan's JSON (a layer or rule of unknown or missing fields, a field of the wrong shape) is
+        a ``ValueError`` naming it."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a plan's JSON is an object of Plan's fields, got {d!r:.200}")
         names = {f.name for f in fields(cls)}
         d = {k: v for k, v in d.items() if k in names}
         layers = tuple(
-            LayerPlan(
-                **{
-                    **lp,
-                    "recompute": tuple(lp["recompute"]),
-                    "reform": tuple(lp["reform"]),
-                    "codecs": tuple((c, tuple(s)) for c, s in lp["codecs"]),
-                    "storages": tuple(tuple(s) for s in lp["storages"]),
-                    "reform_kinds": tuple(tuple(r) for r in lp.get("reform_kinds", ())),
-                }
-            )
-            for lp in d.get("layers", ())
+            read_entry("layers", LayerPlan, _layer_fields, lp) for lp in as_list(d, "layers")
         )
-        rules = tuple(SiteRule(**r) for r in d.get("rules", ()))
-        meta = tuple(dict(d.get("meta", {})).items())
-        settings = _settings.settings_from_dict(d.get("settings", {}))
+        rules = tuple(read_entry("rules", SiteRule, dict, r) for r in as_list(d, "rules"))
+        meta = tuple(dict(d.get("meta") or {}).items())
+        settings = _settings.settings_from_dict(as_object(d, "settings"))
         return cls(**{**d, "layers": layers, "meta": meta, "rules": rules, "settings": settings})
 
     @classmethod
@@ -487,6 +483,17 @@ class Plan(StrategyConfig):
                 f"{fmt_bytes(meta['host_budget'])}   link {meta['link_bandwidth'] / 1e9:.1f} GB/s"
             )
         return "\n".join(lines)
+
+
+def _layer_fields(lp: dict) -> dict:
+    return {
+        **lp,
+        "recompute": tuple(lp["recompute"]),
+        "reform": tuple(lp["reform"]),
+        "codecs": tuple((c, tuple(s)) for c, s in lp["codecs"]),
+        "storages": tuple(tuple(s) for s in lp["storages"]),
+        "reform_kinds": tuple(tuple(r) for r in lp.get("reform_kinds", ())),
+    }
 
 
 # ---------------------------------------------------------------------------------------------

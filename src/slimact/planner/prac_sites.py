@@ -29,11 +29,12 @@ from slimact.classify import is_nonlinearity, is_norm, parse_site
 from slimact.codecs.base import codec_config
 from slimact.codecs.prac import PracCodec, PracCodecConfig, resolve_rank
 from slimact.codecs.saving import CodecPolicy, dense_order
+from slimact.planner.rules import PRAC_ROLES
 
 logger = logging.getLogger("slimact")
 
 ATTENTION_OPS = ("scaled_dot_product_attention", "flash_attn", "attention")
-ROLES = ("linear", "output", "norm", "act", "gate")
+ROLES = PRAC_ROLES
 
 
 def storage_of(t: torch.Tensor) -> tuple[str, int]:

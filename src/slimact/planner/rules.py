@@ -16,6 +16,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from slimact import actions
+from slimact.classify import ROLES as SITE_ROLES
+from slimact.codecs.base import codec_config
+from slimact.codecs.prac import PracCodecConfig
+
+# PRAC's roles (``roles="prac"``), each site's decided by ``slimact.planner.prac_sites``
+PRAC_ROLES = ("linear", "output", "norm", "act", "gate")
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,20 @@ class SiteRule:
             raise ValueError(f"SiteRule.min_numel must be an int >= 0, got {self.min_numel!r}")
         if self.roles not in ("site", "prac"):
             raise ValueError(f"SiteRule.roles must be 'site' or 'prac', got {self.roles!r}")
+        known = PRAC_ROLES if self.roles == "prac" else SITE_ROLES
+        unknown = [r for r in roles if r not in known]
+        if unknown:  # a role no site ever takes: the rule would silently code nothing
+            raise ValueError(
+                f"SiteRule (roles={self.roles!r}) names unknown role(s) {unknown}; its roles are "
+                f"{', '.join(known)}"
+            )
+        for role, label in self.codecs:  # a label is checked here, not at the first save
+            cfg = codec_config(label)
+            if (self.roles == "prac") != isinstance(cfg, PracCodecConfig):
+                what = "prac, pac or rac" if self.roles == "prac" else "a codec other than PRAC's"
+                raise ValueError(
+                    f"SiteRule (roles={self.roles!r}): role {role!r} takes {what}, got {label!r}"
+                )
         prac_only = ("keep", "overrides", "gate_modules", "min_features", "only_if_smaller")
         if self.roles == "site" and any(getattr(self, f) for f in prac_only):
             raise ValueError(f"SiteRule: {', '.join(prac_only)} are options of roles='prac'")
@@ -116,4 +136,4 @@ class SiteRule:
         return lines
 
 
-__all__ = ["SiteRule"]
+__all__ = ["PRAC_ROLES", "SiteRule"]

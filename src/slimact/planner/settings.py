@@ -151,11 +151,19 @@ def settings_from_dict(d: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
                 f"plan settings of {family!r}: expected {{'_type': {cls.__name__!r}, '_data': "
                 f"{{...}}}}, got {entry!r}"
             )
-        data = dict(entry.get("_data", {}))
-        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        data = entry.get("_data", {})
+        if not isinstance(data, Mapping):
+            raise ValueError(
+                f"plan settings of {family!r}: '_data' is an object of fields, got {data!r}"
+            )
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(valid))
         if unknown:
-            raise ValueError(f"plan settings of {family!r}: unknown field(s) {unknown}")
-        pairs.append((family, cls(**data)))
+            raise ValueError(
+                f"plan settings of {family!r}: unknown field(s) {unknown}; {cls.__name__}'s "
+                f"fields: {', '.join(valid)}"
+            )
+        pairs.append((family, cls(**dict(data))))
     return normalize(pairs)
 
 
