@@ -36,8 +36,10 @@ Composition rule (checked before anything is applied, in one spec and across ``a
 from __future__ import annotations
 
 import argparse
+import contextlib
+import contextvars
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +108,27 @@ def register_preset_path(fn: PresetPath) -> None:
     plan on the plan runtime) and returns the changes, or returns None and changes nothing, and
     ``apply`` applies the parts one after another (each strategy's own transform)."""
     _PRESET_PATH[:] = [fn]
+
+
+_PART_BY_PART = contextvars.ContextVar("slimact_part_by_part", default=False)
+
+
+def part_by_part() -> bool:
+    """Is ``apply`` applying a spec part by part (one not all presets: the preset path declined
+    it)? A preset's transform then leaves the one runtime to the planner part of the spec or of
+    the model (``strategies/parts.py``)."""
+    return _PART_BY_PART.get()
+
+
+@contextlib.contextmanager
+def parts_one_by_one() -> Iterator[None]:
+    """Run strategies' transforms as ``apply``'s part-by-part path runs them
+    (:func:`part_by_part` is true inside)."""
+    token = _PART_BY_PART.set(True)
+    try:
+        yield
+    finally:
+        _PART_BY_PART.reset(token)
 
 
 # exact type -> its config: objects ``apply`` takes that are not configs themselves (a solved
@@ -464,7 +487,8 @@ def apply(
             done.extend(preset)
             logger.info("slimact.apply %s: one preset plan, %d change(s)", strategy, len(preset))
         for _, cfg in parts if preset is None else ():
-            changes = _entry_for(cfg).transform(model, cfg, filter_fn)
+            with parts_one_by_one():
+                changes = _entry_for(cfg).transform(model, cfg, filter_fn)
             done.extend(changes)
             n_skip = sum(c.skipped for c in changes)
             logger.info(

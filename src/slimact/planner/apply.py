@@ -58,16 +58,17 @@ from slimact.codecs.base import Codec
 from slimact.codecs.build import build_codec
 from slimact.codecs.offload import check_model
 from slimact.codecs.saving import CodecPolicy, hidden_channels
+from slimact.patching import run_all
 from slimact.planner.plan import Plan, abs_path, abs_site, site_module
 from slimact.planner.prac_sites import PracPolicy, PracState
 from slimact.reformulate import (
     FUSED_RMS,
-    apply_chunked_ce,
     apply_fused_rms,
-    apply_invact,
     find_head,
     loss_output,
     park_labels,
+    patch_chunked_ce,
+    patch_invact,
 )
 from slimact.registry import AppliedChange
 from slimact.state import peek, prune, state_of
@@ -231,7 +232,6 @@ class PlanRuntime:
         if any(c.startswith("offload") for lp in plan.layers for c, _ in lp.codecs):
             check_model(self.model)  # CUDA only: refused here
         self._clear_patches()
-        changes: list[AppliedChange] = []
         plan = restrict_rules(plan, self.model, filter_fn)
         allowed = {
             lp.block for lp in plan.layers
@@ -239,22 +239,8 @@ class PlanRuntime:
         }  # fmt: skip
         kept = tuple(lp for lp in plan.layers if lp.block in allowed)
         plan = dataclasses.replace(plan, layers=kept) if len(kept) != len(plan.layers) else plan
-        targets: set[str] = set()
-        kinds: dict[str, str] = {}
-        rng = plan.setting("recompute").preserve_rng_state
-        for lp in plan.layers:
-            for path in lp.recompute:
-                full = abs_path(path, lp.block)
-                if full not in modules:
-                    raise ValueError(
-                        f"plan recomputes {full!r}, which is not a module of the model"
-                    )
-                self._undo.append(checkpoint_module(modules[full], rng))
-                changes.append(AppliedChange(full, "recompute"))
-            targets.update(abs_path(p, lp.block) for p in lp.reform)
-            kinds.update((abs_path(p, lp.block), k) for p, k in lp.reform_kinds)
-        if targets:
-            changes.extend(self._reformulate(targets, kinds, plan))
+        changes, undos, self._head_planned = _patched(self.model, plan)
+        self._undo.extend(undos)
         old = self.assign
         self.plan = plan
         self.assign = PlanAssign(plan, self)
@@ -302,56 +288,6 @@ class PlanRuntime:
             )
         self.assign.prac = PracState(self.model, rules[0])
         stateful["prac"] = self.assign.prac
-
-    def _reformulate(
-        self, targets: set[str], kinds: dict[str, str], plan: Plan
-    ) -> list[AppliedChange]:
-        """Swap the planned modules: the loss head (``chunked-ce``), activations and norms
-        (inverted ops), each with the plan's settings of its family, RMSNorms saving (x, rstd)
-        (kind ``rms-norm``: PRAC's fused norms); ``probe=False`` since the plan names them."""
-        head = find_head(self.model)[0]
-        done: list[AppliedChange] = []
-        self._head_planned = head in targets
-        if head in targets:
-            done += apply_chunked_ce(self.model, plan.setting("chunked-ce").config(probe=False))
-        fused = {p for p in targets if kinds.get(p) == FUSED_RMS} - {head}
-        if fused:
-            done += apply_fused_rms(self.model, fused)
-        blocks = {p for p in targets if kinds.get(p) in _BLOCK_REFORMS} - {head}
-        rest = targets - {head} - fused - blocks
-        if rest:
-            config = plan.setting("invact").config(probe=False)
-            done += apply_invact(self.model, config, lambda m, p: p in rest)
-        if blocks:
-            rng = plan.setting("recompute").preserve_rng_state
-            done += self._reform_blocks(sorted(blocks), kinds, done, rng)
-        applied = [c for c in done if not c.skipped]
-        missing = targets - {c.path for c in applied}
-        if missing:
-            for c in reversed(applied):
-                if c.undo is not None:
-                    c.undo()
-            raise ValueError(f"plan reformulates {sorted(missing)}, which cannot be reformulated")
-        self._undo.extend(c.undo for c in applied if c.undo is not None)
-        return applied
-
-    def _reform_blocks(
-        self, paths: list[str], kinds: dict[str, str], done: list[AppliedChange], rng: bool
-    ) -> list[AppliedChange]:
-        """The block reformulations (``register_block_reform``), after the module ones; where
-        one refuses its block, everything reformulated so far is undone and the reason raised."""
-        modules = dict(self.model.named_modules())
-        out: list[AppliedChange] = []
-        for path in paths:
-            try:
-                undo = _BLOCK_REFORMS[kinds[path]](modules[path], rng)
-            except ValueError as e:
-                for c in reversed([*done, *out]):
-                    if not c.skipped and c.undo is not None:
-                        c.undo()
-                raise ValueError(f"plan reformulates {path!r} as {kinds[path]}: {e}") from e
-            out.append(AppliedChange(path, kinds[path], undo=undo))
-        return out
 
     def _clear_patches(self) -> None:
         self._head_planned = False
@@ -455,6 +391,102 @@ class PlanRuntime:
         if self._parked and self._parked.pop():
             return loss_output(self.model, output)
         return None
+
+
+def _patched(
+    model: nn.Module, plan: Plan
+) -> tuple[list[AppliedChange], list[Callable[[], None]], bool]:
+    """Patch what ``plan`` recomputes and reformulates: (the changes, their undos in order, is
+    the loss head reformulated?). Where a patch fails, the ones before it are undone and the
+    reason raised."""
+    modules = dict(model.named_modules())
+    changes: list[AppliedChange] = []
+    undos: list[Callable[[], None]] = []
+    targets: set[str] = set()
+    kinds: dict[str, str] = {}
+    rng = plan.setting("recompute").preserve_rng_state
+    try:
+        for lp in plan.layers:
+            for path in lp.recompute:
+                full = abs_path(path, lp.block)
+                if full not in modules:
+                    raise ValueError(
+                        f"plan recomputes {full!r}, which is not a module of the model"
+                    )
+                undos.append(checkpoint_module(modules[full], rng))
+                changes.append(AppliedChange(full, "recompute"))
+            targets.update(abs_path(p, lp.block) for p in lp.reform)
+            kinds.update((abs_path(p, lp.block), k) for p, k in lp.reform_kinds)
+        head = find_head(model)[0]
+        if targets:
+            done = _reformulate(model, targets, kinds, plan)
+            changes += done
+            undos += [c.undo for c in done if c.undo is not None]
+    except BaseException:
+        run_all(*reversed(undos))
+        raise
+    return changes, undos, bool(targets) and head in targets
+
+
+def patch_plan(model: nn.Module, plan: Plan) -> tuple[list[AppliedChange], Callable[[], None]]:
+    """Patch what ``plan`` recomputes and reformulates as a runtime would, without one: no root
+    hooks, no codecs (a plan with a site table or rules is refused). For a preset's plan on a
+    model whose one runtime is a planner's (``strategies/presets.py``: the part-by-part path).
+    Returns the changes and the undo of them all."""
+    if plan.rules or any(lp.codecs for lp in plan.layers):
+        raise ValueError("patch_plan patches recomputations and reformulations, not codecs")
+    changes, undos, _ = _patched(model, plan)
+    return changes, functools.partial(run_all, *reversed(undos))
+
+
+def _reformulate(
+    model: nn.Module, targets: set[str], kinds: dict[str, str], plan: Plan
+) -> list[AppliedChange]:
+    """Swap the planned modules: the loss head (``chunked-ce``), activations and norms
+    (inverted ops), each with the plan's settings of its family, RMSNorms saving (x, rstd)
+    (kind ``rms-norm``: PRAC's fused norms); ``probe=False`` since the plan names them."""
+    head = find_head(model)[0]
+    done: list[AppliedChange] = []
+    if head in targets:
+        done += patch_chunked_ce(model, plan.setting("chunked-ce").config(probe=False))
+    fused = {p for p in targets if kinds.get(p) == FUSED_RMS} - {head}
+    if fused:
+        done += apply_fused_rms(model, fused)
+    blocks = {p for p in targets if kinds.get(p) in _BLOCK_REFORMS} - {head}
+    rest = targets - {head} - fused - blocks
+    if rest:
+        config = plan.setting("invact").config(probe=False)
+        done += patch_invact(model, config, lambda m, p: p in rest)
+    if blocks:
+        rng = plan.setting("recompute").preserve_rng_state
+        done += _reform_blocks(model, sorted(blocks), kinds, done, rng)
+    applied = [c for c in done if not c.skipped]
+    missing = targets - {c.path for c in applied}
+    if missing:
+        for c in reversed(applied):
+            if c.undo is not None:
+                c.undo()
+        raise ValueError(f"plan reformulates {sorted(missing)}, which cannot be reformulated")
+    return applied
+
+
+def _reform_blocks(
+    model: nn.Module, paths: list[str], kinds: dict[str, str], done: list[AppliedChange], rng: bool
+) -> list[AppliedChange]:
+    """The block reformulations (``register_block_reform``), after the module ones; where
+    one refuses its block, everything reformulated so far is undone and the reason raised."""
+    modules = dict(model.named_modules())
+    out: list[AppliedChange] = []
+    for path in paths:
+        try:
+            undo = _BLOCK_REFORMS[kinds[path]](modules[path], rng)
+        except ValueError as e:
+            for c in reversed([*done, *out]):
+                if not c.skipped and c.undo is not None:
+                    c.undo()
+            raise ValueError(f"plan reformulates {path!r} as {kinds[path]}: {e}") from e
+        out.append(AppliedChange(path, kinds[path], undo=undo))
+    return out
 
 
 def runtime_of(model: nn.Module) -> PlanRuntime | None:

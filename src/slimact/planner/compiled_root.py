@@ -15,7 +15,7 @@ A **root option** is a (reformulation, codec) pair:
   norm inverted (``invnorm``: it keeps its output, which the head keeps anyway, instead of its
   input). On llama-20m 8 x 256 (V = 257) they take the root from 14.0 to 4.0 MiB raw: 4 MiB of
   the final norm's input and 4 MiB of logits and log-probabilities go, h stays. Each module is
-  checked on a copy with the strategies' own probes (``probe=True``: the chunked loss equals the
+  checked by the strategies' own finders and probes, the model unchanged (``probe=True``: the chunked loss equals the
   model's; the norm's output is saved by the next op) and left out where it fails (a masked LM,
   a head with logit soft-capping);
 * codec: "none" (keep), or one codec on every root storage the ``int4`` strategy's roles allow a
@@ -59,7 +59,7 @@ from slimact.planner.codecstats import codec_stat, lossy_allowed
 from slimact.planner.measure import fwd_bwd, time_delta
 from slimact.planner.plan import ROOT, LayerPlan, Plan
 from slimact.planner.reforms import head_times, reform_candidates
-from slimact.reformulate import ChunkedCEConfig, InvActConfig, apply_chunked_ce, apply_invact
+from slimact.reformulate import ChunkedCEConfig, InvActConfig, find_chunked_ce, find_invact
 from slimact.reformulate.head import find_head
 from slimact.registry import AppliedChange
 
@@ -206,16 +206,16 @@ def root_storages(
 def root_reforms(model: nn.Module, device: torch.device) -> tuple[tuple[str, str], ...]:
     """The root modules that take a reformulation, as (path, kind): the loss head as
     ``chunked-ce``, then the activations and norms outside the blocks inverted, each checked
-    on a copy by its strategy's probe (module docstring)."""
+    by its strategy's finder and probe, the model left unchanged (module docstring)."""
     outside = _outside_blocks(model)
     path, head, _ = find_head(model)
-    twin, found = copy.deepcopy(model), []
+    found = []
     if head is not None and outside(path) and label_arg(model) is not None:
-        changes = apply_chunked_ce(twin, ChunkedCEConfig(probe=True))
+        changes = find_chunked_ce(model, ChunkedCEConfig(probe=True))
         found += [(c.path, c.action) for c in changes if not c.skipped and c.path == path]
     cands = {p for p in reform_candidates(model, device) if p and outside(p)}
     if cands:
-        changes = apply_invact(twin, InvActConfig(probe=True), lambda m, p: p in cands)
+        changes = find_invact(model, InvActConfig(probe=True), lambda m, p: p in cands)
         found += [(c.path, c.action) for c in changes if not c.skipped and c.path in cands]
     return tuple(found)
 

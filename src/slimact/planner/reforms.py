@@ -33,14 +33,14 @@ from slimact.meter import measure
 from slimact.ops.chunked_ce import chunked_linear_cross_entropy
 from slimact.planner.measure import call_module, fwd_bwd, time_delta
 from slimact.planner.plan import KindProfile, ReformProfile, abs_path, inside, rel_site, site_module
-from slimact.reformulate import ChunkedCEConfig, InvActConfig, apply_chunked_ce, apply_invact
+from slimact.reformulate import ChunkedCEConfig, InvActConfig, patch_chunked_ce, patch_invact
 from slimact.reformulate.head import find_head
 
 HEAD_KIND = "chunked-ce"
 
 
 def reform_candidates(block: nn.Module, device: torch.device) -> list[str]:
-    """Paths (relative to ``block``) of the activations and norms ``apply_invact`` can invert."""
+    """Paths (relative to ``block``) of the activations and norms ``patch_invact`` can invert."""
     out = []
     for path, m in block.named_modules():
         if is_activation_leaf(m):
@@ -65,7 +65,7 @@ def measure_reform(prof: Any, kp: KindProfile, rep: str, rel: str) -> None:
     args, kwargs, out0 = prof.captured[path]
     module = prof.modules[path]
     run = partial(fwd_bwd, module, args, kwargs)
-    changes = apply_invact(prof.model, InvActConfig(probe=False), lambda m, p: p == path)
+    changes = patch_invact(prof.model, InvActConfig(probe=False), lambda m, p: p == path)
     done = [c for c in changes if not c.skipped and c.path == path]
     events: list[sites.SavedEvent] = []
     try:
@@ -130,7 +130,7 @@ def measure_head_reform(prof: Any, kp: KindProfile) -> None:
         return
     h0 = prof.captured[path][0][0]
     h_sid = prof.by_ptr.get(sites.storage_key(h0))
-    changes = apply_chunked_ce(model, ChunkedCEConfig(probe=False))
+    changes = patch_chunked_ce(model, ChunkedCEConfig(probe=False))
     events: list[sites.SavedEvent] = []
     inputs: list[int] = []
     try:

@@ -1,8 +1,10 @@
 """Reformulated activations and norms: swap them for inverted ops that save their outputs.
 
-``apply_invact(model, InvActConfig, filter_fn)`` is the one implementation of the action, used by
-the ``invact`` strategies (``slimact.strategies.invact``) and by the plan runtime
-(``slimact.planner.apply``) for a plan's ``reform`` rows.
+``find_invact(model, InvActConfig, filter_fn)`` finds what the action would change (the probe
+included) without changing the model: the ``invact`` strategies' planner
+(``slimact.strategies.invact``) makes it a plan's ``reform`` rows. ``patch_invact`` is the one
+implementation of the swap, used by the plan runtime (``slimact.planner.apply``) for those rows
+and by the planner's measurements.
 
 The inverted ops (invact.txt): every GELU (erf or tanh form) and SiLU — ``nn.GELU``, ``nn.SiLU``
 and transformers' ``GELUActivation``, ``NewGELUActivation``, ``FastGELUActivation``,
@@ -226,28 +228,28 @@ def _ln_forward(inner, module, x):
     )
 
 
-def apply_invact(
+def find_invact(
     model: nn.Module, config: InvActConfig, filter_fn: FilterFn | None = None
 ) -> list[AppliedChange]:
+    """What ``invact`` would change, found without changing the model: per candidate module its
+    row (action ``invact:<kind>`` / ``invnorm:<kind>``, or skipped with the reason: not
+    GELU/SiLU, not in ``ops``, filtered out, forward already patched, output saved by no next
+    op), then the ``invnorm-check`` row when a norm is inverted. With ``config.probe`` the
+    consumer probe (``probe_consumers``: forward hooks, under ``sites.probing()``, the model's
+    RNG and training flags restored) decides; the rows carry no undo."""
     dev = model_device(model)
     changes: list[AppliedChange] = []
     plan: dict[str, tuple[str, str]] = {}  # path -> ("act", kind) | ("norm", "rms"/"layer")
     for path, m in model.named_modules():
         if not path:
             continue
-        is_leaf_act = is_activation_leaf(m)
-        if is_leaf_act:
+        if is_activation_leaf(m):
             kind, err = classify_activation(m, dev)
             if kind is None:
-                changes.append(
-                    AppliedChange(
-                        path,
-                        "invact",
-                        f"{type(m).__name__} is not GELU/tanh-GELU/"
-                        f"SiLU (closest max |diff| {err:.2g})",
-                        skipped=True,
-                    )
+                why = (
+                    f"{type(m).__name__} is not GELU/tanh-GELU/SiLU (closest max |diff| {err:.2g})"
                 )
+                changes.append(AppliedChange(path, "invact", why, skipped=True))
             elif kind not in config.ops:
                 changes.append(AppliedChange(path, "invact", f"{kind} not in ops", skipped=True))
             else:
@@ -269,49 +271,68 @@ def apply_invact(
             changes.append(AppliedChange(path, "invact", "forward already patched", skipped=True))
             del plan[path]
     consumers = probe_consumers(model, list(plan)) if (config.probe and plan) else None
+    norms = 0
     for path, (what, kind) in plan.items():
         m = modules[path]
         action = f"invact:{kind}" if what == "act" else f"invnorm:{kind}"
         if consumers is not None and not consumers[path]:
-            changes.append(
-                AppliedChange(
-                    path,
-                    action,
-                    "output is not saved by the next op (e.g. dropout "
-                    "follows): inverting would keep y instead of x, no saving",
-                    skipped=True,
-                )
-            )
+            changes.append(AppliedChange(path, action, _NOT_SAVED, skipped=True))
             continue
         detail = (
             f"saved by {consumers[path][0]}"
             if consumers is not None
             else "unverified (no dummy input to probe the consumer)"
         )
-        if what == "act":
-            fwd = (_act_forward, (kind, config.mode, config.variant, config.backend, config.bf16))
-        else:
-            m._slimact_inv = NormInvertibility(config.max_bias_ratio)
+        if what == "norm":
+            norms += 1
             w, b = getattr(m, "weight", None), getattr(m, "bias", None)
             dtype = w.dtype if w is not None else torch.float32
             reason = invertible(w, b if kind == "layer" else None, dtype, config.max_bias_ratio)
             if reason is not None:
                 detail += f"; falls back to saving x while {reason}"
-            fwd = (_rms_forward, (m, rms_eps(m))) if kind == "rms" else (_ln_forward, (m,))
-        changes.append(_patch(m, *fwd, action, path, detail))
-    norms = [
-        modules[p]
-        for p, (what, _) in plan.items()
-        if what == "norm" and "forward" in modules[p].__dict__
-    ]
-    if norms:  # eager re-check of y / w before each forward, for compiled blocks (see _norm_ok)
-        handle = model.register_forward_pre_hook(functools.partial(_refresh_norm_checks, norms))
-        changes.append(
-            AppliedChange("", "invnorm-check", f"{len(norms)} norm(s)", undo=handle.remove)
-        )
+        changes.append(AppliedChange(path, action, detail))
+    if norms:  # the eager re-check of y / w before each forward (see _norm_ok)
+        changes.append(AppliedChange("", NORM_CHECK, f"{norms} norm(s)"))
     if not changes:
         changes.append(AppliedChange("", "invact", "no GELU/SiLU/norm modules found", True))
     return changes
+
+
+_NOT_SAVED = (
+    "output is not saved by the next op (e.g. dropout follows): inverting would keep y instead "
+    "of x, no saving"
+)
+NORM_CHECK = "invnorm-check"  # the row of the root pre-hook re-checking inverted norms
+
+
+def patch_invact(
+    model: nn.Module, config: InvActConfig, filter_fn: FilterFn | None = None
+) -> list[AppliedChange]:
+    """Swap the modules ``find_invact`` finds for the inverted ops: the plan runtime's patcher
+    (with ``probe=False`` and ``filter_fn`` its planned modules) and the planner's, measuring
+    one module. ``find_invact``'s rows, each swap and the norms' re-check hook undoable."""
+    rows = find_invact(model, config, filter_fn)
+    modules = dict(model.named_modules())
+    out: list[AppliedChange] = []
+    norms = []
+    for row in rows:
+        if row.skipped or row.action == NORM_CHECK or not row.path:
+            if row.action != NORM_CHECK:
+                out.append(row)
+            continue
+        m = modules[row.path]
+        what, _, kind = row.action.partition(":")
+        if what == "invact":
+            fwd = (_act_forward, (kind, config.mode, config.variant, config.backend, config.bf16))
+        else:
+            m._slimact_inv = NormInvertibility(config.max_bias_ratio)
+            fwd = (_rms_forward, (m, rms_eps(m))) if kind == "rms" else (_ln_forward, (m,))
+            norms.append(m)
+        out.append(_patch(m, *fwd, row.action, row.path, row.detail))
+    if norms:  # eager re-check of y / w before each forward, for compiled blocks (see _norm_ok)
+        handle = model.register_forward_pre_hook(functools.partial(_refresh_norm_checks, norms))
+        out.append(AppliedChange("", NORM_CHECK, f"{len(norms)} norm(s)", undo=handle.remove))
+    return out
 
 
 def fallback_report(model: nn.Module) -> dict[str, dict]:

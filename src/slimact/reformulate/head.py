@@ -1,8 +1,10 @@
 """The loss head reformulated: output projection + cross-entropy without stored logits.
 
-``apply_chunked_ce(model, ChunkedCEConfig, filter_fn)`` is the one implementation, used by the
-``chunked-ce`` strategy (``slimact.strategies.chunked_ce``) and by the plan runtime for a plan
-that reformulates the head.
+``find_chunked_ce(model, ChunkedCEConfig, filter_fn)`` finds the head (its probe included)
+without changing the model, for the ``chunked-ce`` strategy's plan; ``patch_chunked_ce`` is the
+one implementation of the patch, used by the plan runtime for a plan that reformulates the head
+(the ``chunked-ce`` strategy's, ``slimact.strategies.chunked_ce``) and by the planner's
+measurements.
 
 With a real vocabulary the head's log-probabilities are the largest single site (250 of 760 MiB
 for llama-20m at V = 32,000, 8 × 256 tokens). This strategy computes the head's loss with
@@ -108,7 +110,6 @@ class HeadState:
         "label_pos",
         "shift",
         "job",
-        "off",
     )
 
     def __init__(self, head, config: ChunkedCEConfig, label: str, label_pos: int, shift: bool):
@@ -116,7 +117,6 @@ class HeadState:
         self.chunk_size, self.mode, self.backend = config.chunk_size, config.mode, config.backend
         self.label, self.label_pos, self.shift = label, label_pos, shift
         self.job: dict | None = None  # labels, num_items, ignore_index, shift_labels -> loss
-        self.off = False  # the probe's reference run
 
 
 def _hf_like(model: nn.Module) -> bool:
@@ -165,9 +165,9 @@ def _with_loss(out, loss: torch.Tensor):
 
 def _park(state: HeadState, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """Take the call's label into ``state.job`` for the head; (args, kwargs) without it, or
-    None when the call runs unchanged (no label, no grad, the probe's reference run)."""
+    None when the call runs unchanged (no label, no grad)."""
     labels, a, kw = _take_label(state, args, kwargs)
-    if labels is None or state.off or state.job is not None or not torch.is_grad_enabled():
+    if labels is None or state.job is not None or not torch.is_grad_enabled():
         return None
     state.job = {
         "labels": labels,
@@ -227,6 +227,13 @@ def _head_forward(inner, state: HeadState, x: torch.Tensor, *args, **kwargs):
     job = state.job
     if job is None or job["loss"] is not None:
         return inner(x, *args, **kwargs)
+    job["loss"] = _chunked_loss(state, job, x)
+    return x.new_zeros(()).expand(*x.shape[:-1], state.head.out_features)  # placeholder, no memory
+
+
+def _chunked_loss(state: HeadState, job: dict, x: torch.Tensor) -> torch.Tensor:
+    """The loss of ``job`` (labels, num_items, ignore_index, shift_labels) from the head's
+    input ``x``, in token chunks."""
     head = state.head
     ignore = job["ignore_index"]
     t = job["shift_labels"]
@@ -249,8 +256,7 @@ def _head_forward(inner, state: HeadState, x: torch.Tensor, *args, **kwargs):
     )  # fmt: skip
     if n_items is not None:
         loss = loss / (n_items.to(loss.device) if torch.is_tensor(n_items) else n_items)
-    job["loss"] = loss
-    return x.new_zeros(()).expand(*x.shape[:-1], head.out_features)  # placeholder, no memory
+    return loss
 
 
 def _dummy_batch(model: nn.Module, label: str) -> dict | None:
@@ -270,7 +276,10 @@ def _dummy_batch(model: nn.Module, label: str) -> dict | None:
 def _probe(model: nn.Module, state: HeadState) -> str:
     """'' when the chunked loss matches the model's own on a dummy batch, else why not.
 
-    Twice: with the head's weights as they are, and scaled so that the logits' spread is about
+    The model is not patched: one forward with the label gives the model's own loss and, by a
+    forward hook, the head's input, from which the chunked loss is computed as the patched head
+    computes it (and set on the model's output as the patched root sets it). Twice: with the
+    head's weights as they are, and scaled so that the logits' spread is about
     ``PROBE_LOGIT_STD`` (restored after). At initialization the logits are ~0.1 and a
     soft-capped head (``cap * tanh(z / cap)``) computes nearly ``z``, so only large logits
     tell the two losses apart."""
@@ -282,24 +291,32 @@ def _probe(model: nn.Module, state: HeadState) -> str:
     saved = weight.detach().clone()
     rms = float(saved.float().pow(2).mean().sqrt()) * weight.shape[-1] ** 0.5
     scales = (1.0, PROBE_LOGIT_STD / rms) if rms > 0 and math.isfinite(rms) else (1.0,)
+    job = {"labels": batch[state.label], "num_items": None, "ignore_index": -100}
+    inputs: list[torch.Tensor] = []
+    hook = state.head.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
     pairs = []
     try:
-        model.eval()  # no dropout: both runs see the same function
+        model.eval()  # no dropout: both losses see the same function
         with torch.random.fork_rng(devices=[]), torch.enable_grad(), sites.probing():
             for scale in scales:
                 with torch.no_grad():
                     weight.copy_(saved * scale)
-                losses = []
-                for off in (True, False):
-                    state.off = off
-                    losses.append(getattr(model(**batch), "loss", None))
-                pairs.append(losses)
+                inputs.clear()
+                out = model(**batch)
+                if not inputs:
+                    raise RuntimeError(
+                        "chunked-ce: the model's forward did not call its output projection; "
+                        "slimact.revert(model) and report the model class"
+                    )
+                loss = _chunked_loss(state, {**job, "shift_labels": None}, inputs[0])
+                got = getattr(_with_loss(out, loss), "loss", None)
+                pairs.append((getattr(out, "loss", None), got))
     except (TypeError, ValueError, AttributeError, KeyError, IndexError, RuntimeError) as e:
         # the model's own failures (e.g. an output type the loss cannot be set on); a bug of
         # ours (NameError, ImportError, ...) propagates instead of reading as a skipped head
         return f"MISMATCH: {type(e).__name__}: {e}"
     finally:
-        state.off = False
+        hook.remove()
         with torch.no_grad():
             weight.copy_(saved)
         for m, flag in flags.items():
@@ -317,9 +334,14 @@ def _probe(model: nn.Module, state: HeadState) -> str:
     return ""
 
 
-def apply_chunked_ce(
+def find_chunked_ce(
     model: nn.Module, config: ChunkedCEConfig, filter_fn: FilterFn | None = None
 ) -> list[AppliedChange]:
+    """What ``chunked-ce`` would change, found without changing the model: the loss head's row
+    (action ``chunked-ce``), or skipped with the reason (no head or label, not a causal-LM
+    loss, filtered out, already patched, the probe's mismatch). With ``config.probe`` the loss
+    is checked on a dummy batch (``_probe``: under ``sites.probing()``, the head's weights,
+    the RNG and the training flags restored). One row, without an undo."""
     path, head, why = find_head(model)
     arg = label_arg(model)
     if head is None or arg is None:
@@ -335,15 +357,28 @@ def apply_chunked_ce(
         return [AppliedChange(path, "chunked-ce", "already applied", skipped=True)]
     if "forward" in head.__dict__:
         return [AppliedChange(path, "chunked-ce", "head forward already patched", skipped=True)]
+    detail = f"{arg[0]} -> {config.mode}, chunk {config.chunk_size or 'auto'}"
+    if config.probe:
+        why = _probe(model, HeadState(head, config, arg[0], arg[1], shift=_hf_like(model)))
+        if why.startswith("MISMATCH"):
+            return [AppliedChange(path, "chunked-ce", why[10:], skipped=True)]
+        detail += f"; {why}" if why else "; loss verified on a dummy batch"
+    return [AppliedChange(path, "chunked-ce", detail)]
+
+
+def patch_chunked_ce(
+    model: nn.Module, config: ChunkedCEConfig, filter_fn: FilterFn | None = None
+) -> list[AppliedChange]:
+    """Patch the loss head ``find_chunked_ce`` finds (the root's and the head's overrides): the
+    plan runtime's patcher (``probe=False``: the plan names the head) and the planner's,
+    measuring the head. ``find_chunked_ce``'s row, undoable where it patched."""
+    (row,) = find_chunked_ce(model, config, filter_fn)
+    if row.skipped:
+        return [row]
+    head = model.get_submodule(row.path) if row.path else model
+    arg = label_arg(model)
     state = HeadState(head, config, arg[0], arg[1], shift=_hf_like(model))
     _, undo_head = override_forward(head, _head_forward, state)
     _, undo_root = override_forward(model, _root_forward, state)
-    undo = functools.partial(run_all, undo_root, undo_head)
-    detail = f"{arg[0]} -> {config.mode}, chunk {config.chunk_size or 'auto'}"
-    if config.probe:
-        why = _probe(model, state)
-        if why.startswith("MISMATCH"):
-            undo()
-            return [AppliedChange(path, "chunked-ce", why[10:], skipped=True)]
-        detail += f"; {why}" if why else "; loss verified on a dummy batch"
-    return [AppliedChange(path, "chunked-ce", detail, undo=undo)]
+    row.undo = functools.partial(run_all, undo_root, undo_head)
+    return [row]

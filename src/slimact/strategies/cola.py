@@ -5,8 +5,9 @@
 seven rank-r pre-activations A·x (2d + 7r values per token, Eq. 19) and recomputes the rest; see
 ``slimact.cola.colam``. Blocks that are not CoLA blocks are reported as skipped with the reason;
 a model with no CoLA block at all is an error (nothing would change, which would be misleading).
-As a plan (``slimact.plan_of(model, "cola-m")``) each CoLA block is reformulated whole, kind
-``cola-m``: the plan runtime's block reformulation, registered here (``register_block_reform``).
+The strategy is a plan (``colam_part``: the blocks ``find_colam`` finds), each CoLA block
+reformulated whole, kind ``cola-m``: the plan runtime's block reformulation, registered here
+(``register_block_reform``), applied by the runtime (``strategies/parts.py``).
 
 ``cola`` is the architecture itself. CoLA replaces every projection W by B σ(A x), which cannot
 carry W's weights over, so it is not an in-place transform of a trained model. Semantics chosen:
@@ -27,7 +28,9 @@ from slimact import sites
 from slimact.cola.colam import colam_block, unsupported_reason
 from slimact.cola.layers import CoLALinear
 from slimact.planner.apply import register_block_reform
+from slimact.planner.settings import RecomputeSettings
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
+from slimact.strategies.parts import Part, install_part, reform_part
 
 
 @dataclass(frozen=True)
@@ -65,9 +68,10 @@ def apply_cola(
     ]
 
 
-def apply_colam(
-    model: nn.Module, config: CoLAMConfig, filter_fn: FilterFn | None = None
-) -> list[AppliedChange]:
+def find_colam(model: nn.Module, filter_fn: FilterFn | None = None) -> list[AppliedChange]:
+    """The blocks ``cola-m`` would switch to CoLA-M, found without changing the model: one row
+    per block (skipped with the reason: filtered out, forward already patched, not a CoLA
+    block); no undo. A model that is not CoLA, or whose blocks it can handle none of, raises."""
     if not any(isinstance(m, CoLALinear) for m in model.modules()):
         raise ValueError(_NOT_COLA.format(what="strategy 'cola-m'"))
     modules = dict(model.named_modules())
@@ -75,23 +79,34 @@ def apply_colam(
     for path in sites.block_paths(model):
         block = modules[path]
         if filter_fn is not None and not filter_fn(block, path):
-            changes.append(AppliedChange(path, "cola-m", "filtered out", skipped=True))
-            continue
-        if "forward" in block.__dict__:
-            changes.append(AppliedChange(path, "cola-m", "forward already patched", skipped=True))
-            continue
-        why = unsupported_reason(block)
-        if why:
-            changes.append(AppliedChange(path, "cola-m", why, skipped=True))
-            continue
-        undo = colam_block(block, config.preserve_rng_state)
-        changes.append(
-            AppliedChange(path, "cola-m", "save x, h and the 7 rank-r A·x; recompute B", undo=undo)
-        )
+            changes.append(AppliedChange(path, COLAM, "filtered out", skipped=True))
+        elif "forward" in block.__dict__:
+            changes.append(AppliedChange(path, COLAM, "forward already patched", skipped=True))
+        elif why := unsupported_reason(block):
+            changes.append(AppliedChange(path, COLAM, why, skipped=True))
+        else:
+            changes.append(
+                AppliedChange(path, COLAM, "save x, h and the 7 rank-r A·x; recompute B")
+            )
     if not any(not c.skipped for c in changes):
         reasons = "; ".join(f"{c.path}: {c.detail}" for c in changes) or "no repeated blocks"
         raise ValueError(f"strategy 'cola-m' found no block it can handle ({reasons})")
     return changes
+
+
+def colam_part(model: nn.Module, config: CoLAMConfig, filter_fn: FilterFn | None) -> Part:
+    """The CoLA blocks ``find_colam`` finds, each reformulated whole (kind ``cola-m``: the
+    runtime's block reformulation, registered below), its recomputations keeping the RNG state
+    as ``config`` says (the ``recompute`` settings); and the strategy's rows."""
+    rows = find_colam(model, filter_fn)
+    return reform_part(model, COLAM, rows, RecomputeSettings(config.preserve_rng_state))
+
+
+def apply_colam(
+    model: nn.Module, config: CoLAMConfig, filter_fn: FilterFn | None = None
+) -> list[AppliedChange]:
+    """The strategy's transform: its plan installed (``parts.install_part``)."""
+    return install_part(model, *colam_part(model, config, filter_fn))
 
 
 COLAM = "cola-m"  # the plan runtime's block reformulation of the same name (``plan_of``)

@@ -59,6 +59,7 @@ from slimact.registry import (
     StrategyConfig,
     compile_safe,
     compiled_spec,
+    parts_one_by_one,
     register_config_type,
     register_rename,
     register_strategy,
@@ -195,7 +196,8 @@ def _solved(
             "forward would see), or CompiledAutoConfig(budget=..., batch=B, seq=S)"
         )
     work = copy.deepcopy(model)
-    changes = [c for part in eager for c in transform_of(part)(work, part, None)]
+    with parts_one_by_one():  # as apply's part-by-part path: the runtime is compiled-auto's
+        changes = [c for part in eager for c in transform_of(part)(work, part, None)]
     changes += plan_compiled(work, config, ids, targets)
     plan = state_of(work).compiled_plan
     for c in reversed(changes):

@@ -2,14 +2,36 @@
 
 ``invact-act`` is the paper as published: every GELU / tanh-GELU / SiLU saves ``y`` + 1 bit
 instead of ``x``. ``invact`` also inverts RMSNorm / LayerNorm (``y`` + rstd instead of ``x``).
-Both are the ``reformulate`` action applied to every candidate the probe accepts; how candidates
-are found, verified and swapped is ``slimact.reformulate``'s.
+Both are the ``reformulate`` action applied to every candidate the probe accepts: how candidates
+are found and verified is ``slimact.reformulate``'s (``find_invact``); the strategy states them
+as a plan (``invact_part``: ``reform`` rows, its other settings as ``Plan.settings``) that the
+plan runtime applies (``strategies/parts.py``; the swap is ``reformulate.patch_invact``).
 """
 
 from __future__ import annotations
 
-from slimact.reformulate import InvActConfig, apply_invact
-from slimact.registry import register_strategy
+import torch.nn as nn
+
+from slimact.planner.settings import InvActSettings
+from slimact.reformulate import InvActConfig, find_invact
+from slimact.registry import AppliedChange, FilterFn, register_strategy
+from slimact.strategies.parts import Part, install_part, reform_part
+
+
+def invact_part(model: nn.Module, config: InvActConfig, filter_fn: FilterFn | None) -> Part:
+    """The modules ``find_invact`` would invert (its probe included), as ``reform`` per block,
+    and how they compute (``InvActSettings``); and the strategy's rows."""
+    name = "invact" if config.norms else "invact-act"
+    rows = find_invact(model, config, filter_fn)
+    return reform_part(model, name, rows, InvActSettings.of(config))
+
+
+def apply_invact(
+    model: nn.Module, config: InvActConfig, filter_fn: FilterFn | None = None
+) -> list[AppliedChange]:
+    """The strategy's transform: its plan installed (``parts.install_part``)."""
+    return install_part(model, *invact_part(model, config, filter_fn))
+
 
 register_strategy(
     "invact",

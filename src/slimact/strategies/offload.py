@@ -14,24 +14,23 @@ for them. The planner (``auto`` with a ``host_budget``) weighs that per storage 
 
 CUDA only: on a CPU model the saved tensors are in host memory already, so ``apply`` refuses
 with a ``ValueError`` saying so. The policy is a codec policy (one per model: ``offload`` does not
-compose with ``int4``, ``prac`` or a plan). ``slimact.plan_of(model, "offload")`` is the same as a
-plan: ``recompute``'s blocks, each one's ``:checkpoint_input#0`` through the codec ``offload``.
+compose with ``int4``, ``prac`` or a plan). The strategy is a plan (``offload_part``, also
+``slimact.plan_of(model, "offload")``): ``recompute``'s blocks, each one's
+``:checkpoint_input#0`` through the codec ``offload``, on the plan runtime (``strategies/parts.py``).
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from dataclasses import dataclass
 
-import torch
 import torch.nn as nn
 
-from slimact.codecs.base import Codec, get_codec
+from slimact.actions import OFFLOAD_CODEC
 from slimact.codecs.offload import check_model
-from slimact.codecs.saving import CodecPolicy
-from slimact.planner.apply import install_policy
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
-from slimact.strategies.recompute import RecomputeConfig, apply_recompute
+from slimact.strategies.parts import Part, install_part
+from slimact.strategies.recompute import RecomputeConfig, recompute_part
 
 
 @dataclass(frozen=True)
@@ -41,23 +40,32 @@ class OffloadStrategyConfig(StrategyConfig):
     preserve_rng_state: bool = True
 
 
-def _assign(blocks: frozenset[str], codec: Codec, site: str, t: torch.Tensor) -> Codec | None:
-    module, _, op = site.rpartition(":")
-    return codec if module in blocks and op.startswith("checkpoint_input#") else None
+BLOCK_INPUT = ":checkpoint_input#0"  # a recomputed block's input, block-relative
+
+
+def offload_part(
+    model: nn.Module, config: OffloadStrategyConfig, filter_fn: FilterFn | None
+) -> Part:
+    """``recompute``'s blocks, each one's input (its checkpoint's first save) through the
+    offload codec; and ``recompute``'s rows."""
+    plan, rows = recompute_part(model, RecomputeConfig(config.preserve_rng_state), filter_fn)
+    if not plan.layers:
+        return plan, rows
+    offloaded = ((OFFLOAD_CODEC, (BLOCK_INPUT,)),)
+    layers = tuple(dataclasses.replace(lp, codecs=offloaded) for lp in plan.layers)
+    return dataclasses.replace(plan, layers=layers, meta=(("strategy", "offload"),)), rows
 
 
 def apply_offload(
     model: nn.Module, config: OffloadStrategyConfig, filter_fn: FilterFn | None = None
 ) -> list[AppliedChange]:
+    """The strategy's transform: refused on a CPU model, else its plan on the plan runtime
+    (``parts.install_part``), the rows ``recompute``'s and the codec policy's."""
     check_model(model)
-    changes = apply_recompute(model, RecomputeConfig(config.preserve_rng_state), filter_fn)
-    blocks = frozenset(c.path for c in changes if c.action == "recompute" and not c.skipped)
-    if not blocks:
-        return changes
-    policy = CodecPolicy(functools.partial(_assign, blocks, get_codec("offload")))
-    change = install_policy(model, policy)
-    change.detail = f"inputs of {len(blocks)} checkpointed block(s) -> offload (pinned host)"
-    return [*changes, change]
+    plan, rows = offload_part(model, config, filter_fn)
+    n = len(plan.layers)
+    detail = f"inputs of {n} checkpointed block(s) -> offload (pinned host)"
+    return install_part(model, plan, rows, (AppliedChange("", "codec-policy", detail),))
 
 
 register_strategy(

@@ -25,21 +25,21 @@ checks each). Each config type has one handler (torchao's shape: dispatch by con
                           the spec's batch shape): the strategy's planner (``plan_model``) and its
                           profile cache, so the strategy, planning on that batch, takes that plan
 
-``recompute``, ``offload``, ``invact``, ``chunked-ce`` and ``cola-m`` find their modules as the
-strategy does (its probe included): the strategy is applied to the model, its changes read, and
-undone, so the model is left as it was. How they compute is the plan's settings of their family
-(``Plan.settings``, ``planner.settings``): ``invact``'s other fields than its module selection
-(``invact@bf16=exact-near-branch,mode=paper``), ``chunked-ce``'s (``chunked-ce@256,precompute``),
-and ``preserve_rng_state`` of ``recompute``, ``offload`` and ``cola-m`` (the ``recompute``
-family). Refused: ``auto`` without a batch, with a ``filter_fn`` or with another part (its plan
-is solved for the model as it is), and the strategies that are not presets (``compiled-*``). A
-``filter_fn`` is part of the plan: blocks and modules it rejects are left out of the layers, and
-each lazy rule names the modules whose sites it may code (``SiteRule.modules``). ``offload``'s
-policy offloads every input a block's checkpoint saves (``#k``), the plan names the first, the
-block's hidden states: the same site where the block is called with one positional tensor
-(slimact's models, Hugging Face's decoders). A spec with
-``+`` merges its parts' plans (``Plan.merge``), which names every site where two parts conflict
-and every family two parts set two ways (``invact@bf16=exact-near-branch+invact-act``).
+Each handler is the strategy's planner (``strategies/parts.py``): ``recompute``, ``offload``,
+``invact``, ``chunked-ce`` and ``cola-m`` find their modules with their finders (their probes
+included, under ``sites.probing()``), which leave the model as it was. How they compute is the
+plan's settings of their family (``Plan.settings``, ``planner.settings``): ``invact``'s other
+fields than its module selection (``invact@bf16=exact-near-branch,mode=paper``),
+``chunked-ce``'s (``chunked-ce@256,precompute``), and ``preserve_rng_state`` of ``recompute``,
+``offload`` and ``cola-m`` (the ``recompute`` family). Refused: ``auto`` without a batch, with a
+``filter_fn`` or with another part (its plan is solved for the model as it is), and the
+strategies that are not presets (``compiled-*``). A ``filter_fn`` is part of the plan: blocks
+and modules it rejects are left out of the layers, and each lazy rule names the modules whose
+sites it may code (``SiteRule.modules``). ``offload`` offloads the first input a block's
+checkpoint saves (``#0``), the block's hidden states: every input where the block is called
+with one positional tensor (slimact's models, Hugging Face's decoders). A spec with ``+`` merges
+its parts' plans (``Plan.merge``), which names every site where two parts conflict and every
+family two parts set two ways (``invact@bf16=exact-near-branch+invact-act``).
 A plan is applied in the runtime's one order (reformulate, recompute, then codecs), whatever the
 order of the spec's parts.
 
@@ -48,16 +48,17 @@ spec whose every part is a preset installs ``plan_of``'s one merged plan on the 
 and a later spec of presets on such a model is merged into its plan. The changes it records are
 the strategies' own (``int4``'s and ``prac``'s head rows, the per-module rows with their skips:
 PRAC's ranks per linear and norm module). Any other spec (one part not a preset, or a model
-carrying a change that is not a preset's: a solved plan) is applied part by part by the
-strategies' own transforms, as before; the PRAC family's (``strategies/prac.py``) installs the
-plan and rows of its preset (``prac_part``). ``auto`` always takes the part-by-part path (its lazy
-planning on the first batch and its re-planning budget check), shown to store and train as its
-plan does.
+carrying a change that is not a preset's: a solved plan) is applied part by part, each strategy
+by its registered transform, which installs its own part the same way (``parts.install_part``;
+beside a planner's runtime, a plan that only recomputes and reformulates is patched by the
+runtime's patchers, ``planner.apply.patch_plan``); the PRAC family's (``strategies/prac.py``)
+installs the plan and rows of its preset (``prac_part``). ``auto`` always takes the part-by-part
+path (its lazy planning on the first batch and its re-planning budget check), shown to store
+and train as its plan does.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import operator
 from collections.abc import Callable
@@ -65,23 +66,15 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from slimact import sites
-from slimact.actions import FUSED_RMS, OFFLOAD_CODEC
-from slimact.checkpointing import GUARD_ACTION, guard_cache
+from slimact.actions import FUSED_RMS
+from slimact.checkpointing import guard_cache
 from slimact.classify import is_norm
 from slimact.codecs.prac import resolve_rank
 from slimact.hf_inputs import random_token_batch, refuse_unless_token_ids
 from slimact.planner.apply import PlanRuntime, restrict_rules, runtime_of
 from slimact.planner.auto import AutoConfig, plan_model
-from slimact.planner.plan import LayerPlan, Plan
-from slimact.planner.settings import ChunkedCESettings, InvActSettings, RecomputeSettings
-from slimact.reformulate import (
-    ChunkedCEConfig,
-    InvActConfig,
-    apply_chunked_ce,
-    apply_invact,
-    fusable_rms_norms,
-)
+from slimact.planner.plan import Plan
+from slimact.reformulate import ChunkedCEConfig, InvActConfig, fusable_rms_norms
 from slimact.registry import (
     AppliedChange,
     FilterFn,
@@ -91,50 +84,15 @@ from slimact.registry import (
 )
 from slimact.state import peek
 from slimact.strategies.auto import auto_refusal
-from slimact.strategies.cola import COLAM, CoLAConfigMarker, CoLAMConfig, apply_cola, apply_colam
+from slimact.strategies.chunked_ce import chunked_ce_part
+from slimact.strategies.cola import CoLAConfigMarker, CoLAMConfig, apply_cola, colam_part
 from slimact.strategies.int4 import Int4Config, NaiveInt4Config
+from slimact.strategies.invact import invact_part
 from slimact.strategies.none import NoneConfig
-from slimact.strategies.offload import OffloadStrategyConfig
+from slimact.strategies.offload import OffloadStrategyConfig, offload_part
+from slimact.strategies.parts import Part, is_empty, layers_of, presets_runtime
 from slimact.strategies.prac_config import PacConfig, PracConfig, RacConfig
-from slimact.strategies.recompute import RecomputeConfig, apply_recompute
-
-
-def _layers(
-    model: nn.Module, field: str, paths: list[str], kinds: dict[str, str] | None = None
-) -> tuple[LayerPlan, ...]:
-    """``paths`` (absolute module paths) as one ``LayerPlan`` per block, ``field`` holding each
-    path relative to its block (and ``reform_kinds`` its kind from ``kinds``); paths outside
-    every block go to the root's row (block "")."""
-    blocks = sites.block_paths(model)
-    modules = dict(model.named_modules())
-    rows: dict[str, list[tuple[str, str]]] = {}
-    for path in paths:
-        owner = next((b for b in blocks if path == b or path.startswith(b + ".")), "")
-        rel = path[len(owner) + 1 :] if owner and path != owner else ("" if owner else path)
-        rows.setdefault(owner, []).append((rel, (kinds or {}).get(path, "")))
-    return tuple(
-        LayerPlan(
-            block=b,
-            kind=type(modules[b]).__name__ if b else type(model).__name__,
-            **{field: tuple(rel for rel, _ in rows[b])},
-            reform_kinds=tuple((rel, k) for rel, k in rows[b] if k),
-        )
-        for b in [*blocks, ""]
-        if b in rows
-    )
-
-
-Part = tuple[Plan, list[AppliedChange]]  # a part's plan and the changes the strategy reports
-
-
-def _changes_of(apply_fn: Callable, model: nn.Module, config, filter_fn) -> list[AppliedChange]:
-    """What ``apply_fn`` would do (its probe included), found by applying it and undoing it: its
-    changes, without their undos (the model is left as it was)."""
-    changes = apply_fn(model, config, filter_fn)
-    for c in reversed(changes):
-        if c.undo is not None:
-            c.undo()
-    return [AppliedChange(c.path, c.action, c.detail, c.skipped) for c in changes]
+from slimact.strategies.recompute import RecomputeConfig, recompute_part
 
 
 def _none(model: nn.Module, config: NoneConfig, filter_fn: FilterFn | None) -> Part:
@@ -147,75 +105,10 @@ def _cola(model: nn.Module, config: CoLAConfigMarker, filter_fn: FilterFn | None
     return Plan(meta=(("strategy", "cola"),)), apply_cola(model, config, filter_fn)
 
 
-def _recompute(model: nn.Module, config: RecomputeConfig, filter_fn: FilterFn | None) -> Part:
-    changes = _changes_of(apply_recompute, model, config, filter_fn)
-    rows = [c for c in changes if c.action != GUARD_ACTION]
-    paths = [c.path for c in rows if not c.skipped]
-    if not paths:
-        return Plan(), rows
-    plan = Plan(
-        layers=_layers(model, "recompute", paths),
-        meta=(("strategy", "recompute"),),
-        settings={"recompute": RecomputeSettings(config.preserve_rng_state)},
-    )
-    return plan, rows
-
-
-BLOCK_INPUT = ":checkpoint_input#0"  # a recomputed block's input, block-relative
-
-
-def _offload(model: nn.Module, config: OffloadStrategyConfig, filter_fn: FilterFn | None) -> Part:
-    """``recompute``'s blocks, each one's input (its checkpoint's first save) through the
-    offload codec: what the strategy's codec policy offloads."""
-    plan, rows = _recompute(model, RecomputeConfig(config.preserve_rng_state), filter_fn)
-    if not plan.layers:
-        return plan, rows
-    offloaded = ((OFFLOAD_CODEC, (BLOCK_INPUT,)),)
-    layers = tuple(dataclasses.replace(lp, codecs=offloaded) for lp in plan.layers)
-    return dataclasses.replace(plan, layers=layers, meta=(("strategy", "offload"),)), rows
-
-
 def _rule(model: nn.Module, config: Int4Config | NaiveInt4Config, filter_fn) -> Part:
     # its rows: the strategy's name and roles, then the runtime's codec-policy row (filled in)
     plan = restrict_rules(config.plan(), model, filter_fn)
     return plan, [AppliedChange("", config.name, config.describe())]
-
-
-def _reformulated(
-    apply_fn: Callable, strategy: str, model: nn.Module, config, filter_fn, settings
-) -> Part:
-    """The modules ``apply_fn`` would reformulate, as ``reform`` with their kinds
-    (``invact:silu``, ...), and how they compute (``settings``: one family's, ``Plan.settings``)."""
-    rows = _changes_of(apply_fn, model, config, filter_fn)
-    modules = dict(model.named_modules())
-    kinds = {c.path: c.action for c in rows if not c.skipped and c.path and c.path in modules}
-    if not kinds:
-        return Plan(), rows
-    plan = Plan(
-        layers=_layers(model, "reform", list(kinds), kinds),
-        meta=(("strategy", strategy),),
-        settings={settings.family: settings},
-    )
-    return plan, rows
-
-
-def _invact(model: nn.Module, config: InvActConfig, filter_fn: FilterFn | None) -> Part:
-    name = "invact" if config.norms else "invact-act"
-    settings = InvActSettings.of(config)
-    return _reformulated(apply_invact, name, model, config, filter_fn, settings)
-
-
-def _chunked_ce(model: nn.Module, config: ChunkedCEConfig, filter_fn: FilterFn | None) -> Part:
-    settings = ChunkedCESettings.of(config)
-    return _reformulated(apply_chunked_ce, "chunked-ce", model, config, filter_fn, settings)
-
-
-def _colam(model: nn.Module, config: CoLAMConfig, filter_fn: FilterFn | None) -> Part:
-    """The CoLA blocks the strategy would switch to CoLA-M, each reformulated whole (kind
-    ``cola-m``: the runtime's block reformulation, ``strategies/cola.py`` registers it), its
-    recomputations keeping the RNG state as ``config`` says (the ``recompute`` settings)."""
-    settings = RecomputeSettings(config.preserve_rng_state)
-    return _reformulated(apply_colam, COLAM, model, config, filter_fn, settings)
 
 
 def _auto(
@@ -258,7 +151,7 @@ def prac_plan(model: nn.Module, config: PracConfig, filter_fn: FilterFn | None =
     passes reformulated to save (x, rstd) (kind ``rms-norm``)."""
     paths = fusable_rms_norms(model, filter_fn) if config.fuse_norms else []
     plan = Plan(
-        layers=_layers(model, "reform", paths, dict.fromkeys(paths, FUSED_RMS)),
+        layers=layers_of(model, "reform", paths, dict.fromkeys(paths, FUSED_RMS)),
         rules=(config.rule(),),
         meta=(("strategy", config.name),),
     )
@@ -315,16 +208,16 @@ _CODEC_PARTS = (Int4Config, NaiveInt4Config, PracConfig)  # the runtime's rows a
 PRESETS: dict[type, Callable[..., Part]] = {
     NoneConfig: _none,
     CoLAConfigMarker: _cola,
-    RecomputeConfig: _recompute,
+    RecomputeConfig: recompute_part,
     Int4Config: _rule,
     NaiveInt4Config: _rule,
-    InvActConfig: _invact,
-    ChunkedCEConfig: _chunked_ce,
+    InvActConfig: invact_part,
+    ChunkedCEConfig: chunked_ce_part,
     PracConfig: prac_part,
     PacConfig: prac_part,
     RacConfig: prac_part,
-    OffloadStrategyConfig: _offload,
-    CoLAMConfig: _colam,
+    OffloadStrategyConfig: offload_part,
+    CoLAMConfig: colam_part,
     AutoConfig: _auto,
 }
 _WITH_EXAMPLE = (AutoConfig,)  # handlers that take plan_of's example= (keyword)
@@ -386,10 +279,6 @@ def plan_of(
     return functools.reduce(operator.add, [plan for plan, _ in parts])
 
 
-def _is_empty(plan: Plan) -> bool:
-    return not plan.layers and not plan.rules
-
-
 def apply_presets(
     model: nn.Module, configs: list[StrategyConfig], filter_fn: FilterFn | None
 ) -> list[AppliedChange] | None:
@@ -408,13 +297,12 @@ def apply_presets(
         return None
     st = peek(model)
     rt = runtime_of(model)
-    if st is not None and (st.applied or rt is not None):
-        if rt is None or rt.preset_rows != len(st.applied):
-            return None  # changes that are not a preset's (cola-m, prac, a solved plan, ...)
+    if st is not None and (st.applied or rt is not None) and presets_runtime(model) is None:
+        return None  # changes that are not a preset's (a solved plan, a compiled block, ...)
     parts = _parts(model, configs, filter_fn)
     new = functools.reduce(operator.add, [plan for plan, _ in parts])
     rows = [c for _, part_rows in parts for c in part_rows]
-    if _is_empty(new):  # nothing to change: every part skipped (or none)
+    if is_empty(new):  # nothing to change: every part skipped (or none)
         if rt is not None:
             rt.preset_rows += len(rows)
         return rows
