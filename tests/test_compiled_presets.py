@@ -279,14 +279,16 @@ def test_the_eager_part_and_the_roots_option_run_as_one_plan():
 def test_compiled_auto_after_an_eager_part_is_one_plan(tmp_path):
     """``invact+auto@<budget>`` under compile=True: the plan ``compiled_plan_of`` solves (on a
     copy that carries the eager part, as the strategy plans) is the eager part, the blocks'
-    choices and the root's option, the last two merged on the runtime; applied, it trains bit
+    choices and the root's option, the first and last merged on the runtime; applied, it trains bit
     for bit as the strategy does, planning on its first training forward."""
     torch.manual_seed(0)
     base = build_model("llama-tiny")
     spec = f"invact+auto@15%,codecs=none/int8,budgets=1/0,rounds=1,cache={tmp_path}"
     plan = compiled_plan_of(base, spec, example=(IDS, IDS))
     assert slimact.applied(base) == [] and runtime_of(base) is None
-    assert plan.eager == plan_of(base, "invact@ops=none") and plan.root is not None
+    # (whether the root takes an option depends on measured times: the merge of the two is
+    # test_the_eager_part_and_the_roots_option_run_as_one_plan's, with the option given)
+    assert plan.eager == plan_of(base, "invact@ops=none")
     assert CompiledPlan.from_dict(json.loads(plan.to_json())) == plan
     by_name = slimact.apply(copy.deepcopy(base), spec, compile=True)
     by_plan = slimact.apply(copy.deepcopy(base), plan)

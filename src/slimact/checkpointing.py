@@ -87,10 +87,16 @@ class CacheGuard:
 def checkpointed(orig: Any, preserve_rng_state: bool, *args: Any, **kwargs: Any) -> Any:
     """Run ``orig(*args, **kwargs)`` under non-reentrant checkpointing (the wrapper slimact puts on
     every recomputed module: ``override_forward(module, checkpointed, preserve_rng_state)``); as
-    is without grad or when handed a KV cache (see above)."""
+    is without grad, when handed a KV cache (see above), and inside a strategy's probe
+    (``sites.probing()``: a probe asks what the ops save, as a plan's reformulations are found on
+    the model without its recomputation, whatever was applied first)."""
     if not isinstance(preserve_rng_state, bool):
         raise TypeError(f"preserve_rng_state must be a bool, got {type(preserve_rng_state)}")
-    if not torch.is_grad_enabled() or carries_cache(orig, args, kwargs):  # written twice on replay
+    if (
+        not torch.is_grad_enabled()
+        or sites.is_probing()
+        or carries_cache(orig, args, kwargs)  # written twice on replay
+    ):
         return orig(*args, **kwargs)
     with sites.role("checkpoint_input"):
         return checkpoint(
