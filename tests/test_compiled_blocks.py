@@ -78,6 +78,27 @@ def test_compiled_spec(spec, want):
     resolve(want)  # and it is a valid spec
 
 
+def test_compiled_spec_reads_registration_facts_not_names():
+    """How a spec becomes its compiled form is said by each strategy's registration
+    (``compile_args``, its config's ``merges_with_recompute``), so a new strategy gets it too."""
+    from slimact.registry import register_strategy, unregister_strategies
+    from slimact.strategies.none import NoneConfig
+
+    register_strategy(
+        "probe-only", NoneConfig(), lambda m, c, f=None: [], compile_safe=True, compile_args="a=1"
+    )
+    try:
+        assert compiled_spec("probe-only+int8") == "probe-only@a=1+compiled-int8"
+        assert compiled_spec("probe-only@b=2") == "probe-only@b=2,a=1+compiled-none"
+        assert compiled_spec("probe-only@a=3") == "probe-only@a=3+compiled-none"
+    finally:
+        unregister_strategies({"probe-only"})
+    assert compiled_spec("compiled-int4-outlier+recompute") == "compiled-int4-outlier@0"
+    assert compiled_spec("none+recompute") == "compiled-none@0"
+    with pytest.raises(ValueError, match="compiled once"):  # PRAC takes no region budget
+        compiled_spec("prac+recompute")
+
+
 @pytest.mark.parametrize(
     "spec, match", [("pac", "has no compiled form"), ("int4+auto@25%", "compiled once")]
 )

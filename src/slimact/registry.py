@@ -91,6 +91,7 @@ class _Entry:
     checkpointing: bool = False  # it checkpoints blocks (does not compose with compiled blocks)
     compiled_form: str | None = None  # what ``apply(..., compile=True)`` applies instead
     compile_safe: bool = False  # applied as it is under ``compile=True`` (its ops compile)
+    compile_args: str = ""  # ``key=value,...`` its spec takes under ``compile=True`` (unless given)
 
 
 _REGISTRY: dict[str, _Entry] = {}
@@ -160,6 +161,7 @@ def register_strategy(
     checkpointing: bool = False,
     compiled_form: str | None = None,
     compile_safe: bool = False,
+    compile_args: str = "",
 ) -> None:
     """Register ``name``. Registering the same name again from the same transform (a module that
     is imported a second time, e.g. after an earlier import of the package failed half-way)
@@ -169,7 +171,8 @@ def register_strategy(
     transform installs a codec policy (at most one per model); ``checkpointing``, it checkpoints
     blocks (which compiled blocks do not compose with); ``compiled_form``, the strategy
     ``apply(..., compile=True)`` applies in its place (``"compiled-int8"``); ``compile_safe``,
-    it is applied as it is under ``compile=True``."""
+    it is applied as it is under ``compile=True``, with ``compile_args`` (``"ops=none"``: each
+    ``key=value`` its spec does not set) added to its spec there."""
     old = _REGISTRY.get(name)
     if old is not None and _qualname(old.transform) != _qualname(transform):
         raise ValueError(
@@ -178,7 +181,7 @@ def register_strategy(
         )
     _REGISTRY[name] = _Entry(
         type(default), default, transform, description, codec_policy, checkpointing,
-        compiled_form, compile_safe,
+        compiled_form, compile_safe, compile_args,
     )  # fmt: skip
 
 
@@ -365,13 +368,10 @@ def compiled_spec(strategy: str) -> str:
             blocks.append(part)
         elif compiled_form_of(base) is not None:
             blocks.append(compiled_form_of(base) + at + arg)
-        elif base == "invact" and "ops=" not in arg:
-            # norms only: under inductor a block already keeps an activation's input and
-            # recomputes its output, so an inverted GELU/SiLU adds its bit mask and an opaque op
-            # and saves nothing (BENCHMARKS.md §7)
-            eager.append(f"{part},ops=none" if at and arg else "invact@ops=none")
         elif (e := _REGISTRY.get(base)) is not None and e.compile_safe:
-            eager.append(part)
+            given = {item.split("=", 1)[0] for item in arg.split(",") if "=" in item}
+            extra = [a for a in e.compile_args.split(",") if a and a.split("=")[0] not in given]
+            eager.append(f"{base}@{','.join(filter(None, [arg, *extra]))}" if extra else part)
         else:
             forms = [n for n, e in _REGISTRY.items() if e.compiled_form]
             safe = sorted(n for n, e in _REGISTRY.items() if e.compile_safe)
@@ -381,13 +381,8 @@ def compiled_spec(strategy: str) -> str:
             )
     if "compiled-recompute" in blocks and len(blocks) == 2:
         other = next(b for b in blocks if b != "compiled-recompute")
-        if "@" not in other and other in (
-            "compiled-int8",
-            "compiled-int6",
-            "compiled-int4",
-            "compiled-int4-outlier",
-            "compiled-none",
-        ):
+        e = _REGISTRY.get(other)  # its config says whether its codec runs at region budget 0
+        if e is not None and getattr(e.default, "merges_with_recompute", False):
             blocks = [f"{other}@0"]
     if len(blocks) > 1:
         raise ValueError(

@@ -62,6 +62,13 @@ class CompiledCodecConfig(StrategyConfig):
         return f"{head}@{','.join(args)}" if args else head
 
     @property
+    def merges_with_recompute(self) -> bool:
+        """``<this>+compiled-recompute`` is this codec at region budget 0 (``int8+recompute``
+        under compile is ``compiled-int8@0``): an INT codec or none at compile's default
+        budget; PRAC and offload do not take a budget."""
+        return not self.offload and self.budget == 1.0 and resolve_codec(self.codec).prac is None
+
+    @property
     def choice(self) -> BlockChoice:
         return BlockChoice(self.budget, self.codec, self.offload)
 
