@@ -13,11 +13,12 @@ undone newest first and the original error propagates; the model is left as it w
 Composition rule (checked before anything is applied, in one spec and across ``apply`` calls):
 
 * A *codec policy* decides, per saved tensor, how it is stored: ``int4``, ``int4-plain``,
-  ``int4-paper``, ``int4-naive``, ``int8`` (plans of lazy rules), ``auto`` (``auto@...``) and
-  ``plan`` install one through the plan runtime (``slimact.planner.apply``, one per model),
-  ``prac``, ``pac``, ``rac`` their own. Only one policy can decide a site, so a model carries at
-  most one of them: ``int4+prac`` and ``apply(m, "int4"); apply(m, "prac")`` are errors (whose
-  policy won would otherwise depend on the order). ``slimact.revert(model)`` first to switch.
+  ``int4-paper``, ``int4-naive``, ``int8`` (plans of lazy rules), ``prac``, ``pac``, ``rac`` (a
+  PRAC rule), ``offload`` (block inputs through the offload codec), ``auto`` (``auto@...``) and
+  ``plan`` install one through the plan runtime (``slimact.planner.apply``, one per model). Only
+  one policy can decide a site, so a model carries at most one of them: ``int4+prac`` and
+  ``apply(m, "int4"); apply(m, "prac")`` are errors (whose policy won would otherwise depend on
+  the order). ``slimact.revert(model)`` first to switch.
 * Everything else is a site transform (``invact``, ``invact-act``, ``recompute``,
   ``chunked-ce``, ``cola``, ``cola-m``, ``none``) and composes with the others and with one codec
   policy in any order: ``invact+int4``, ``invact+recompute+prac``, ``invact+int4+chunked-ce``.

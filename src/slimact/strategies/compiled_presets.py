@@ -18,14 +18,15 @@ traced codec, offload) and one for the eager root, i.e. a ``CompiledPlan``
 
 A spec whose compiled form has eager parts before the blocks (``invact`` ->
 ``invact@ops=none+compiled-none``, ``chunked-ce+int8`` -> ``chunked-ce+compiled-int8``) is one
-plan too: those compile-safe parts (``invact@ops=none``, ``invact-act``, ``chunked-ce``; their
-``plan_of``) are its eager part (``CompiledPlan.eager``), installed on the plan runtime before
+plan too: those compile-safe parts (``invact@ops=none``, ``invact-act``, ``chunked-ce``, ``cola``;
+their ``plan_of``) are its eager part (``CompiledPlan.eager``), installed on the plan runtime before
 the blocks compile; ``compiled-auto`` after such parts is solved on a copy that carries them.
 A root option (``compiled-auto``'s) then runs on the runtime merged with the eager part into one
 plan (``CompiledPlan.runtime_plan``; a conflicting site is refused). A spec written with a
 ``compiled-*`` part is read as written (``invact+compiled-int8`` inverts the activations too,
 as ``slimact.apply(model, spec)`` does); one without, as ``compile=True`` rewrites it. An eager
-part with no plan form (``chunked-ce@256``, ``cola``) is refused, naming it.
+part with no plan form is refused, naming it (every compile-safe strategy is a preset, with any
+settings: ``chunked-ce@256``, ``cola``).
 
 ``slimact.apply(model, plan)`` (``compile=True`` or not) applies a ``CompiledPlan`` through the
 ``compiled-plan`` strategy (``registry.register_config_type``): the same saved bytes, choices,

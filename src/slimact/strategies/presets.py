@@ -40,7 +40,7 @@ checkpoint saves (``#0``), the block's hidden states: every input where the bloc
 with one positional tensor (slimact's models, Hugging Face's decoders). A spec with ``+`` merges
 its parts' plans (``Plan.merge``), which names every site where two parts conflict and every
 family two parts set two ways (``invact@bf16=exact-near-branch+invact-act``).
-A plan is applied in the runtime's one order (reformulate, recompute, then codecs), whatever the
+A plan is applied in the runtime's one order (recompute, reformulate, then codecs), whatever the
 order of the spec's parts.
 
 ``slimact.apply`` goes through these plans (``apply_presets``, the registry's preset path): a
