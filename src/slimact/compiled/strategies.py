@@ -117,12 +117,13 @@ PRESETS: dict[str, tuple[CompiledCodecConfig, str]] = {
     ),
     "compiled-int6": (
         CompiledCodecConfig("int6"),
-        "torch.compile per block, per-row INT6 (four codes in three bytes) inlined, SDPA's q/k "
-        "too; SDPA's v and output INT8 per row",
+        "torch.compile per block, per-row INT6 (four codes in three bytes) inlined; SDPA's v and "
+        "output INT8 per row, its q/k exact",
     ),
     "compiled-int4": (
         CompiledCodecConfig("int4"),
-        "torch.compile per block, INT4 (groups of 32) inlined; SDPA q/k/v/output INT8 per row",
+        "torch.compile per block, INT4 (groups of 32) inlined; SDPA's v and output INT8 per row, "
+        "its q/k exact",
     ),
     "compiled-int4-outlier": (
         CompiledCodecConfig("int4-outlier"),

@@ -155,7 +155,7 @@ def _compiled_config(strategy: object) -> tuple[list[StrategyConfig], StrategyCo
         f"nor an eager part applied before the blocks compile; a compiled plan comes from "
         f"{', '.join(PRESETS)}, compiled-auto@<budget>, or an eager strategy whose compiled "
         "form is one of them (int8, int4, prac, recompute, offload, none, auto@<budget>), "
-        "after the compile-safe eager parts (invact, invact-act, chunked-ce)"
+        "after the compile-safe eager parts (invact, invact-act, chunked-ce, cola)"
     )
 
 

@@ -68,7 +68,7 @@ DESCRIBABLE = (
     "describable are the presets (none, recompute, offload, int4, int4-plain, int4-paper, int4-naive, int8, "
     "invact, invact-act, chunked-ce, prac, pac, rac, cola, cola-m, auto@<budget>) and their '+' "
     "compositions, one compiled strategy (compiled-*, after compile-safe eager parts: invact, "
-    "invact-act, chunked-ce), a Plan or a CompiledPlan"
+    "invact-act, chunked-ce, cola), a Plan or a CompiledPlan"
 )
 
 Forward = Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (model, token ids) -> loss
