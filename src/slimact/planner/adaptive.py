@@ -106,6 +106,10 @@ class BudgetCheck:
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
+        while self._open:  # a step interrupted by a BaseException: ``_post`` never ran
+            if (entry := self._open.pop()) is not None:
+                entry[0].close()
+                entry[1].release()
         state_of(self.model).budget_check = None
         prune(self.model)
 

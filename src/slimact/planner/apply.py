@@ -299,6 +299,12 @@ class PlanRuntime:
         self._clear_patches()
         for h in self._hooks:
             h.remove()
+        # a root call interrupted by a BaseException (Ctrl-C) never ran ``_post`` (torch runs
+        # always_call hooks for an Exception only): close the router and policy it left entered
+        while self._stacks:
+            if (stack := self._stacks.pop()) is not None:
+                stack.close()
+        self._parked.clear()
         state_of(self.model).runtime = None
         state_of(self.model).stateful.pop("codec-sites", None)
         prac = self.assign.prac if self.assign is not None else None

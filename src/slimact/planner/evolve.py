@@ -148,6 +148,10 @@ class PlanEvolver:
         """Stop tracking: the hooks and the runtime's observer go."""
         for h in self._hooks:
             h.remove()
+        while self._open:  # a step interrupted by a BaseException: ``_post`` never ran
+            if (entry := self._open.pop()) is not None:
+                entry[0].__exit__(None, None, None)
+                entry[1].release()
         self._armed = False
         self.rt.observer = None
 
