@@ -410,3 +410,42 @@ def test_leftovers_sees_what_it_should():
     with sites.tracking(model):
         assert leftovers(model)
     assert not leftovers(copy.deepcopy(model))
+
+
+def router_state() -> list[str]:
+    """The router's and autograd's thread state alone (the model's own hooks aside)."""
+    return [x for x in leftovers(nn.Module()) if not x.startswith("global")]
+
+
+@pytest.mark.parametrize("spec", ["int8", "auto"])
+def test_the_next_call_closes_what_an_interrupted_call_left_entered(spec, tmp_path):
+    """A Ctrl-C inside a training step skips the root's post-hooks (torch runs ``always_call``
+    hooks for an ``Exception`` only), leaving the router and the plan's policy entered. The
+    model's next call closes them first (``sites.RootCalls``), so its own step ends with the
+    thread as a finished step leaves it, and another model trained afterwards, with no slimact,
+    stores and differentiates exactly as without the interrupted one."""
+    from slimact.planner.evolve import PlanEvolver
+
+    model = tiny()
+    x = ids(model)
+    slimact.apply(model, _auto(tmp_path) if spec == "auto" else spec)
+    ev = PlanEvolver.for_model(model, cap=2, time_codecs=False)
+    step(model, x)  # (auto: planned, its budget checked)
+    boom_after(model.layers[1].mlp, 0, KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        step(model, x)
+    assert router_state(), "the interrupt left nothing entered: the test shows nothing"
+    model.layers[1].mlp.__class__ = type(model.layers[1].mlp).__mro__[1]  # no longer raises
+    step(model, x)
+    assert router_state() == []
+    other, ref = tiny(), tiny()
+    with slimact.measure(other) as m:
+        step(other, x)
+    step(ref, x)
+    assert m.report.total_bytes > 0 and not any(s.action != "keep" for s in m.report.sites)
+    for (n, p), q in zip(other.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), n
+    if ev is not None:
+        ev.remove()
+    slimact.revert(model)
+    assert not leftovers(model)

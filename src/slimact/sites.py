@@ -28,6 +28,7 @@ recomputation) are reported with :func:`hold`, so the meter sees every stored by
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 import weakref
@@ -458,3 +459,62 @@ def policy(p: Policy) -> Iterator[None]:
         yield
     finally:
         _state.policies.remove(p)
+
+
+# ------------------------------------------------------------------------------ root calls
+_CALL_IMPL = nn.Module._call_impl.__code__
+
+
+def _running_module_calls() -> list[Any]:
+    """The ``nn.Module._call_impl`` frames on this thread's stack: the module calls running."""
+    out, f = [], sys._getframe(1)
+    while f is not None:
+        if f.f_code is _CALL_IMPL:
+            out.append(f)
+        f = f.f_back
+    return out
+
+
+class RootCalls:
+    """What a root module's forward pre-hook entered for one call, kept for its forward hook
+    to close (the router, a policy, a listener).
+
+    torch runs an ``always_call`` forward hook after an ``Exception``, not after a
+    ``BaseException`` (Ctrl-C, ``SystemExit``), so a call interrupted that way would leave its
+    entry open, and with it the router and policy, for every later save of any model in the
+    thread. Each entry holds the frame of the module call it belongs to (its ``_call_impl``;
+    held, not its id, which a later call's frame may reuse once it is freed, and dropped when
+    the entry is closed); :meth:`close_stale` closes, with ``close``, the entries of this thread
+    whose call is no longer running, so the model's next call starts as a finished one leaves
+    it. ``close_all`` is for removal (``slimact.revert``)."""
+
+    def __init__(self, close: Callable[[Any], None]) -> None:
+        self._close = close
+        self._entries: list[tuple[int, Any, Any]] = []  # (thread id, call frame, item)
+
+    def close_stale(self) -> None:
+        """Close the entries of this thread's calls that are no longer running (interrupted by
+        a BaseException); a pre-hook calls it first, before it does anything else."""
+        if not self._entries:
+            return
+        running, me = _running_module_calls(), threading.get_ident()
+        while self._entries and self._entries[-1][0] == me:
+            if any(f is self._entries[-1][1] for f in running):
+                break
+            self._close(self._entries.pop()[2])
+
+    def push(self, item: Any) -> None:
+        self.close_stale()
+        calls = _running_module_calls()
+        self._entries.append((threading.get_ident(), calls[0] if calls else None, item))
+
+    def pop(self) -> Any:
+        """The item of the innermost open call (None if there is none)."""
+        return self._entries.pop()[2] if self._entries else None
+
+    def close_all(self) -> None:
+        while self._entries:
+            self._close(self._entries.pop()[2])
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -69,6 +69,13 @@ def _max_over_ranks(n: int) -> int:
     return int(t.item())
 
 
+def _close_open(entry: tuple[ExitStack, Meter, dict[str, Any]] | None) -> None:
+    """Close what an interrupted root call left open (``sites.RootCalls``)."""
+    if entry is not None:
+        entry[0].close()
+        entry[1].release()
+
+
 class BudgetCheck:
     """Measures the first training forward under a plan and compares it with the budget.
 
@@ -96,7 +103,7 @@ class BudgetCheck:
         self.replanner = replanner
         self.phase = "measure"
         self.events: list[dict[str, Any]] = []
-        self._open: list[tuple[ExitStack, Meter, dict[str, Any]] | None] = []
+        self._open = sites.RootCalls(_close_open)  # per root call: (stack, meter, conditions)
         self._hooks = [  # pre runs before the runtime's, so a new plan is in place for its policy
             model.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._post, always_call=True),
@@ -106,15 +113,13 @@ class BudgetCheck:
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
-        while self._open:  # a step interrupted by a BaseException: ``_post`` never ran
-            if (entry := self._open.pop()) is not None:
-                entry[0].close()
-                entry[1].release()
+        self._open.close_all()  # a step interrupted by a BaseException: ``_post`` never ran
         state_of(self.model).budget_check = None
         prune(self.model)
 
     # -- hooks ----------------------------------------------------------------------------------
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._open.close_stale()
         ids, tgt = call_batch(self.model, args, kwargs)
         if (
             self.phase == "done"
@@ -123,20 +128,20 @@ class BudgetCheck:
             or not torch.is_grad_enabled()
             or not isinstance(ids, torch.Tensor)
         ):
-            self._open.append(None)
+            self._open.push(None)
             return
         if self.phase == "replan":
             self._replan(ids, tgt)
             if self.phase == "done":  # re-planning failed (and said so): nothing to verify
-                self._open.append(None)
+                self._open.push(None)
                 return
         meter = Meter(self.model)
         stack = ExitStack()
         stack.enter_context(sites.listening(meter))
-        self._open.append((stack, meter, self._conditions(ids)))
+        self._open.push((stack, meter, self._conditions(ids)))
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
-        entry = self._open.pop() if self._open else None
+        entry = self._open.pop()
         if entry is None:
             return
         stack, meter, cond = entry

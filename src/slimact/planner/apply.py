@@ -183,6 +183,12 @@ class PolicySites:
             self.pending = dict(states)
 
 
+def _close_call(entry: tuple[ExitStack | None, bool]) -> None:
+    """Close what an interrupted root call left entered (``sites.RootCalls``)."""
+    if entry[0] is not None:
+        entry[0].close()
+
+
 class PlanRuntime:
     """Installs a plan on ``model`` and swaps it for another on demand (see module docstring)."""
 
@@ -196,8 +202,9 @@ class PlanRuntime:
         self.assign: PlanAssign | None = None
         self.policy: CodecPolicy | None = None
         self._undo: list[Callable[[], None]] = []
-        self._stacks: list[ExitStack | None] = []
-        self._parked: list[bool] = []  # per root call: did ``_pre`` park the label for the head?
+        # per root call: what ``_pre`` entered (router and policy) and whether it parked the
+        # label for the head; closed by ``_post``, or at the next call if a BaseException skipped it
+        self._calls = sites.RootCalls(_close_call)
         self._head_planned = False
         self.history: list[dict] = []
         self.last_input: tuple[torch.Tensor, torch.Tensor | None] | None = None
@@ -301,10 +308,7 @@ class PlanRuntime:
             h.remove()
         # a root call interrupted by a BaseException (Ctrl-C) never ran ``_post`` (torch runs
         # always_call hooks for an Exception only): close the router and policy it left entered
-        while self._stacks:
-            if (stack := self._stacks.pop()) is not None:
-                stack.close()
-        self._parked.clear()
+        self._calls.close_all()
         state_of(self.model).runtime = None
         state_of(self.model).stateful.pop("codec-sites", None)
         prac = self.assign.prac if self.assign is not None else None
@@ -336,9 +340,9 @@ class PlanRuntime:
         return self._pre(module, args, kwargs)
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        self._calls.close_stale()
         if getattr(_tls, "busy", False) or sites.is_probing():
-            self._stacks.append(None)
-            self._parked.append(False)
+            self._calls.push((None, False))
             return None
         ids, tgt = call_batch(self.model, args, kwargs)
         if isinstance(ids, torch.Tensor) and self.planner is not None:  # lazy planning's
@@ -351,15 +355,14 @@ class PlanRuntime:
         # the reformulated head's root part, here rather than in the root override, which a
         # plan installed during this call (lazy planning, a re-plan) would miss
         parked = park_labels(self.model, args, kwargs) if self._head_planned else None
-        self._parked.append(parked is not None)
         if self.policy is None or not self.routes_saves():
-            self._stacks.append(None)
+            self._calls.push((None, parked is not None))
             return parked
         stack = ExitStack()
         stack.enter_context(sites.tracking(self.model))
         stack.enter_context(sites.policy(self.policy))
         self.policy.reset()
-        self._stacks.append(stack)
+        self._calls.push((stack, parked is not None))
         return parked
 
     def merge_plan(self, plan: Plan) -> tuple[list[AppliedChange], Callable[[], None]]:
@@ -388,13 +391,12 @@ class PlanRuntime:
         return bool(a.table or a.rules)
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        if self._stacks:
-            stack = self._stacks.pop()
-            if stack is not None:
-                stack.close()
-                if self.policy is not None:
-                    self.policy.end()  # its verdicts start for the host (``codecs.saving``)
-        if self._parked and self._parked.pop():
+        stack, parked = self._calls.pop() or (None, False)
+        if stack is not None:
+            stack.close()
+            if self.policy is not None:
+                self.policy.end()  # its verdicts start for the host (``codecs.saving``)
+        if parked:
             return loss_output(self.model, output)
         return None
 

@@ -91,6 +91,13 @@ def _world() -> int:
     return tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
 
 
+def _close_open(entry: tuple[Any, Meter] | None) -> None:
+    """Close what an interrupted root call left open (``sites.RootCalls``)."""
+    if entry is not None:
+        entry[0].__exit__(None, None, None)
+        entry[1].release()
+
+
 class PlanEvolver:
     """Re-plans a model's applied plan at tracking steps (see the module docstring).
 
@@ -125,7 +132,7 @@ class PlanEvolver:
         self._sites: dict[str, tuple[int, str, int]] = {}
         self._indexed: Any = None  # the profile ``_sites`` indexes (a re-plan replaces it)
         self._measured: list[int] = []
-        self._open: list[tuple[Any, Meter] | None] = []
+        self._open = sites.RootCalls(_close_open)  # per root call: (listening, meter)
         self._track_s = 0.0
         self._armed = False
         self._hooks = [
@@ -148,10 +155,7 @@ class PlanEvolver:
         """Stop tracking: the hooks and the runtime's observer go."""
         for h in self._hooks:
             h.remove()
-        while self._open:  # a step interrupted by a BaseException: ``_post`` never ran
-            if (entry := self._open.pop()) is not None:
-                entry[0].__exit__(None, None, None)
-                entry[1].release()
+        self._open.close_all()  # a step interrupted by a BaseException: ``_post`` never ran
         self._armed = False
         self.rt.observer = None
 
@@ -162,17 +166,18 @@ class PlanEvolver:
         self.rt.observer = self._observe if self._armed else None
 
     def _pre(self, module: nn.Module, args: tuple) -> None:
+        self._open.close_stale()
         live = self._armed and torch.is_grad_enabled() and not sites.is_probing()
         if not live or threading.current_thread().name == PLANNER_THREAD:
-            self._open.append(None)
+            self._open.push(None)
             return
         meter = Meter(self.model)
         ctx = sites.listening(meter)
         ctx.__enter__()
-        self._open.append((ctx, meter))
+        self._open.push((ctx, meter))
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
-        entry = self._open.pop() if self._open else None
+        entry = self._open.pop()
         if entry is not None:
             ctx, meter = entry
             ctx.__exit__(None, None, None)
