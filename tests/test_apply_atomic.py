@@ -296,3 +296,13 @@ def test_compiled_blocks_and_checkpointing_are_refused_together(first, second):
     with pytest.raises(ValueError, match="do not compose"):
         slimact.apply(model, second)  # across calls too
     assert applied_strategies(model) == [first]
+
+
+@pytest.mark.parametrize("spec", ["offload+compiled-none", "compiled-recompute+offload"])
+def test_offload_checkpoints_its_blocks_so_compiled_blocks_are_refused_beside_it(spec):
+    """``offload`` recomputes every block (its registration says ``checkpointing``), so a
+    compiled strategy beside it is refused by name, on any device, before anything changes."""
+    model = build_model("llama-tiny")
+    with pytest.raises(ValueError, match="'offload' checkpoints blocks; the two do not compose"):
+        slimact.apply(model, spec)
+    assert applied_strategies(model) == []

@@ -74,5 +74,6 @@ register_strategy(
     apply_offload,
     "recompute every block, its input offloaded to pinned host memory (CUDA only)",
     codec_policy=True,
+    checkpointing=True,  # it recomputes every block: no compiled blocks beside it
     compiled_form="compiled-offload",  # block inputs in host memory, an eager wrapper per block
 )
