@@ -380,7 +380,19 @@ BAD = [
      r"its fields: block, kind, recompute"),
     (lambda: CompiledPlan.from_dict({**_compiled_json(), "eager": _settings("invact", "X", {})}),
      r"eager part .*expected \{'_type': 'InvActSettings'"),
+    # a misspelt field would be dropped with what it holds: refused, naming the field meant
+    (lambda: Plan.from_dict({"setings": _settings("invact", "InvActSettings", {})["settings"]}),
+     r"key 'setings', not a field of Plan: did you mean 'settings'\?"),
+    (lambda: Plan.from_dict({"rule": [{"codecs": [["act", "int8"]]}]}), r"did you mean 'rules'"),
 ]  # fmt: skip
+
+
+def test_keys_a_plan_carries_beside_its_fields_still_load():
+    """``slimact plan --json`` adds its timings and profile mode beside the plan's fields: that
+    output loads as the plan."""
+    plan = Plan(rules=(SiteRule(codecs=(("act", "int8"),)),))
+    extra = {"solve_time_s": 0.1, "profile_time_s": None, "profile": {"mode": "full"}}
+    assert Plan.from_dict(plan.to_dict() | extra) == plan
 
 
 @pytest.mark.parametrize(("make", "message"), BAD, ids=range(len(BAD)))

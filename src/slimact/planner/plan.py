@@ -42,6 +42,7 @@ its budget's canonical text.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields
@@ -353,6 +354,13 @@ class Plan(StrategyConfig):
         if not isinstance(d, dict):
             raise ValueError(f"a plan's JSON is an object of Plan's fields, got {d!r:.200}")
         names = {f.name for f in fields(cls)}
+        for k in d:  # other keys are carried beside a plan (``slimact plan --json``'s timings)
+            near = difflib.get_close_matches(str(k), sorted(names), 1, 0.85)
+            if k not in names and near:
+                raise ValueError(
+                    f"a plan's JSON has key {k!r}, not a field of Plan: did you mean {near[0]!r}? "
+                    f"(its fields: {', '.join(sorted(names))})"
+                )
         d = {k: v for k, v in d.items() if k in names}
         layers = tuple(
             read_entry("layers", LayerPlan, _layer_fields, lp) for lp in as_list(d, "layers")
