@@ -94,3 +94,40 @@ def test_other_conflicts_are_named():
         Int4Config().plan() + int8
     with pytest.raises(TypeError, match="not str"):
         _plan().merge("int4")
+
+
+def _in_block(block: str):
+    return lambda m, path: path == block or path.startswith(block + ".")
+
+
+def test_rules_for_disjoint_modules_merge_and_each_codes_its_own():
+    """A codec rule restricted by a ``filter_fn`` to some modules (``SiteRule.modules``) holds
+    beside another restricted to others: INT4 in block 0, INT8 in block 1, both on one runtime,
+    each block's sites coded by its own rule and the root's kept. Overlapping scopes that give one
+    role two codecs, or mix site roles with PRAC's, are refused naming the modules."""
+    torch.manual_seed(0)
+    model = build_model("llama-tiny")
+    int4 = slimact.plan_of(model, "int4", _in_block("layers.0"))
+    int8 = slimact.plan_of(model, "int8", _in_block("layers.1"))
+    int4_in_1 = slimact.plan_of(model, "int4", _in_block("layers.1"))
+    both = int4 + int8
+    assert len(both.rules) == 2
+    slimact.apply(model, both)
+    ids = torch.randint(0, 256, (4, 128), generator=torch.Generator().manual_seed(0))
+    with slimact.measure(model) as meter:
+        model(ids, targets=ids).loss.backward()
+    coded = {s.site: s.action for s in meter.report.sites if s.action.startswith("codec:")}
+    in0 = {a for s, a in coded.items() if s.startswith("layers.0.")}
+    in1 = {a for s, a in coded.items() if s.startswith("layers.1.")}
+    assert in0 and in1 and all(s.startswith(("layers.0.", "layers.1.")) for s in coded)
+    assert any("int4" in a for a in in0) and not any("int4" in a for a in in1)
+    assert all("int8" in a for a in in1)
+    with pytest.raises(ValueError, match=r"role 'act' two codecs in modules layers\.1"):
+        int8 + int4_in_1
+    with pytest.raises(ValueError, match="role 'act' two codecs in every module"):
+        Int4Config().plan() + int8
+    with pytest.raises(ValueError, match=r"every module by different roles \('prac' and 'site'\)"):
+        slimact.plan_of(build_model("llama-tiny"), "prac") + int8
+    prac = slimact.plan_of(build_model("llama-tiny"), "prac", _in_block("layers.0"))
+    with pytest.raises(ValueError, match="two PRAC rules"):
+        prac + slimact.plan_of(build_model("llama-tiny"), "prac", _in_block("layers.1"))

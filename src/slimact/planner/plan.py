@@ -53,7 +53,7 @@ from slimact import actions
 from slimact.budget import Budget
 from slimact.planner import settings as _settings
 from slimact.planner.jsonread import as_list, as_object, read_entry
-from slimact.planner.rules import SiteRule
+from slimact.planner.rules import SiteRule, rule_conflicts
 from slimact.registry import StrategyConfig
 from slimact.utils import fmt_bytes
 
@@ -382,7 +382,9 @@ class Plan(StrategyConfig):
         is refused, every such site named in one ``ValueError``: two codecs on one site, one
         module both recomputed and reformulated, a codec on a site inside a module the other plan
         recomputes or reformulates (its tensor would never be saved, so the codec would silently
-        do nothing), blocks of different kinds, rules giving one role two codecs, plans of two
+        do nothing), blocks of different kinds, two rules for the same modules that give one
+        role two codecs or decide by different roles (site roles and PRAC's; rules for disjoint
+        modules, e.g. two ``filter_fn``'s, hold together: INT4 here, INT8 there), plans of two
         different models, two settings of one family both plans act with (``planner.settings``:
         ``invact@bf16=exact-near-branch`` and ``invact``). A merged plan is not solved: it predicts nothing (its bytes are the
         meter's to measure).
@@ -401,13 +403,7 @@ class Plan(StrategyConfig):
                 layers.append(a or b)
                 continue
             layers.append(_merge_layers(a, b, problems))
-        roles: dict[str, str] = {}
-        for rule in (*self.rules, *other.rules):
-            for role, codec in rule.codecs:
-                if roles.setdefault(role, codec) != codec:
-                    problems.append(
-                        f"the rules give role {role!r} two codecs: {roles[role]} and {codec}"
-                    )
+        problems += rule_conflicts((*self.rules, *other.rules))
         settings = _merge_settings(self, other, problems)
         if problems:
             raise ValueError("the plans conflict:\n  " + "\n  ".join(problems))

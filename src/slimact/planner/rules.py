@@ -136,4 +136,37 @@ class SiteRule:
         return lines
 
 
-__all__ = ["PRAC_ROLES", "SiteRule"]
+def rule_conflicts(rules: tuple[SiteRule, ...]) -> list[str]:
+    """What keeps ``rules`` from holding in one plan (``Plan.merge`` names it). Two rules whose
+    modules overlap (``None``: every module) must agree on every role both name and decide by
+    the same kind of roles; rules for disjoint modules do not meet."""
+    problems: list[str] = []
+    if sum(r.roles == "prac" for r in rules) > 1:
+        problems.append("two PRAC rules: a plan carries at most one (one PRAC state per model)")
+    for i, a in enumerate(rules):
+        for b in rules[i + 1 :]:
+            both = (
+                None
+                if a.modules is None or b.modules is None
+                else sorted(set(a.modules) & set(b.modules))
+            )
+            if both == []:
+                continue
+            where = "every module" if both is None else f"modules {', '.join(both[:3])}"
+            if a.roles != b.roles:
+                problems.append(
+                    f"two rules decide the sites of {where} by different roles "
+                    f"({a.roles!r} and {b.roles!r})"
+                )
+                continue
+            theirs = dict(b.codecs)
+            for role, codec in a.codecs:
+                if role in theirs and theirs[role] != codec:
+                    problems.append(
+                        f"the rules give role {role!r} two codecs in {where}: {codec} and "
+                        f"{theirs[role]}"
+                    )
+    return problems
+
+
+__all__ = ["PRAC_ROLES", "SiteRule", "rule_conflicts"]
