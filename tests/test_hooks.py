@@ -1,15 +1,19 @@
-"""Who may hook or override a model's forward: a ratchet towards "only the runtime does".
+"""Who may hook or override a model's forward: the runtime lastingly, measurement for one step.
 
 Read statically (every call of ``register_forward_pre_hook``, ``register_forward_hook``,
 ``register_full_backward_hook``, ``override_forward`` and every assignment to ``.forward`` in
-``src/``). Each module that does is listed in ``ALLOWED`` with what it hooks and why; a new one
-fails this test, so the list can only shrink. The runtime's own modules come first; the rest
-are the reformulations and checkpointing it calls (applied through it for a plan), measurement
-(hooks entered for one measured step and removed), and the strategies not yet presets.
+``src/``). A module that does must be listed, with what it hooks and why, in one of three
+lists, and a module that no longer does must leave its list, so they can only shrink:
 
-This test only says who may hook; that the measurement modules (and ``apply`` then ``revert``
-of every strategy) leave nothing behind, also when the measured step raises, is checked
-dynamically by ``test_no_leftovers.py``: a new measurement entry point belongs there too.
+* ``RUNTIME``: what changes a model lastingly, the plan runtime and the patchers it calls (the
+  router, checkpointing, the reformulations, the compiled blocks, CoLA-M's registered block
+  reformulation). The plan's companions (the first-step budget check, the plan evolver) have
+  no hook of their own: they are the runtime's watchers (``PlanRuntime.watch``, checked in
+  ``test_planner_budget.py``);
+* ``MEASUREMENT``: hooks entered for one measured step and removed after it, also when it
+  raises; ``test_no_leftovers.py`` runs every entry point and checks that nothing is left (a
+  new measurement entry point belongs there too);
+* ``NOT_YET``: a lasting hook outside the runtime, to be folded into it.
 """
 
 from __future__ import annotations
@@ -25,35 +29,29 @@ CALLS = {
     "override_forward",
 }
 
-ALLOWED = {
-    # the runtime and the router it enters
-    "slimact.planner.apply": "the plan runtime's root hooks (plan, router, policy)",
+RUNTIME = {
+    "slimact.planner.apply": "the plan runtime's two root hooks (plan, router, policy, watchers)",
     "slimact.sites": "the router: per-module hooks naming sites while it is entered",
-    # what the runtime applies (also called by the strategies not yet presets)
     "slimact.checkpointing": "the checkpoint wrapper and the KV-cache guard",
     "slimact.reformulate.activations": "inverted activations and norms; the consumer probe",
     "slimact.reformulate.head": "the chunked loss head and its root part",
     "slimact.reformulate.norms": "PRAC's fused RMSNorms",
-    # the first-step checks and re-planning around a runtime (removed by revert; dynamically:
-    # test_no_leftovers)
-    "slimact.planner.adaptive": "the first-step budget check and re-plan",
-    "slimact.planner.evolve": "the plan evolver's tracking steps",
-    # compiled blocks (torch.compile per block) and compiled-auto's lazy planning
-    "slimact.compiled.blocks": "compiled block forwards",
-    "slimact.strategies.compiled_auto": "plans on the first training forward (then unhooks)",
-    "slimact.planner.compiled_root": "records module inputs for the compiled planner (measured)",
-    "slimact.hf": "compile_blocks for Hugging Face models",
-    # CoLA-M: not a preset yet
-    "slimact.cola.colam": "CoLA-M's rank-r checkpoints",
-    # measurement: hooks entered for a measured step and removed after it, also when it raises
-    # (each entry point is run and checked for leftovers in test_no_leftovers)
+    "slimact.compiled.blocks": "compiled block forwards (slimact's and hf.compile_blocks')",
+    "slimact.cola.colam": "CoLA-M's rank-r checkpoints, the runtime's block reformulation",
+}
+MEASUREMENT = {
     "slimact.meter": "the meter's per-module hooks",
     "slimact.planner.profiler": "the planner's per-block profile",
     "slimact.planner.gradstats": "gradient error of a lossy candidate",
     "slimact.planner.reforms": "the planner's reformulation candidates",
+    "slimact.planner.compiled_root": "records module inputs for the compiled planner",
     "slimact.train.rank": "effective-rank capture",
-    "slimact.bench.anchors": "the benchmark's torch.utils.checkpoint anchor",
+    "slimact.bench.anchors": "the benchmark's torch.compile anchor, on the point's own copy",
 }
+NOT_YET = {
+    "slimact.strategies.compiled_auto": "plans on the first training forward (then unhooks)",
+}
+ALLOWED = {**RUNTIME, **MEASUREMENT, **NOT_YET}
 
 
 def _hookers() -> dict[str, int]:

@@ -149,3 +149,44 @@ def test_budget_specs():
         AutoConfig.from_spec("auto@25%,speed")
     with pytest.raises(ValueError, match="bad value for repeats"):
         AutoConfig.from_spec("auto@25%,repeats=many")
+
+
+class _Watcher:
+    def __init__(self, name, log, fail=False):
+        self.name, self.log, self.fail = name, log, fail
+
+    def before(self, args, kwargs):
+        self.log.append(f"{self.name}.before")
+
+    def after(self, output):
+        self.log.append(f"{self.name}.after")
+        if self.fail:
+            raise RuntimeError(f"{self.name} failed")
+
+
+def test_the_budget_check_and_evolver_enter_through_the_runtime_only():
+    # one entry on the root: the plan's companions are the runtime's watchers, not hooks
+    x, y = batch()
+    model = fresh()
+    slimact.apply(model, plan_for(fresh(), 2, 32, "50%", seed=1, cache=None, **FAST))
+    rt = runtime_of(model)
+    roots = (len(model._forward_pre_hooks), len(model._forward_hooks))
+    evolver = slimact.planner.adaptive.PlanEvolver(model)
+    assert budget_check_of(model) in rt.watchers and evolver in rt.watchers
+    assert (len(model._forward_pre_hooks), len(model._forward_hooks)) == roots == (1, 1)
+    log = []
+    first, second = _Watcher("first", log, fail=True), _Watcher("second", log)
+    undo = [rt.watch(first), rt.watch(second)]
+    with pytest.raises(RuntimeError, match="first failed"):
+        step(model, x, y)  # the newest watcher is first in, last out; a failing after stops none
+    assert log[-2:] == ["first.after", "second.after"]
+    assert log[:2] == ["second.before", "first.before"] and len(log) == 4
+    undo[0]()
+    assert rt.watchers[0] is second
+    step(model, x, y)
+    assert log[4:] == ["second.before", "second.after"]
+    assert budget_check_of(model).events and evolver._measured  # both saw the steps
+    undo[1]()
+    evolver.remove()
+    slimact.revert(model)
+    assert not model._forward_pre_hooks and not model._forward_hooks and not rt.watchers

@@ -44,7 +44,6 @@ outside the graphs.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -56,7 +55,7 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 
 from slimact import sites
-from slimact.compiled.blocks import BACKEND_VARIABLE
+from slimact.compiled.blocks import compile_as_is
 from slimact.hf_inputs import dummy_inputs, is_hf_model, lm_loss, main_input, mlm_batch
 from slimact.meter import MemoryReport, measure
 from slimact.registry import AppliedChange, StrategyConfig, applied, apply, revert
@@ -231,43 +230,17 @@ def compile_blocks(
 
     Apply strategies first. Returns (and records, so ``slimact.revert`` undoes it) one change per
     block; blocks are left eager, with the reason, where a codec policy is installed (see the
-    module docstring). ``compile_kwargs`` go to ``torch.compile`` (backend, mode, ...).
+    module docstring). ``compile_kwargs`` go to ``torch.compile`` (backend, mode, ...). The
+    blocks compile where every compiled block does, ``compiled.blocks.compile_as_is``.
     """
-    modules = dict(model.named_modules())
-    changes: list[AppliedChange] = []
-    policy = codec_policy_installed(model)
-    # inductor, or the backend SLIMACT_COMPILE_BACKEND names (as compiled blocks do)
-    compile_kwargs.setdefault("backend", os.environ.get(BACKEND_VARIABLE) or "inductor")
-    for path in sites.block_paths(model):
-        block = modules[path]
-        if filter_fn is not None and not filter_fn(block, path):
-            changes.append(AppliedChange(path, "compile", "filtered out", skipped=True))
-        elif policy:
-            changes.append(
-                AppliedChange(
-                    path,
-                    "compile",
-                    "left eager: a codec policy names sites by module and op, which a compiled "
-                    "graph hides (its saves would all be kept raw); for codecs inside compiled "
-                    "blocks use strategy compiled-int8 or compiled-int4 instead",
-                    skipped=True,
-                )
-            )
-        else:
-            # the forward, not ``_call_impl``: the block's own hooks (the router's module stack)
-            # run eagerly, so the compiled graph's saves are attributed to the block
-            prev = block.__dict__.get("forward")
-            block.forward = torch.compile(block.forward, **compile_kwargs)
-
-            def undo(b: nn.Module = block, prev=prev) -> None:
-                if prev is None:
-                    b.__dict__.pop("forward", None)
-                else:
-                    b.forward = prev
-
-            changes.append(AppliedChange(path, "compile", str(compile_kwargs or ""), undo=undo))
-    if not changes:
-        changes.append(AppliedChange("", "compile", "model has no repeated blocks", skipped=True))
+    eager = (
+        "left eager: a codec policy names sites by module and op, which a compiled graph hides "
+        "(its saves would all be kept raw); for codecs inside compiled blocks use strategy "
+        "compiled-int8 or compiled-int4 instead"
+        if codec_policy_installed(model)
+        else None
+    )
+    changes = compile_as_is(model, filter_fn, eager, **compile_kwargs)
     state_of(model).applied.extend(changes)
     return changes
 

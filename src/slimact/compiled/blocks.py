@@ -359,6 +359,45 @@ def compile_blocks_with(
     return changes
 
 
+def compile_as_is(
+    model: nn.Module,
+    filter_fn: FilterFn | None = None,
+    eager_reason: str | None = None,
+    **compile_kwargs: Any,
+) -> list[AppliedChange]:
+    """``torch.compile`` each block's forward as it is, with no region budget and no codec
+    (``slimact.hf.compile_blocks``): a checkpoint wrapper or a reformulated forward a strategy
+    put there compiles along. The forward, not ``_call_impl``: the block's own hooks (the
+    router's module stack) run eagerly, so the compiled graph's saves are attributed to the
+    block. ``eager_reason``: leave every block eager and say why (a codec policy's sites,
+    which a compiled graph hides). One change per block, its undo the eager forward back;
+    inductor unless ``backend=`` or ``SLIMACT_COMPILE_BACKEND`` names another backend."""
+    modules = dict(model.named_modules())
+    changes: list[AppliedChange] = []
+    compile_kwargs.setdefault("backend", os.environ.get(BACKEND_VARIABLE) or "inductor")
+    for path in sites.block_paths(model):
+        block = modules[path]
+        if filter_fn is not None and not filter_fn(block, path):
+            changes.append(AppliedChange(path, "compile", "filtered out", skipped=True))
+        elif eager_reason is not None:
+            changes.append(AppliedChange(path, "compile", eager_reason, skipped=True))
+        else:
+            prev = block.__dict__.get("forward")
+            block.forward = torch.compile(block.forward, **compile_kwargs)
+            undo = functools.partial(_eager_again, block, prev)
+            changes.append(AppliedChange(path, "compile", str(compile_kwargs), undo=undo))
+    if not changes:
+        changes.append(AppliedChange("", "compile", "model has no repeated blocks", skipped=True))
+    return changes
+
+
+def _eager_again(block: nn.Module, prev: Any) -> None:
+    if prev is None:
+        block.__dict__.pop("forward", None)
+    else:
+        block.forward = prev
+
+
 # ----------------------------------------------------------------------------- measuring
 def compiled_saved_tensors(loss: torch.Tensor) -> list[torch.Tensor]:
     """What the compiled regions of ``loss``'s graph keep for backward: the saved tensors of

@@ -104,21 +104,19 @@ class BudgetCheck:
         self.phase = "measure"
         self.events: list[dict[str, Any]] = []
         self._open = sites.RootCalls(_close_open)  # per root call: (stack, meter, conditions)
-        self._hooks = [  # pre runs before the runtime's, so a new plan is in place for its policy
-            model.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True),
-            model.register_forward_hook(self._post, always_call=True),
-        ]
+        # a watcher of the runtime's root calls: ``before`` runs before the runtime enters its
+        # plan, so a re-plan is in place for this call's policy
+        self._unwatch = rt.watch(self)
         state_of(model).budget_check = self
 
     def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._open.close_all()  # a step interrupted by a BaseException: ``_post`` never ran
+        self._unwatch()
+        self._open.close_all()  # a step interrupted by a BaseException: ``after`` never ran
         state_of(self.model).budget_check = None
         prune(self.model)
 
-    # -- hooks ----------------------------------------------------------------------------------
-    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    # -- the runtime's root calls ----------------------------------------------------------------
+    def before(self, args: tuple, kwargs: dict) -> None:
         self._open.close_stale()
         ids, tgt = call_batch(self.model, args, kwargs)
         if (
@@ -140,7 +138,7 @@ class BudgetCheck:
         stack.enter_context(sites.listening(meter))
         self._open.push((stack, meter, self._conditions(ids)))
 
-    def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def after(self, output: Any) -> None:
         entry = self._open.pop()
         if entry is None:
             return

@@ -31,7 +31,9 @@ between steps (adaptive evolution) and ``slimact.revert`` undoes it all:
 
 The router and the policy are entered around every root forward by the runtime's own hooks:
 the one way into the router (a ``CodecPolicy`` of one's own rides an empty plan's runtime,
-:func:`install_policy`).
+:func:`install_policy`), and the one entry a plan's companions have on the root: the first-step
+budget check and the plan evolver are the runtime's *watchers* (:meth:`PlanRuntime.watch`),
+called by its hooks before the plan is entered and after it is closed, not hooks of their own.
 *Lazy planning* (strategy ``auto`` without a batch shape): on the first grad-enabled forward the
 runtime profiles the model on that very batch and solves, in a worker thread. The site router's
 state, saved-tensor hooks, the torch-function mode stack and grad mode are thread-local, so an
@@ -46,7 +48,7 @@ import functools
 import threading
 from collections.abc import Callable
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -183,6 +185,19 @@ class PolicySites:
             self.pending = dict(states)
 
 
+class RootWatcher(Protocol):
+    """What watches a plan's root calls through its runtime (``PlanRuntime.watch``)."""
+
+    def before(self, args: tuple, kwargs: dict) -> None: ...
+
+    def after(self, output: Any) -> None: ...
+
+
+def _unwatch(watchers: list[RootWatcher], watcher: RootWatcher) -> None:
+    if watcher in watchers:
+        watchers.remove(watcher)
+
+
 def _close_call(entry: tuple[ExitStack | None, bool]) -> None:
     """Close what an interrupted root call left entered (``sites.RootCalls``)."""
     if entry[0] is not None:
@@ -209,6 +224,7 @@ class PlanRuntime:
         self.history: list[dict] = []
         self.last_input: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.preset_rows: int | None = None  # a preset's runtime: the changes its applies made
+        self.watchers: list[RootWatcher] = []  # newest first (``watch``)
         self._hooks = [
             model.register_forward_pre_hook(self._pre, with_kwargs=True),
             model.register_forward_hook(self._post, always_call=True),
@@ -333,6 +349,17 @@ class PlanRuntime:
         return in_worker_thread(work, input_ids.device.type)
 
     # -- hooks --------------------------------------------------------------------------------
+    def watch(self, watcher: RootWatcher) -> Callable[[], None]:
+        """Call ``watcher.before(args, kwargs)`` at the start of every root call, before the
+        runtime enters its plan (so a plan the watcher installs there serves this very call),
+        and ``watcher.after(output)`` at its end, once the plan is closed: the newest watcher
+        first in and last out, every ``after`` run even when one raises (torch's ``always_call``
+        for the runtime's forward hook: after an ``Exception`` in the forward too, not after a
+        ``BaseException``, which each watcher's ``sites.RootCalls`` closes at the next call).
+        Returns the undo."""
+        self.watchers.insert(0, watcher)
+        return functools.partial(_unwatch, self.watchers, watcher)
+
     def join_call(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Enter the plan for a root call that is already running its forward pre-hooks (the
         runtime was installed by one of them, e.g. a lazy planner, so its own pre-hook does not
@@ -341,6 +368,8 @@ class PlanRuntime:
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         self._calls.close_stale()
+        for watcher in list(self.watchers):
+            watcher.before(args, kwargs)
         if getattr(_tls, "busy", False) or sites.is_probing():
             self._calls.push((None, False))
             return None
@@ -391,14 +420,17 @@ class PlanRuntime:
         return bool(a.table or a.rules)
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        stack, parked = self._calls.pop() or (None, False)
-        if stack is not None:
-            stack.close()
-            if self.policy is not None:
-                self.policy.end()  # its verdicts start for the host (``codecs.saving``)
-        if parked:
-            return loss_output(self.model, output)
-        return None
+        with ExitStack() as after:  # the watchers' ``after``, oldest first, each one run
+            for watcher in list(self.watchers):
+                after.callback(watcher.after, output)
+            stack, parked = self._calls.pop() or (None, False)
+            if stack is not None:
+                stack.close()
+                if self.policy is not None:
+                    self.policy.end()  # its verdicts start for the host (``codecs.saving``)
+            if parked:
+                return loss_output(self.model, output)
+            return None
 
 
 def _patched(

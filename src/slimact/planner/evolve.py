@@ -135,10 +135,7 @@ class PlanEvolver:
         self._open = sites.RootCalls(_close_open)  # per root call: (listening, meter)
         self._track_s = 0.0
         self._armed = False
-        self._hooks = [
-            model.register_forward_pre_hook(self._pre, prepend=True),
-            model.register_forward_hook(self._post, always_call=True),
-        ]
+        self._unwatch = rt.watch(self)  # a watcher of the runtime's root calls
         self._arm(1)
 
     @property
@@ -152,10 +149,9 @@ class PlanEvolver:
         return cls(model, **kwargs) if rt is not None and rt.planner is not None else None
 
     def remove(self) -> None:
-        """Stop tracking: the hooks and the runtime's observer go."""
-        for h in self._hooks:
-            h.remove()
-        self._open.close_all()  # a step interrupted by a BaseException: ``_post`` never ran
+        """Stop tracking: its watch on the runtime and its observer go."""
+        self._unwatch()
+        self._open.close_all()  # a step interrupted by a BaseException: ``after`` never ran
         self._armed = False
         self.rt.observer = None
 
@@ -165,7 +161,7 @@ class PlanEvolver:
         self._rows, self._measured, self._track_s = {}, [], 0.0
         self.rt.observer = self._observe if self._armed else None
 
-    def _pre(self, module: nn.Module, args: tuple) -> None:
+    def before(self, args: tuple, kwargs: dict) -> None:
         self._open.close_stale()
         live = self._armed and torch.is_grad_enabled() and not sites.is_probing()
         if not live or threading.current_thread().name == PLANNER_THREAD:
@@ -176,7 +172,7 @@ class PlanEvolver:
         ctx.__enter__()
         self._open.push((ctx, meter))
 
-    def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def after(self, output: Any) -> None:
         entry = self._open.pop()
         if entry is not None:
             ctx, meter = entry
