@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import faulthandler
 import json
 import os
 import socket
@@ -161,6 +162,9 @@ def _rank_worker(rank: int, port: int, out: str, mode: str) -> None:
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )  # fmt: skip
     torch.set_num_threads(1)
+    # a rank stuck for 5 minutes prints every thread's stack and exits, so the test fails
+    # naming where instead of hanging the suite (mp.spawn then raises for that rank)
+    faulthandler.dump_traceback_later(300, exit=True)
     sdist.init("gloo", timeout_s=120)
     try:
         torch.manual_seed(0)

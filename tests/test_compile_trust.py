@@ -20,6 +20,7 @@ import slimact.strategies.compiled_auto as CA
 from slimact.compiled import BlockChoice, compile_blocks_with
 from slimact.compiled.blocks import RecompileWarning
 from slimact.models import build_model
+from slimact.planner.apply import runtime_of
 from slimact.planner.compiled import CompiledPlan, CompiledProfile, OptionStat, solve_compiled
 from slimact.planner.compiled_root import RootOption
 from slimact.state import state_of
@@ -45,6 +46,13 @@ def _ids(vocab: int = 128, shape=(2, 16), seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
 
 
+def _root_hooks(model) -> list[str]:
+    """The modules of the functions hooked on ``model``'s root forward."""
+    fns = [*model._forward_pre_hooks.values(), *model._forward_hooks.values()]
+    fns = [getattr(f, "func", f) for f in fns]  # functools.partial
+    return [getattr(f, "__func__", f).__module__ for f in fns]  # bound methods
+
+
 # ------------------------------------------------------------------ 1: compiled-auto on HF models
 def test_compiled_auto_plans_a_hugging_face_decoder_and_says_what_it_chose():
     """HF decoders hand each block a KV cache (``use_cache``): the planner's captured block
@@ -58,9 +66,16 @@ def test_compiled_auto_plans_a_hugging_face_decoder_and_says_what_it_chose():
         model(input_ids=ids, labels=ids)
     eager = m.report.total_bytes
     slimact.apply(model, f"auto@50%,{TINY_GRID}", compile=True)
+    # the pending plan is a watcher of the model's runtime: the root carries the runtime's two
+    # hooks, nothing of its own; once planned, only the runtime's and its patchers' hooks
+    rt = runtime_of(model)
+    assert rt is not None and rt.plan is None and len(rt.watchers) == 1
+    assert _root_hooks(model) == ["slimact.planner.apply"] * 2
     with slimact.measure(model) as m:
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
+    assert not rt.watchers and runtime_of(model) is rt  # planned, the watcher gone, one runtime
+    assert set(_root_hooks(model)) <= {"slimact.planner.apply", "slimact.reformulate.activations"}
     plan = state_of(model).compiled_plan
     assert plan is not None and m.report.total_bytes == plan.measured_bytes
     assert plan.measured_bytes <= plan.allowed_bytes == int(0.5 * eager)
@@ -97,6 +112,7 @@ def test_a_failed_plan_raises_on_every_training_forward(monkeypatch):
         model(ids, targets=ids)  # not a training forward: nothing to plan
         model.train()
     slimact.revert(model)
+    assert runtime_of(model) is None and not model._forward_pre_hooks
     model(ids, targets=ids).loss.backward()
 
 

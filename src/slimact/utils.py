@@ -55,6 +55,9 @@ def require(module: str, extra: str, feature: str) -> Any:
         ) from exc
 
 
+PLANNER_THREAD = "slimact-planner"  # the name of in_worker_thread's thread
+
+
 def in_worker_thread(fn: Callable[[], Any], device_type: str = "cpu") -> Any:
     """``fn()`` in a worker thread, its result returned and its error re-raised here.
 
@@ -73,7 +76,7 @@ def in_worker_thread(fn: Callable[[], Any], device_type: str = "cpu") -> Any:
         except BaseException as e:  # re-raised in the caller's thread
             out["error"] = e
 
-    worker = threading.Thread(target=work, name="slimact-planner")
+    worker = threading.Thread(target=work, name=PLANNER_THREAD)
     worker.start()
     worker.join()
     if "error" in out:

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NoReturn
 
-PLANNER_THREAD = "slimact-planner"  # slimact.utils.in_worker_thread's thread name
+from slimact.utils import PLANNER_THREAD
 
 
 class PointTimeout(BaseException):

@@ -317,9 +317,23 @@ class PlanRuntime:
         while self._undo:
             self._undo.pop()()
 
+    @property
+    def bare(self) -> bool:
+        """No plan, no planner, no watcher: a runtime that enters nothing (compiled-auto's,
+        whose plan keeps the root as it is), which ``install`` takes as the model's."""
+        return self.plan is None and self.planner is None and not self.watchers
+
+    def unset(self) -> None:
+        """Take the plan off, the runtime staying (with no plan, it enters nothing)."""
+        self._clear_patches()
+        prac = self.assign.prac if self.assign is not None else None
+        if prac is not None and state_of(self.model).stateful.get("prac") is prac:
+            del state_of(self.model).stateful["prac"]
+        self.plan = self.assign = self.policy = None
+
     def remove(self) -> None:
         """Undo every patch and hook (what ``slimact.revert`` calls)."""
-        self._clear_patches()
+        self.unset()
         for h in self._hooks:
             h.remove()
         # a root call interrupted by a BaseException (Ctrl-C) never ran ``_post`` (torch runs
@@ -327,11 +341,7 @@ class PlanRuntime:
         self._calls.close_all()
         state_of(self.model).runtime = None
         state_of(self.model).stateful.pop("codec-sites", None)
-        prac = self.assign.prac if self.assign is not None else None
-        if prac is not None and state_of(self.model).stateful.get("prac") is prac:
-            del state_of(self.model).stateful["prac"]
         prune(self.model)
-        self.plan = self.assign = self.policy = None
 
     # -- lazy planning ------------------------------------------------------------------------
     def plan_now(self, input_ids: torch.Tensor, targets: torch.Tensor | None) -> Plan:
@@ -352,19 +362,11 @@ class PlanRuntime:
     def watch(self, watcher: RootWatcher) -> Callable[[], None]:
         """Call ``watcher.before(args, kwargs)`` at the start of every root call, before the
         runtime enters its plan (so a plan the watcher installs there serves this very call),
-        and ``watcher.after(output)`` at its end, once the plan is closed: the newest watcher
-        first in and last out, every ``after`` run even when one raises (torch's ``always_call``
-        for the runtime's forward hook: after an ``Exception`` in the forward too, not after a
-        ``BaseException``, which each watcher's ``sites.RootCalls`` closes at the next call).
-        Returns the undo."""
+        and ``watcher.after(output)`` at its end, once the plan is closed (also after an
+        ``Exception``: ``always_call``): newest first in, last out, every ``after`` run even
+        when one raises. Returns the undo."""
         self.watchers.insert(0, watcher)
         return functools.partial(_unwatch, self.watchers, watcher)
-
-    def join_call(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        """Enter the plan for a root call that is already running its forward pre-hooks (the
-        runtime was installed by one of them, e.g. a lazy planner, so its own pre-hook does not
-        run this call; its forward hook does, and closes what this enters)."""
-        return self._pre(module, args, kwargs)
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         self._calls.close_stale()
@@ -376,7 +378,8 @@ class PlanRuntime:
         ids, tgt = call_batch(self.model, args, kwargs)
         if isinstance(ids, torch.Tensor) and self.planner is not None:  # lazy planning's
             self.last_input = (ids, tgt)
-        if self.plan is None and torch.is_grad_enabled() and isinstance(ids, torch.Tensor):
+        lazy = self.plan is None and self.planner is not None
+        if lazy and torch.is_grad_enabled() and isinstance(ids, torch.Tensor):
             changes = self.set_plan(self.plan_now(ids, tgt))
             state_of(self.model).applied.extend(
                 AppliedChange(c.path, c.action, c.detail) for c in changes
@@ -415,7 +418,9 @@ class PlanRuntime:
         recomputes and reformulates (no table, no rules): it decides no save, and nothing
         (budget check, evolver) reads the router on such a runtime."""
         a = self.assign
-        if self.preset_rows is None or a is None or self.observer is not None:
+        if a is None:  # no plan yet: it routes saves where a planner solves one on this call
+            return self.planner is not None
+        if self.preset_rows is None or self.observer is not None:
             return True
         return bool(a.table or a.rules)
 
@@ -556,22 +561,31 @@ def install(
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     profile: Any = None,
     solve_options: dict[str, Any] | None = None,
+    runtime: PlanRuntime | None = None,
 ) -> list[AppliedChange]:
     """Put a runtime on ``model`` with ``plan`` (or a lazy ``planner`` returning (plan,
-    profile)); ``profile``/``solve_options`` let ``PlanEvolver`` re-solve. One undoable change."""
-    if runtime_of(model) is not None:
+    profile)); ``profile``/``solve_options`` let ``PlanEvolver`` re-solve. One undoable change.
+    ``runtime``: the model's own runtime, still without a plan, takes ``plan`` instead (one
+    a watcher plans for on the first training forward, compiled-auto's), as a ``bare`` one
+    does; the undo takes the plan back off it."""
+    if runtime is None and runtime_of(model) is not None and runtime_of(model).bare:
+        runtime = runtime_of(model)  # (a deep copy of such a model carries it too)
+    own = runtime is not None
+    if own and (runtime_of(model) is not runtime or runtime.plan is not None or planner):
+        raise ValueError("install(runtime=...) takes the model's runtime, still without a plan")
+    if not own and runtime_of(model) is not None:
         raise ValueError("model already carries a slimact plan; slimact.revert(model) first")
-    rt = PlanRuntime(model, planner)
+    rt = runtime if own else PlanRuntime(model, planner)
     rt.profile, rt.solve_options = profile, dict(solve_options or {})
     changes: list[AppliedChange] = []
     try:
         if plan is not None:
             changes = rt.set_plan(plan, filter_fn)
     except Exception:
-        rt.remove()
+        rt.unset() if own else rt.remove()
         raise
     detail = "lazy: plans on the first training forward" if plan is None else plan.budget
-    head = AppliedChange("", "plan", detail, undo=rt.remove)
+    head = AppliedChange("", "plan", detail, undo=rt.unset if own else rt.remove)
     # HF: use_cache=False in training; not for a fixed plan that recomputes nothing (rules alone,
     # a root of codecs and reformulations: compiled-auto's): with no planner and no profile to
     # re-solve from, it is never swapped for one that does

@@ -54,7 +54,7 @@ from slimact.checkpointing import CACHE_KWARGS, is_cache
 from slimact.classify import label_arg, parse_site
 from slimact.gradcheck import grad_error
 from slimact.meter import measure
-from slimact.planner.apply import install
+from slimact.planner.apply import PlanRuntime, install
 from slimact.planner.codecstats import codec_stat, lossy_allowed
 from slimact.planner.measure import fwd_bwd, time_delta
 from slimact.planner.plan import ROOT, LayerPlan, Plan
@@ -323,6 +323,9 @@ def _meter_bytes(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> 
     return m.report.total_bytes
 
 
-def install_root(model: nn.Module, option: RootOption) -> list[AppliedChange]:
-    """Apply ``option`` to the model's root through the plan runtime ("keep": nothing)."""
-    return [] if option.keeps else install(model, option.plan())
+def install_root(
+    model: nn.Module, option: RootOption, runtime: PlanRuntime | None = None
+) -> list[AppliedChange]:
+    """Apply ``option`` to the model's root through the plan runtime ("keep": nothing): a new
+    one, or ``runtime``, the model's own still without a plan (``install``)."""
+    return [] if option.keeps else install(model, option.plan(), runtime=runtime)

@@ -73,6 +73,7 @@ from slimact.planner.replan import (
     update_profile,
 )
 from slimact.planner.solve import solve_plan
+from slimact.utils import PLANNER_THREAD
 
 __all__ = [
     "PLANNER_THREAD",
@@ -83,8 +84,6 @@ __all__ = [
     "plan_cost",
     "plan_diff",
 ]
-
-PLANNER_THREAD = "slimact-planner"  # the worker thread slimact.planner.apply profiles in
 
 
 def _world() -> int:

@@ -6,8 +6,10 @@ block under its choice and measures the whole model once: if the measured bytes 
 budget it re-solves once with the overshoot taken off, and warns (``BudgetWarning``) if they
 still do. Without ``batch``/``seq`` it plans on the first training forward, on that batch
 (before the forward runs, so that step already runs the plan; in a worker thread, so an enclosing
-``slimact.measure`` does not count the profiling passes); with them, at ``apply`` time on
-random tokens of that shape. The solved plan is ``slimact.state_of(model).compiled_plan``.
+``slimact.measure`` does not count the profiling passes): a watcher of the model's plan runtime
+(``PlanRuntime.watch``), which waits with no plan until then and takes the root's option; with
+them, at ``apply`` time on random tokens of that shape. The solved plan is
+``slimact.state_of(model).compiled_plan``.
 
 ``slimact.apply(model, "auto@25%", compile=True)`` is this strategy (see ``registry``).
 Specs: ``compiled-auto@25%``, ``compiled-auto@25%,codecs=none/int8,budgets=1/0.5/0,rounds=3``,
@@ -20,7 +22,9 @@ give it instead).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -32,8 +36,7 @@ from slimact.codecs.offload import check_device, check_model
 from slimact.compiled.blocks import compile_blocks_with
 from slimact.compiled.codec import CODECS as TRACED_CODECS
 from slimact.hf_inputs import random_token_batch, refuse_unless_token_ids
-from slimact.patching import NotCopyable
-from slimact.planner.apply import install, runtime_of
+from slimact.planner.apply import PlanRuntime, install, runtime_of
 from slimact.planner.compiled import (
     BUDGETS,
     CODECS,
@@ -56,7 +59,7 @@ from slimact.registry import (
     register_strategy,
 )
 from slimact.state import reset_field, state_of
-from slimact.utils import in_worker_thread
+from slimact.utils import PLANNER_THREAD, in_worker_thread
 
 
 @dataclass(frozen=True)
@@ -148,11 +151,14 @@ def plan_compiled(
     ids: torch.Tensor,
     targets: torch.Tensor,
     profile: CompiledProfile | None = None,
+    runtime: PlanRuntime | None = None,
 ) -> list[AppliedChange]:
     """Profile (unless given one of this model, e.g. to solve several budgets on one profile),
     solve, install and verify (module docstring); the plan goes to the state. On an error
-    nothing stays installed."""
-    if runtime_of(model) is not None:  # its profile would mix encoded and raw bytes
+    nothing stays installed. ``runtime``: the model's own, still without a plan (the lazy
+    planner's), which takes the root's option."""
+    rt = runtime_of(model)
+    if rt is not None and (rt is not runtime or rt.plan is not None):  # its profile would mix
         raise ValueError(
             "compiled-auto plans a model that carries no other slimact plan (one plan runtime "
             "per model: it plans the root's codec too); slimact.revert(model) first"
@@ -166,7 +172,7 @@ def plan_compiled(
     plan = solve_compiled(
         profile, config.budget, config.max_grad_err, config.time_tolerance, offload
     )
-    changes = install_compiled(model, plan, **config.compile_kwargs)
+    changes = install_compiled(model, plan, runtime=runtime, **config.compile_kwargs)
     try:
         measured = verify(plan, model, ids, targets)
         tighter = plan.allowed_bytes - (measured - plan.allowed_bytes)
@@ -179,7 +185,8 @@ def plan_compiled(
                                    config.max_grad_err, offload=offload)  # fmt: skip
             retry.budget, retry.allowed_bytes = plan.budget, plan.allowed_bytes
             retry.meta["resolved_for"] = tighter
-            changes, plan = install_compiled(model, retry, **config.compile_kwargs), retry
+            changes = install_compiled(model, retry, runtime=runtime, **config.compile_kwargs)
+            plan = retry
             verify(plan, model, ids, targets)
     except BaseException:
         _undo(changes)
@@ -205,8 +212,10 @@ def install_plan(model: nn.Module, plan: CompiledPlan) -> list[AppliedChange]:
     run trains with the plan it had. Returns the changes (also shown by ``slimact.applied``)."""
     lazy = _pending(model)
     check_blocks(model, plan)
-    lazy.handle.remove()
-    lazy.installed = install_compiled(model, plan, **lazy.config.compile_kwargs)
+    lazy.unwatch()
+    lazy.installed = install_compiled(
+        model, plan, runtime=lazy.runtime, **lazy.config.compile_kwargs
+    )
     state_of(model).compiled_plan = plan
     lazy.show(plan, "installed from a saved plan")
     return lazy.installed
@@ -226,7 +235,11 @@ def _pending(model: nn.Module) -> _LazyPlanner:
 
 
 def install_compiled(
-    model: nn.Module, plan: CompiledPlan, filter_fn: FilterFn | None = None, **compile_kwargs
+    model: nn.Module,
+    plan: CompiledPlan,
+    filter_fn: FilterFn | None = None,
+    runtime: PlanRuntime | None = None,
+    **compile_kwargs: Any,
 ) -> list[AppliedChange]:
     """Install ``plan``: its eager part on the plan runtime first (``CompiledPlan.eager``: what
     the blocks compile is the reformulated model), then each block compiled under its choice,
@@ -240,11 +253,16 @@ def install_compiled(
     if any(c.offload for c in plan.choices.values()):
         check_model(model)  # one line: a CPU model's tensors are in host memory already
     if plan.eager is not None:
+        if runtime is not None:
+            raise ValueError(
+                "compiled-auto's own plan has no eager part (the spec's eager parts are applied "
+                "before it); a plan with one installs with slimact.apply(model, plan)"
+            )
         return _install_with_eager(model, plan, filter_fn, compile_kwargs)
     changes = compile_blocks_with(model, plan.choices, filter_fn, **compile_kwargs)
     if plan.root is not None:
         try:
-            changes += install_root(model, plan.root)
+            changes += install_root(model, plan.root, runtime)
         except Exception:
             _undo(changes)
             raise
@@ -294,7 +312,10 @@ def _undo(changes: list[AppliedChange]) -> None:
 
 
 class _LazyPlanner:
-    """Root forward pre-hook: plans on the first training forward's batch, then removes itself.
+    """A watcher of the model's plan runtime (``PlanRuntime.watch``, before the runtime enters
+    its plan): plans on the first training forward's batch, installs the plan (the blocks
+    compiled, the root's option on that runtime, so it serves this very call), then stops
+    watching.
 
     If planning fails, the error is raised, nothing of the plan stays installed, and every later
     training forward raises again naming it (the model never trains without the plan it was
@@ -304,16 +325,15 @@ class _LazyPlanner:
         self.model, self.config, self.installed = model, config, []
         self.head: AppliedChange | None = None  # the strategy's row in slimact.applied
         self.error: Exception | None = None
-        self.handle = self._hook()
+        self.runtime = PlanRuntime(model)  # no plan until this plans one; it enters nothing
+        self.unwatch = self.runtime.watch(self)
 
-    def _hook(self):  # type: ignore[no-untyped-def]
-        return self.model.register_forward_pre_hook(
-            NotCopyable(self, "a pending compiled-auto plan"), with_kwargs=True
-        )
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def before(self, args: tuple, kwargs: dict) -> None:
+        module = self.model
         if not (module.training and torch.is_grad_enabled()) or sites.is_probing():
-            return None
+            return
+        if threading.current_thread().name == PLANNER_THREAD:
+            return  # the planner's own forwards (on copies too)
         if self.error is not None:
             raise RuntimeError(
                 f"compiled-auto (budget {self.config.budget}) could not plan this model on its "
@@ -323,13 +343,13 @@ class _LazyPlanner:
             ) from self.error
         ids, targets = call_batch(module, args, kwargs)
         if not isinstance(ids, torch.Tensor) or targets is None:
-            return None
-        plan = lambda: plan_compiled(module, self.config, ids, targets)  # noqa: E731
-        self.handle.remove()  # the planner runs the model, on copies too
+            return
+        plan = lambda: plan_compiled(module, self.config, ids, targets, runtime=self.runtime)  # noqa: E731
+        self.unwatch()  # the planner runs the model, on copies too
         try:
             self.installed = in_worker_thread(plan, ids.device.type)  # unseen by a meter
         except BaseException as e:
-            self.handle = self._hook()  # (interrupted: the next training forward plans again)
+            self.unwatch = self.runtime.watch(self)  # (interrupted: the next one plans again)
             if not isinstance(e, Exception):
                 raise
             self.error = e  # from now on every training forward raises (above)
@@ -340,10 +360,9 @@ class _LazyPlanner:
                 )
             raise
         self.show(state_of(module).compiled_plan, "planned on the first training forward")
-        runtime = runtime_of(module)  # the root's codec plan, installed during this pre-hook:
-        if runtime is not None:  # it applies to this very call too, not from the next one
-            return runtime.join_call(module, args, kwargs)
-        return None
+
+    def after(self, output: object) -> None:
+        pass
 
     def show(self, plan: CompiledPlan, how: str) -> None:
         """Put the plan in ``slimact.applied``: the strategy's row says how it was planned and
@@ -359,9 +378,10 @@ class _LazyPlanner:
             log[at + 1 : at + 1] = rows
 
     def undo(self) -> None:
-        self.handle.remove()
+        self.unwatch()
         _undo(self.installed)
         self.installed = []
+        self.runtime.remove()
         reset_field(self.model, "compiled_plan")
 
 
@@ -378,13 +398,22 @@ def apply_compiled_auto(
     refuse_unless_token_ids(model, "compiled-auto", "its planner profiles blocks on token ids")
     if config.host_budget is not None:  # refused at apply, not at the first training forward
         check_model(model)
+    if runtime_of(model) is not None:  # one runtime per model, and compiled-auto's is its own
+        raise ValueError(
+            "compiled-auto plans a model that carries no other slimact plan (one plan runtime "
+            "per model: it plans the root's codec too); slimact.revert(model) first"
+        )
     lazy = _LazyPlanner(model, config)
     if config.batch is not None:
         ids, targets = random_token_batch(
             model, config.batch, config.seq, config.seed, "CompiledAutoConfig"
         )
-        lazy.handle.remove()
-        lazy.installed = plan_compiled(model, config, ids, targets)
+        lazy.unwatch()
+        try:
+            lazy.installed = plan_compiled(model, config, ids, targets, runtime=lazy.runtime)
+        except BaseException:
+            lazy.runtime.remove()
+            raise
     what = "planned" if config.batch is not None else "plans on the first training forward"
     head = AppliedChange("", "compiled-auto", f"budget {config.budget}; {what}", undo=lazy.undo)
     lazy.head = head
