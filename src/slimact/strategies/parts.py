@@ -22,6 +22,7 @@ model through the plan runtime's code:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch.nn as nn
 
@@ -91,6 +92,48 @@ def _codecs(plan: Plan) -> bool:
     return bool(plan.rules) or any(lp.codecs for lp in plan.layers)
 
 
+def on_runtime(
+    model: nn.Module, plan: Plan, preset_rows: int | None
+) -> tuple[PlanRuntime, list[AppliedChange], Callable[[], object]]:
+    """``plan`` on the model's one runtime: a new one (``preset_rows``: 0 for a presets'
+    runtime, None for another), or merged into the one it carries. Returns the runtime, its
+    rows for the plan and the undo (the runtime removed, or its old plan put back)."""
+    rt = runtime_of(model)
+    if rt is not None:
+        changes, undo = rt.merge_plan(plan)
+        return rt, changes, undo
+    rt = PlanRuntime(model)
+    rt.preset_rows = preset_rows
+    try:
+        changes = rt.set_plan(plan)
+    except BaseException:
+        rt.remove()
+        raise
+    return rt, changes, rt.remove
+
+
+def finish_rows(
+    model: nn.Module,
+    plan: Plan,
+    out: list[AppliedChange],
+    undo: Callable[[], object],
+    rt: PlanRuntime | None,
+    tail: tuple[AppliedChange, ...] = (),
+) -> list[AppliedChange]:
+    """The rows of an installed part or spec: the undo on the first that changes something,
+    the KV-cache guard where the plan recomputes, then ``tail``; counted on a presets'
+    runtime (``preset_rows``)."""
+    next(c for c in out if not c.skipped).undo = undo
+    if any(lp.recompute for lp in plan.layers):
+        guard = guard_cache(model)
+        if guard is not None:
+            out.append(guard)
+    out += tail
+    if rt is not None and rt.preset_rows is not None:
+        rt.preset_rows += len(out)
+    return out
+
+
 def install_part(
     model: nn.Module, plan: Plan, rows: list[AppliedChange], tail: tuple[AppliedChange, ...] = ()
 ) -> list[AppliedChange]:
@@ -106,17 +149,8 @@ def install_part(
     if not _codecs(plan) and (part_by_part() or not (clean or ours is not None)):
         _, undo = patch_plan(model, plan)
         rt = None  # beside the runtime: not one of its parts
-    elif rt is None:
-        rt = PlanRuntime(model)
-        rt.preset_rows = None if part_by_part() else 0
-        try:
-            rt.set_plan(plan)
-        except BaseException:
-            rt.remove()
-            raise
-        undo = rt.remove
-    elif ours is not None:
-        _, undo = rt.merge_plan(plan)
+    elif rt is None or ours is not None:
+        rt, _, undo = on_runtime(model, plan, None if part_by_part() else 0)
         if part_by_part():  # no longer a presets' runtime: the spec's other parts are not
             rt.preset_rows = None
     else:
@@ -124,12 +158,4 @@ def install_part(
             "model already carries a slimact runtime: add to its plan, or slimact.revert first"
         )
     out = [dataclasses.replace(c, undo=None) for c in rows]
-    next(c for c in out if not c.skipped).undo = undo
-    if any(lp.recompute for lp in plan.layers):
-        guard = guard_cache(model)
-        if guard is not None:
-            out.append(guard)
-    out += tail
-    if rt is not None and rt.preset_rows is not None:  # a presets' runtime: its rows counted
-        rt.preset_rows += len(out)
-    return out
+    return finish_rows(model, plan, out, undo, rt, tail)

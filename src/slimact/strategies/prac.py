@@ -53,10 +53,11 @@ from typing import Any
 
 import torch.nn as nn
 
-from slimact.planner.apply import install, runtime_of
+from slimact.planner.apply import install
 from slimact.planner.prac_sites import PracPolicy, PracState
 from slimact.registry import AppliedChange, FilterFn, register_strategy
-from slimact.state import peek, state_of
+from slimact.state import peek
+from slimact.strategies.parts import presets_runtime
 from slimact.strategies.prac_config import PacConfig, PracConfig, RacConfig
 from slimact.strategies.presets import prac_part
 
@@ -70,8 +71,8 @@ def apply_prac(
     (``Plan.merge``; reverting this change puts the old plan back); the runtime's rows (fused
     norms, codec policy) after the head row, as on the preset path."""
     plan, rows = prac_part(model, config, filter_fn)
-    rt = runtime_of(model)
-    if rt is not None and rt.preset_rows == len(state_of(model).applied):
+    rt = presets_runtime(model)
+    if rt is not None:
         merged, undo = rt.merge_plan(plan)
         rt.preset_rows = None  # no longer a preset's runtime: later presets apply part by part
         changes = [AppliedChange(c.path, c.action, c.detail, c.skipped) for c in merged]

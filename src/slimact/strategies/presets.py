@@ -67,11 +67,10 @@ import torch
 import torch.nn as nn
 
 from slimact.actions import FUSED_RMS
-from slimact.checkpointing import guard_cache
 from slimact.classify import is_norm
 from slimact.codecs.prac import resolve_rank
 from slimact.hf_inputs import random_token_batch, refuse_unless_token_ids
-from slimact.planner.apply import PlanRuntime, restrict_rules, runtime_of
+from slimact.planner.apply import restrict_rules, runtime_of
 from slimact.planner.auto import AutoConfig, plan_model
 from slimact.planner.plan import Plan
 from slimact.reformulate import ChunkedCEConfig, InvActConfig, fusable_rms_norms
@@ -90,7 +89,14 @@ from slimact.strategies.int4 import Int4Config, NaiveInt4Config
 from slimact.strategies.invact import invact_part
 from slimact.strategies.none import NoneConfig
 from slimact.strategies.offload import OffloadStrategyConfig, offload_part
-from slimact.strategies.parts import Part, is_empty, layers_of, presets_runtime
+from slimact.strategies.parts import (
+    Part,
+    finish_rows,
+    is_empty,
+    layers_of,
+    on_runtime,
+    presets_runtime,
+)
 from slimact.strategies.prac_config import PacConfig, PracConfig, RacConfig
 from slimact.strategies.recompute import RecomputeConfig, recompute_part
 
@@ -306,17 +312,7 @@ def apply_presets(
         if rt is not None:
             rt.preset_rows += len(rows)
         return rows
-    if rt is None:
-        rt = PlanRuntime(model)
-        rt.preset_rows = 0
-        try:
-            changes = rt.set_plan(new)
-        except BaseException:
-            rt.remove()
-            raise
-        undo: Callable[[], object] = rt.remove
-    else:
-        changes, undo = rt.merge_plan(new)
+    rt, changes, undo = on_runtime(model, new, 0)
     policy = changes[-1]  # the runtime's codec-policy row, after a codec rule's head row
     fused = [c for c in changes if c.action == FUSED_RMS]  # PRAC's norms, as the runtime did them
     out: list[AppliedChange] = []
@@ -326,13 +322,7 @@ def apply_presets(
             head, *rest = part_rows
             part_rows = [head, *(AppliedChange(c.path, c.action, c.detail) for c in ran), *rest]
         out += part_rows
-    next(c for c in out if not c.skipped).undo = undo
-    if any(lp.recompute for lp in new.layers):
-        guard = guard_cache(model)
-        if guard is not None:
-            out.append(guard)
-    rt.preset_rows += len(out)
-    return out
+    return finish_rows(model, new, out, undo, rt)
 
 
 register_preset_path(apply_presets)
