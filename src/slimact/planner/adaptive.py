@@ -35,6 +35,7 @@ from slimact.planner.evolve import (
     EvolveConfig,
     PlanEvolver,
     backoff_steps,
+    close_metered,
     is_tracking_step,
     plan_diff,
 )
@@ -69,13 +70,6 @@ def _max_over_ranks(n: int) -> int:
     return int(t.item())
 
 
-def _close_open(entry: tuple[ExitStack, Meter, dict[str, Any]] | None) -> None:
-    """Close what an interrupted root call left open (``sites.RootCalls``)."""
-    if entry is not None:
-        entry[0].close()
-        entry[1].release()
-
-
 class BudgetCheck:
     """Measures the first training forward under a plan and compares it with the budget.
 
@@ -103,7 +97,7 @@ class BudgetCheck:
         self.replanner = replanner
         self.phase = "measure"
         self.events: list[dict[str, Any]] = []
-        self._open = sites.RootCalls(_close_open)  # per root call: (stack, meter, conditions)
+        self._open = sites.RootCalls(close_metered)  # per root call: (stack, meter, conditions)
         # a watcher of the runtime's root calls: ``before`` runs before the runtime enters its
         # plan, so a re-plan is in place for this call's policy
         self._unwatch = rt.watch(self)

@@ -48,6 +48,7 @@ import dataclasses
 import json
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -90,10 +91,11 @@ def _world() -> int:
     return tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
 
 
-def _close_open(entry: tuple[Any, Meter] | None) -> None:
-    """Close what an interrupted root call left open (``sites.RootCalls``)."""
+def close_metered(entry: tuple[Any, ...] | None) -> None:
+    """Close a root call's metered entry, ``(ExitStack, Meter, ...)``: at its forward hook, or,
+    for a call a BaseException interrupted, at the next call (``sites.RootCalls``)."""
     if entry is not None:
-        entry[0].__exit__(None, None, None)
+        entry[0].close()
         entry[1].release()
 
 
@@ -131,7 +133,7 @@ class PlanEvolver:
         self._sites: dict[str, tuple[int, str, int]] = {}
         self._indexed: Any = None  # the profile ``_sites`` indexes (a re-plan replaces it)
         self._measured: list[int] = []
-        self._open = sites.RootCalls(_close_open)  # per root call: (listening, meter)
+        self._open = sites.RootCalls(close_metered)  # per root call: (stack, meter)
         self._track_s = 0.0
         self._armed = False
         self._unwatch = rt.watch(self)  # a watcher of the runtime's root calls
@@ -167,15 +169,15 @@ class PlanEvolver:
             self._open.push(None)
             return
         meter = Meter(self.model)
-        ctx = sites.listening(meter)
-        ctx.__enter__()
-        self._open.push((ctx, meter))
+        stack = ExitStack()
+        stack.enter_context(sites.listening(meter))
+        self._open.push((stack, meter))
 
     def after(self, output: Any) -> None:
         entry = self._open.pop()
         if entry is not None:
-            ctx, meter = entry
-            ctx.__exit__(None, None, None)
+            stack, meter = entry
+            stack.close()
             self._measured.append(int(meter.report.total_bytes))
             meter.release()
 
