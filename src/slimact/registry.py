@@ -107,9 +107,11 @@ _PRESET_PATH: list[PresetPath] = []
 
 def register_preset_path(fn: PresetPath) -> None:
     """Let ``apply`` try ``fn`` first for a whole spec: it applies every part at once (one merged
-    plan on the plan runtime) and returns the changes, or returns None and changes nothing, and
-    ``apply`` applies the parts one after another (each strategy's own transform)."""
-    _PRESET_PATH[:] = [fn]
+    plan on the plan runtime, or one compiled plan) and returns the changes, or returns None and
+    changes nothing, and ``apply`` tries the next path, then applies the parts one after another
+    (each strategy's own transform). Paths are tried in the order registered, each once."""
+    key = _qualname(fn)
+    _PRESET_PATH[:] = [f for f in _PRESET_PATH if _qualname(f) != key] + [fn]
 
 
 _PART_BY_PART = contextvars.ContextVar("slimact_part_by_part", default=False)
@@ -478,7 +480,11 @@ def apply(
     _check_compiled_again(before, [label for label, _ in parts])
     done: list[AppliedChange] = []
     try:
-        preset = _PRESET_PATH[0](model, [c for _, c in parts], filter_fn) if _PRESET_PATH else None
+        preset = None
+        for path in _PRESET_PATH:
+            preset = path(model, [c for _, c in parts], filter_fn)
+            if preset is not None:
+                break
         if preset is not None:
             done.extend(preset)
             logger.info("slimact.apply %s: one preset plan, %d change(s)", strategy, len(preset))

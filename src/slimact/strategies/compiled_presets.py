@@ -41,6 +41,7 @@ part alone) are what composing with later ``apply`` calls reads.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import operator
 from dataclasses import dataclass, field
@@ -49,8 +50,10 @@ import torch
 import torch.nn as nn
 
 from slimact import sites
+from slimact.checkpointing import GUARD_ACTION
 from slimact.compiled.strategies import PRESETS, RENAMED_STRATEGIES, CompiledCodecConfig
 from slimact.hf_inputs import random_token_batch
+from slimact.planner.apply import runtime_of
 from slimact.planner.compiled import CompiledPlan
 from slimact.planner.plan import Plan
 from slimact.registry import (
@@ -62,19 +65,20 @@ from slimact.registry import (
     compiled_spec,
     parts_one_by_one,
     register_config_type,
+    register_preset_path,
     register_rename,
     register_strategy,
     resolve,
     transform_of,
 )
-from slimact.state import state_of
+from slimact.state import peek, state_of
 from slimact.strategies.compiled_auto import (
     CompiledAutoConfig,
     check_blocks,
     install_compiled,
     plan_compiled,
 )
-from slimact.strategies.presets import plan_of
+from slimact.strategies.presets import plan_and_rows, plan_of
 
 PLAN_NAME = "compiled-plan"
 
@@ -110,20 +114,24 @@ def compiled_plan_of(
         return config.plan
     eager_plan = _eager_plan(model, strategy, eager)
     if isinstance(config, CompiledCodecConfig):
-        choice = config.choice
-        return CompiledPlan(
-            choices={path: choice for path in sites.block_paths(model)},
-            budget="",
-            allowed_bytes=0,
-            predicted_bytes=0,
-            predicted_seconds=0.0,
-            baseline_bytes=0,
-            meta={"strategy": config.name},
-            eager=eager_plan,
-        )
+        return _uniform(model, config, eager_plan)
     plan = _solved(model, config, example, eager)
     plan.eager = eager_plan
     return plan
+
+
+def _uniform(model: nn.Module, config: CompiledCodecConfig, eager: Plan | None) -> CompiledPlan:
+    """A fixed compiled strategy's plan: its choice for every block, the root kept."""
+    return CompiledPlan(
+        choices={path: config.choice for path in sites.block_paths(model)},
+        budget="",
+        allowed_bytes=0,
+        predicted_bytes=0,
+        predicted_seconds=0.0,
+        baseline_bytes=0,
+        meta={"strategy": config.name},
+        eager=eager,
+    )
 
 
 _COMPILED_KINDS = (CompiledCodecConfig, CompiledAutoConfig, CompiledPlanConfig)
@@ -213,6 +221,40 @@ _NO_PLAN = (
 )
 
 
+def apply_compiled_spec(
+    model: nn.Module, configs: list[StrategyConfig], filter_fn: FilterFn | None
+) -> list[AppliedChange] | None:
+    """``slimact.apply`` of a spec that is one fixed compiled plan (a ``compiled-*`` preset
+    after compile-safe eager parts: what ``compile=True`` makes of ``int8``, ``invact+int4``,
+    ``chunked-ce+recompute``) on a model that carries no slimact change: its ``CompiledPlan``
+    installed, the path ``slimact.apply(model, compiled_plan_of(model, spec))`` takes, so the
+    two are one by construction. None (nothing changed) for any other spec (``compiled-auto``
+    plans lazily; a ``filter_fn``, or earlier changes to compose with), which ``apply``
+    applies part by part (a registry preset path, after the eager presets')."""
+    compiled = [c for c in configs if isinstance(c, _COMPILED_KINDS)]
+    eager = [c for c in configs if not isinstance(c, _COMPILED_KINDS)]
+    if filter_fn is not None or len(compiled) != 1:
+        return None
+    if not isinstance(compiled[0], CompiledCodecConfig) or not all(map(compile_safe, eager)):
+        return None
+    st = peek(model)
+    if runtime_of(model) is not None or (st is not None and (st.applied or st.stateful)):
+        return None
+    try:
+        eager_plan, rows = plan_and_rows(model, eager) if eager else (None, [])
+    except (KeyError, ValueError):
+        return None  # a part with no plan form: its own transform says what is wrong
+    changes = install_compiled(model, _uniform(model, compiled[0], eager_plan))
+    if eager_plan is None or not any(not c.skipped for c in rows):
+        return changes
+    # the eager part's rows as its strategies report them (as a spec of presets shows them),
+    # the first one undoing the runtime, then the runtime's other rows and the blocks'
+    head, *rest = changes
+    out = [dataclasses.replace(c, undo=None) for c in rows]
+    next(c for c in out if not c.skipped).undo = head.undo
+    return [*out, *(c for c in rest if c.action in ("compile", GUARD_ACTION))]
+
+
 def apply_compiled_plan(
     model: nn.Module, config: CompiledPlanConfig, filter_fn: FilterFn | None = None
 ) -> list[AppliedChange]:
@@ -243,3 +285,4 @@ register_strategy(
     codec_policy=True,  # its root may take an eager codec on the plan runtime
 )
 register_config_type(CompiledPlan, lambda plan: CompiledPlanConfig(plan))
+register_preset_path(apply_compiled_spec)

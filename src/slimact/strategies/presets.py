@@ -252,6 +252,15 @@ def _parts(model: nn.Module, configs: list[StrategyConfig], filter_fn, example=N
     ]
 
 
+def plan_and_rows(
+    model: nn.Module, configs: list[StrategyConfig]
+) -> tuple[Plan, list[AppliedChange]]:
+    """The merged plan of the preset ``configs`` and the rows their strategies report, in spec
+    order (a compiled spec's eager part: ``compiled_presets.apply_compiled_spec``)."""
+    parts = _parts(model, configs, None)
+    return functools.reduce(operator.add, [p for p, _ in parts]), [c for _, r in parts for c in r]
+
+
 def plan_of(
     model: nn.Module,
     strategy: str | StrategyConfig,
