@@ -70,7 +70,10 @@ def test_config_errors_name_the_value():
     assert cfg.cap == 1024 and cfg.strategies == ("none", "recompute")
 
 
-@pytest.mark.parametrize("strategy", ["none", "recompute"])
+@pytest.mark.usefixtures("young_gc")  # each measured peak collects the garbage first
+# the search and its prediction are one code path whatever the strategy (measure_peak applies
+# it): recompute runs through max_batch in the fast test_summary_ratio_and_cli_json
+@pytest.mark.parametrize("strategy", ["none", pytest.param("recompute", marks=pytest.mark.slow)])
 def test_answer_predicted_from_measured_peaks(strategy):
     torch.manual_seed(0)
     base = build_model("llama-tiny")
@@ -94,6 +97,7 @@ def test_answer_predicted_from_measured_peaks(strategy):
     assert max_batch(no_static)[0].max_batch == 4
 
 
+@pytest.mark.usefixtures("young_gc")
 def test_summary_ratio_and_cli_json(capsys):
     torch.manual_seed(0)
     base = build_model("llama-tiny")

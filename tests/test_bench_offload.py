@@ -11,6 +11,7 @@ from slimact.bench.offload_check import OffloadCheckConfig, main, run, table
 from slimact.codecs.offload import using_streams
 
 
+@pytest.mark.usefixtures("young_gc")  # its measurements collect the garbage first
 def test_offload_check_on_llama_tiny(fake_streams, tmp_path):
     cfg = OffloadCheckConfig(
         model="llama-tiny", batch=2, seq=32, dtype="float32", device="cpu", budget="40%",
