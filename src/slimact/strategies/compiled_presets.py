@@ -31,11 +31,12 @@ settings: ``chunked-ce@256``, ``cola``).
 ``slimact.apply(model, plan)`` (``compile=True`` or not) applies a ``CompiledPlan`` through the
 ``compiled-plan`` strategy (``registry.register_config_type``): the same saved bytes, choices,
 action per site and gradients as the strategy it came from (``tests/test_compiled_presets.py``).
-``slimact.apply(model, spec, compile=True)`` itself still applies the compiled spec part by part
-(each eager part by its strategy's own transform, then the blocks): ``compiled-auto`` plans on
-the first training forward, when there is no plan to install yet, and the changes it records
-(each strategy's rows and name in ``slimact.applied_strategies``, no plan runtime for an eager
-part alone) are what composing with later ``apply`` calls reads.
+``slimact.apply(model, spec, compile=True)`` of a fixed compiled spec on an unchanged model
+installs that same plan (``apply_compiled_spec``, a registry preset path), showing the eager
+parts' own rows and naming the spec's parts in ``slimact.applied_strategies``. The rest goes
+part by part (each eager part by its strategy's own transform, then the blocks):
+``compiled-auto``, which plans on the first training forward, when there is no plan to install
+yet, a ``filter_fn``, and a model with earlier changes to compose with.
 """
 
 from __future__ import annotations
