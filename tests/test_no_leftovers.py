@@ -25,6 +25,7 @@ from slimact import sites
 from slimact.codecs.offload import using_streams
 from slimact.models import build_model
 from slimact.state import peek
+from test_hooks import RUNTIME
 
 HOOK_DICTS = (
     "_forward_pre_hooks",
@@ -306,6 +307,18 @@ COLA = {"cola", "cola-m"}  # on a CoLA model
 COMPILED = ["compiled-int8", "compiled-prac"]
 
 
+def _hook_owners(model: nn.Module) -> set[str]:
+    """The modules of the functions hooked on ``model`` and its submodules."""
+    owners = set()
+    for m in model.modules():
+        for d in HOOK_DICTS[:1] + HOOK_DICTS[2:3] + HOOK_DICTS[5:]:  # the dicts of functions
+            for fn in getattr(m, d, {}).values():
+                for attr in ("fn", "func", "__func__"):  # NotCopyable, partial, bound method
+                    fn = getattr(fn, attr, fn)
+                owners.add(getattr(fn, "__module__", repr(fn)))
+    return owners
+
+
 def _apply_step_revert(model, spec, x, streams=None, **kwargs):
     cuda_only = "offload" in spec  # its code path with CUDA's streams stubbed
     with using_streams(streams) if cuda_only else nullcontext():
@@ -313,6 +326,8 @@ def _apply_step_revert(model, spec, x, streams=None, **kwargs):
         step(model, x)
         with slimact.measure(model):
             step(model, x)
+    # between steps, what hooks the model lastingly is the runtime's code (test_hooks.RUNTIME)
+    assert _hook_owners(model) <= set(RUNTIME), _hook_owners(model)
     slimact.revert(model)
     return leftovers(model)
 
