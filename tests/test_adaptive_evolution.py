@@ -167,33 +167,40 @@ def _rank_worker(rank: int, port: int, out: str, mode: str) -> None:
     faulthandler.dump_traceback_later(300, exit=True)
     sdist.init("gloo", timeout_s=120)
     try:
-        torch.manual_seed(0)
-        model = slimact.build_model("llama-tiny")
-        x = torch.randint(0, 257, (4, 64), generator=torch.Generator().manual_seed(1))
-        mine = sdist.shard(x)
-        opts = dict(  # every codec admitted (as in _planned): INT4 is over the error cap here
-            codecs=("int4",), reform=False, layers="uniform", include_static=False,
-            max_grad_err=None,
-        )  # fmt: skip
-        prof = profile_model(model, mine, codecs=("int4",), repeats=1, reform=False)
-        # rank 0 believes codecs are free, rank 1 that they cost 1 s: their own plans differ
-        prof = _fixed_times(prof, 1e-7 if rank == 0 else 1.0, 1e-5)
-        plan = solve_plan(prof, "40%", **opts)  # (as _planned: below ~35% only recompute fits)
-        install(model, plan=plan, profile=prof, solve_options=opts)
-        ev = PlanEvolver(model, cap=2, log_path=Path(out) / f"log{rank}.jsonl")
-        check = BudgetCheck(model)  # judges the largest bytes over ranks: one verdict
-        before = copy.deepcopy(plan.site_actions())
-        wrapped = sdist.wrap(model, mode)
-        actions, events = [], []
-        for step in (1, 2, 3):
-            wrapped(mine, targets=mine).loss.backward()
-            events.append(ev.on_step(step))
-            actions.append(ev.rt.plan.site_actions())
-        with open(Path(out) / f"rank{rank}.json", "w") as f:
-            json.dump({"before": before, "actions": actions, "events": events,
-                       "checks": check.events}, f)  # fmt: skip
+        _rank_steps(rank, out, mode)  # its DDP wrapper dies with its frame, before the group
     finally:
         sdist.teardown()
+
+
+def _rank_steps(rank: int, out: str, mode: str) -> None:
+    """(A DDP wrapper alive at ``destroy_process_group`` drops the group's last reference when
+    it dies: the group's destructor joins gloo's threads holding the GIL, which a thread freeing
+    a finished work's Python state waits for. That deadlocked a rank at exit under load.)"""
+    torch.manual_seed(0)
+    model = slimact.build_model("llama-tiny")
+    x = torch.randint(0, 257, (4, 64), generator=torch.Generator().manual_seed(1))
+    mine = sdist.shard(x)
+    opts = dict(  # every codec admitted (as in _planned): INT4 is over the error cap here
+        codecs=("int4",), reform=False, layers="uniform", include_static=False,
+        max_grad_err=None,
+    )  # fmt: skip
+    prof = profile_model(model, mine, codecs=("int4",), repeats=1, reform=False)
+    # rank 0 believes codecs are free, rank 1 that they cost 1 s: their own plans differ
+    prof = _fixed_times(prof, 1e-7 if rank == 0 else 1.0, 1e-5)
+    plan = solve_plan(prof, "40%", **opts)  # (as _planned: below ~35% only recompute fits)
+    install(model, plan=plan, profile=prof, solve_options=opts)
+    ev = PlanEvolver(model, cap=2, log_path=Path(out) / f"log{rank}.jsonl")
+    check = BudgetCheck(model)  # judges the largest bytes over ranks: one verdict
+    before = copy.deepcopy(plan.site_actions())
+    wrapped = sdist.wrap(model, mode)
+    actions, events = [], []
+    for step in (1, 2, 3):
+        wrapped(mine, targets=mine).loss.backward()
+        events.append(ev.on_step(step))
+        actions.append(ev.rt.plan.site_actions())
+    with open(Path(out) / f"rank{rank}.json", "w") as f:
+        json.dump({"before": before, "actions": actions, "events": events,
+                   "checks": check.events}, f)  # fmt: skip
 
 
 @pytest.mark.skipif(

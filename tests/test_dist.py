@@ -57,30 +57,37 @@ def _worker(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     sdist.init("gloo", timeout_s=120)
     try:
-        x, y = _batch()
-        result = {}
-        for strategy in STRATEGIES:
-            model = _model(strategy)
-            ddp = sdist.wrap(model, "ddp")
-            ddp(sdist.shard(x), targets=sdist.shard(y)).loss.backward()
-            result[strategy] = _grads(model)
-        # PRAC: every rank must encode with the same subspaces after sync_prac
-        model = _model("prac")
-        sdist.sync_prac(model)
-        ddp = sdist.wrap(model, "ddp")
-        ddp(sdist.shard(x), targets=sdist.shard(y)).loss.backward()
-        state = state_of(model).stateful["prac"]
-        result["prac_p"] = {k: c.p.clone() for k, c in state.codecs.items()}
-        result["prac_grads"] = _grads(model)
-        # the meter on an FSDP2 model: its sharded parameters are DTensors (no storage of their
-        # own: reading one crashed `slimact train --dist fsdp` before)
-        fsdp = sdist.wrap(_model("invact"), "fsdp")
-        with slimact.measure(fsdp) as m:
-            fsdp(sdist.shard(x), targets=sdist.shard(y)).loss.backward()
-        result["fsdp_meter_bytes"] = m.report.total_bytes
-        torch.save(result, Path(out) / f"rank{rank}.pt")
+        _work(rank, out)  # its DDP wrappers die with its frame, before the group does
     finally:
         sdist.teardown()
+
+
+def _work(rank: int, out: str) -> None:
+    """A DDP wrapper still alive at ``destroy_process_group`` drops the group's last reference
+    when it dies: the group's destructor joins gloo's threads holding the GIL, which a thread
+    freeing a finished work's Python state waits for (a deadlock at exit, seen under load)."""
+    x, y = _batch()
+    result = {}
+    for strategy in STRATEGIES:
+        model = _model(strategy)
+        ddp = sdist.wrap(model, "ddp")
+        ddp(sdist.shard(x), targets=sdist.shard(y)).loss.backward()
+        result[strategy] = _grads(model)
+    # PRAC: every rank must encode with the same subspaces after sync_prac
+    model = _model("prac")
+    sdist.sync_prac(model)
+    ddp = sdist.wrap(model, "ddp")
+    ddp(sdist.shard(x), targets=sdist.shard(y)).loss.backward()
+    state = state_of(model).stateful["prac"]
+    result["prac_p"] = {k: c.p.clone() for k, c in state.codecs.items()}
+    result["prac_grads"] = _grads(model)
+    # the meter on an FSDP2 model: its sharded parameters are DTensors (no storage of their
+    # own: reading one crashed `slimact train --dist fsdp` before)
+    fsdp = sdist.wrap(_model("invact"), "fsdp")
+    with slimact.measure(fsdp) as m:
+        fsdp(sdist.shard(x), targets=sdist.shard(y)).loss.backward()
+    result["fsdp_meter_bytes"] = m.report.total_bytes
+    torch.save(result, Path(out) / f"rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import gc
 import os
 from dataclasses import dataclass
 
@@ -112,7 +113,12 @@ def info() -> DistInfo:
 
 
 def teardown() -> None:
+    """Destroy the default group, once what no longer references it is freed: a DDP wrapper
+    left in a reference cycle would otherwise drop the group's last reference later, and the
+    group's destructor then joins gloo's threads while holding the GIL, which a thread freeing
+    a finished work's Python state waits for (a deadlock at exit)."""
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 
