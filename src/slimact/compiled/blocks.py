@@ -340,14 +340,7 @@ def compile_blocks_with(
             fwd = compile_block(block, choice, prev or block.forward, **compile_kwargs)
             block.forward = NotCopyable(fwd, f"compiled block ({choice.label})")
             sites.seal(block)
-
-            def undo(b: nn.Module = block, prev=prev) -> None:
-                sites.seal(b, compiled=False)
-                if prev is None:
-                    b.__dict__.pop("forward", None)
-                else:
-                    b.forward = prev
-
+            undo = functools.partial(_eager_again, block, prev, sealed=True)
             changes.append(AppliedChange(path, "compile", choice.label, undo=undo))
     except BaseException:
         for c in reversed(changes):
@@ -391,7 +384,11 @@ def compile_as_is(
     return changes
 
 
-def _eager_again(block: nn.Module, prev: Any) -> None:
+def _eager_again(block: nn.Module, prev: Any, sealed: bool = False) -> None:
+    """A compiled block's undo: its eager forward back (``prev``: an instance forward it had),
+    unsealed for the router where it was sealed."""
+    if sealed:
+        sites.seal(block, compiled=False)
     if prev is None:
         block.__dict__.pop("forward", None)
     else:

@@ -15,7 +15,6 @@ step, rank 0 deciding).
 
 from __future__ import annotations
 
-import threading
 import warnings
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -113,13 +112,7 @@ class BudgetCheck:
     def before(self, args: tuple, kwargs: dict) -> None:
         self._open.close_stale()
         ids, tgt = call_batch(self.model, args, kwargs)
-        if (
-            self.phase == "done"
-            or sites.is_probing()
-            or threading.current_thread().name == PLANNER_THREAD
-            or not torch.is_grad_enabled()
-            or not isinstance(ids, torch.Tensor)
-        ):
+        if self.phase == "done" or not torch.is_grad_enabled() or not isinstance(ids, torch.Tensor):
             self._open.push(None)
             return
         if self.phase == "replan":

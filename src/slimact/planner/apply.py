@@ -31,9 +31,8 @@ between steps (adaptive evolution) and ``slimact.revert`` undoes it all:
 
 The router and the policy are entered around every root forward by the runtime's own hooks:
 the one way into the router (a ``CodecPolicy`` of one's own rides an empty plan's runtime,
-:func:`install_policy`), and the one entry a plan's companions have on the root: the first-step
-budget check and the plan evolver are the runtime's *watchers* (:meth:`PlanRuntime.watch`),
-called by its hooks before the plan is entered and after it is closed, not hooks of their own.
+:func:`install_policy`), and the one entry on the root of what acts per root call: the
+runtime's *watchers* (:meth:`PlanRuntime.watch`; the budget check, the evolver, compiled-auto).
 *Lazy planning* (strategy ``auto`` without a batch shape): on the first grad-enabled forward the
 runtime profiles the model on that very batch and solves, in a worker thread. The site router's
 state, saved-tensor hooks, the torch-function mode stack and grad mode are thread-local, so an
@@ -74,7 +73,7 @@ from slimact.reformulate import (
 )
 from slimact.registry import AppliedChange
 from slimact.state import peek, prune, state_of
-from slimact.utils import in_worker_thread
+from slimact.utils import PLANNER_THREAD, in_worker_thread
 
 _tls = threading.local()
 
@@ -194,8 +193,7 @@ class RootWatcher(Protocol):
 
 
 def _unwatch(watchers: list[RootWatcher], watcher: RootWatcher) -> None:
-    if watcher in watchers:
-        watchers.remove(watcher)
+    watchers[:] = [w for w in watchers if w is not watcher]
 
 
 def _close_call(entry: tuple[ExitStack | None, bool]) -> None:
@@ -360,17 +358,21 @@ class PlanRuntime:
 
     # -- hooks --------------------------------------------------------------------------------
     def watch(self, watcher: RootWatcher) -> Callable[[], None]:
-        """Call ``watcher.before(args, kwargs)`` at the start of every root call, before the
-        runtime enters its plan (so a plan the watcher installs there serves this very call),
-        and ``watcher.after(output)`` at its end, once the plan is closed (also after an
-        ``Exception``: ``always_call``): newest first in, last out, every ``after`` run even
-        when one raises. Returns the undo."""
+        """``watcher.before(args, kwargs)`` before each root call enters the plan (a plan it
+        installs serves that call), ``watcher.after(output)`` once the plan is closed, also after
+        an ``Exception``: newest first in, last out, each ``after`` run even when one raises;
+        not for a probe's or the planner thread's forwards. Returns the undo."""
         self.watchers.insert(0, watcher)
         return functools.partial(_unwatch, self.watchers, watcher)
 
+    def _watching(self) -> list[RootWatcher]:
+        if sites.is_probing() or threading.current_thread().name == PLANNER_THREAD:
+            return []
+        return list(self.watchers)
+
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         self._calls.close_stale()
-        for watcher in list(self.watchers):
+        for watcher in self._watching():
             watcher.before(args, kwargs)
         if getattr(_tls, "busy", False) or sites.is_probing():
             self._calls.push((None, False))
@@ -426,7 +428,7 @@ class PlanRuntime:
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> Any:
         with ExitStack() as after:  # the watchers' ``after``, oldest first, each one run
-            for watcher in list(self.watchers):
+            for watcher in self._watching():
                 after.callback(watcher.after, output)
             stack, parked = self._calls.pop() or (None, False)
             if stack is not None:
@@ -568,12 +570,12 @@ def install(
     ``runtime``: the model's own runtime, still without a plan, takes ``plan`` instead (one
     a watcher plans for on the first training forward, compiled-auto's), as a ``bare`` one
     does; the undo takes the plan back off it."""
-    if runtime is None and runtime_of(model) is not None and runtime_of(model).bare:
-        runtime = runtime_of(model)  # (a deep copy of such a model carries it too)
+    existing = runtime_of(model)
+    runtime = existing if runtime is None and existing is not None and existing.bare else runtime
     own = runtime is not None
-    if own and (runtime_of(model) is not runtime or runtime.plan is not None or planner):
+    if own and (existing is not runtime or runtime.plan is not None or planner):
         raise ValueError("install(runtime=...) takes the model's runtime, still without a plan")
-    if not own and runtime_of(model) is not None:
+    if not own and existing is not None:
         raise ValueError("model already carries a slimact plan; slimact.revert(model) first")
     rt = runtime if own else PlanRuntime(model, planner)
     rt.profile, rt.solve_options = profile, dict(solve_options or {})
@@ -586,9 +588,8 @@ def install(
         raise
     detail = "lazy: plans on the first training forward" if plan is None else plan.budget
     head = AppliedChange("", "plan", detail, undo=rt.unset if own else rt.remove)
-    # HF: use_cache=False in training; not for a fixed plan that recomputes nothing (rules alone,
-    # a root of codecs and reformulations: compiled-auto's): with no planner and no profile to
-    # re-solve from, it is never swapped for one that does
+    # HF: use_cache=False in training; not for a fixed plan recomputing nothing (compiled-auto's
+    # root), which with no planner or profile to re-solve from is never swapped for one that does
     fixed = plan is not None and planner is None and profile is None
     recomputes = plan is None or any(lp.recompute for lp in plan.layers)
     guard = None if fixed and not recomputes else guard_cache(model, "planned recomputation")

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -164,8 +163,7 @@ class PlanEvolver:
 
     def before(self, args: tuple, kwargs: dict) -> None:
         self._open.close_stale()
-        live = self._armed and torch.is_grad_enabled() and not sites.is_probing()
-        if not live or threading.current_thread().name == PLANNER_THREAD:
+        if not (self._armed and torch.is_grad_enabled()):
             self._open.push(None)
             return
         meter = Meter(self.model)

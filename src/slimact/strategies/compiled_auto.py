@@ -22,7 +22,6 @@ give it instead).
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +58,7 @@ from slimact.registry import (
     register_strategy,
 )
 from slimact.state import reset_field, state_of
-from slimact.utils import PLANNER_THREAD, in_worker_thread
+from slimact.utils import in_worker_thread
 
 
 @dataclass(frozen=True)
@@ -157,12 +156,7 @@ def plan_compiled(
     solve, install and verify (module docstring); the plan goes to the state. On an error
     nothing stays installed. ``runtime``: the model's own, still without a plan (the lazy
     planner's), which takes the root's option."""
-    rt = runtime_of(model)
-    if rt is not None and (rt is not runtime or rt.plan is not None):  # its profile would mix
-        raise ValueError(
-            "compiled-auto plans a model that carries no other slimact plan (one plan runtime "
-            "per model: it plans the root's codec too); slimact.revert(model) first"
-        )
+    _refuse_another_runtime(model, runtime)  # its profile would mix encoded and raw bytes
     offload = offload_option(config, ids.device)
     if profile is None:
         profile = cached_compiled_profile(
@@ -194,6 +188,17 @@ def plan_compiled(
     plan.meta["profile"] = profile_summary(profile)
     state_of(model).compiled_plan = plan
     return changes
+
+
+def _refuse_another_runtime(model: nn.Module, own: PlanRuntime | None = None) -> None:
+    """compiled-auto plans the root's codec too, on its own runtime (``own``, still without a
+    plan): a model carrying any other slimact plan is refused."""
+    rt = runtime_of(model)
+    if rt is not None and (rt is not own or rt.plan is not None):
+        raise ValueError(
+            "compiled-auto plans a model that carries no other slimact plan (one plan runtime "
+            "per model: it plans the root's codec too); slimact.revert(model) first"
+        )
 
 
 def offload_option(config: CompiledAutoConfig, device: torch.device) -> OffloadOption | None:
@@ -330,10 +335,8 @@ class _LazyPlanner:
 
     def before(self, args: tuple, kwargs: dict) -> None:
         module = self.model
-        if not (module.training and torch.is_grad_enabled()) or sites.is_probing():
+        if not (module.training and torch.is_grad_enabled()):
             return
-        if threading.current_thread().name == PLANNER_THREAD:
-            return  # the planner's own forwards (on copies too)
         if self.error is not None:
             raise RuntimeError(
                 f"compiled-auto (budget {self.config.budget}) could not plan this model on its "
@@ -398,11 +401,7 @@ def apply_compiled_auto(
     refuse_unless_token_ids(model, "compiled-auto", "its planner profiles blocks on token ids")
     if config.host_budget is not None:  # refused at apply, not at the first training forward
         check_model(model)
-    if runtime_of(model) is not None:  # one runtime per model, and compiled-auto's is its own
-        raise ValueError(
-            "compiled-auto plans a model that carries no other slimact plan (one plan runtime "
-            "per model: it plans the root's codec too); slimact.revert(model) first"
-        )
+    _refuse_another_runtime(model)  # one runtime per model, and compiled-auto's is its own
     lazy = _LazyPlanner(model, config)
     if config.batch is not None:
         ids, targets = random_token_batch(

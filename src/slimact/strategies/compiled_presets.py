@@ -243,7 +243,7 @@ def apply_compiled_spec(
         return None
     try:
         eager_plan, rows = plan_and_rows(model, eager) if eager else (None, [])
-    except (KeyError, ValueError):
+    except ValueError:
         return None  # a part with no plan form: its own transform says what is wrong
     changes = install_compiled(model, _uniform(model, compiled[0], eager_plan))
     if eager_plan is None or not any(not c.skipped for c in rows):

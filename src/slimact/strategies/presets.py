@@ -256,7 +256,11 @@ def plan_and_rows(
     model: nn.Module, configs: list[StrategyConfig]
 ) -> tuple[Plan, list[AppliedChange]]:
     """The merged plan of the preset ``configs`` and the rows their strategies report, in spec
-    order (a compiled spec's eager part: ``compiled_presets.apply_compiled_spec``)."""
+    order (a compiled spec's eager part: ``compiled_presets.apply_compiled_spec``); a config
+    with no preset plan is a ValueError saying why (``refusal``)."""
+    for config in configs:
+        if why := refusal(config, None):
+            raise ValueError(why)
     parts = _parts(model, configs, None)
     return functools.reduce(operator.add, [p for p, _ in parts]), [c for _, r in parts for c in r]
 
