@@ -25,6 +25,7 @@ import slimact
 from slimact.checkpointing import GUARD_ACTION
 from slimact.gradcheck import grad_errors
 from slimact.hf_inputs import hf_model_of
+from slimact.reformulate.activations import InvActConfig, find_invact
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -266,6 +267,29 @@ def test_hf_model_of():
     assert hf_model_of(compiled) is compiled
     with pytest.raises(TypeError, match="compile=True"):
         slimact.apply(compiled, "recompute")
+
+
+@pytest.mark.parametrize("build", [llama, gpt2], ids=["llama", "gpt2"])
+def test_invact_under_autocast_covers_what_it_covers_outside(build):
+    def rows(model):
+        return [(c.path, c.action, c.skipped) for c in find_invact(model, InvActConfig())]
+
+    model = build()
+    outside = rows(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = rows(model)
+        amp = slimact.apply(build(), "invact")  # as SlimactCallback applies inside Trainer
+    assert inside == outside  # five norms were skipped under autocast
+    assert sum(a.startswith("invnorm:") and not s for _, a, s in outside) == 5
+    plain = slimact.apply(build(), "invact")
+    key = [(c.path, c.action, c.skipped) for c in slimact.applied(plain)]
+    assert [(c.path, c.action, c.skipped) for c in slimact.applied(amp)] == key
+    ref_bytes, ref_loss, ref_grads = step(build(), amp=True)
+    got_bytes, loss, grads = step(amp, amp=True)
+    assert got_bytes == step(plain, amp=True)[0] < ref_bytes
+    torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=2e-2)
+    errs = [e for e in grad_errors(list(grads.values()), list(ref_grads.values())) if e is not None]
+    assert errs and max(errs) < 0.01
 
 
 def test_auto_on_a_lora_model_keeps_trainable_gradients():
