@@ -25,6 +25,9 @@ import slimact
 from slimact.checkpointing import GUARD_ACTION
 from slimact.gradcheck import grad_errors
 from slimact.hf_inputs import hf_model_of
+from slimact.planner.apply import runtime_of
+from slimact.planner.gradstats import INPUT
+from slimact.planner.milp import GRAD_KEY
 from slimact.reformulate.activations import InvActConfig, find_invact
 
 transformers = pytest.importorskip("transformers")
@@ -306,3 +309,18 @@ def test_auto_on_a_lora_model_keeps_trainable_gradients():
     assert any(e is not None for e in errs)
     assert 1 - max(e for e in errs if e is not None) >= 0.99  # was -0.19: a wrong loss head
     torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-4)
+    # the planner's gradient figures are the trainable parameters' (and the block input's)
+    figures = runtime_of(model).profile.meta[GRAD_KEY]
+    named = {n for f in _leaves(figures) for n in f}
+    block = hf_model_of(model).model.layers[0]
+    trainable = {n for n, p in block.named_parameters() if p.requires_grad}
+    assert trainable and named and named <= trainable | {INPUT}, named - trainable
+
+
+def _leaves(tree: dict):
+    """The innermost dicts of a figures tree (``{parameter or INPUT: 1 - cos}``)."""
+    for v in tree.values():
+        if isinstance(v, dict) and v and all(isinstance(x, dict) or x is None for x in v.values()):
+            yield from _leaves({k: x for k, x in v.items() if x})
+        elif isinstance(v, dict) and v:
+            yield v
