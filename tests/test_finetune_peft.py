@@ -140,6 +140,28 @@ def test_recompute_on_a_peft_model_with_the_cache_off_gives_no_warning():
     assert [str(w.message) for w in record] == []
 
 
+def test_a_prompt_tuning_model_is_acted_on_whole_and_recomputes():
+    def build():
+        model = llama()
+        torch.manual_seed(1)  # the virtual tokens' embeddings
+        cfg = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+        return peft.get_peft_model(model, cfg)
+
+    ref_bytes, ref_loss, ref_grads = step(build())
+    model = build()
+    assert hf_model_of(model) is model  # its forward runs the prompt encoder: not a wrapper
+    slimact.apply(model, "recompute")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got_bytes, loss, grads = step(model)
+    assert not [w for w in record if NO_RECOMPUTE_MSG in str(w.message)]
+    assert got_bytes <= 0.3 * ref_bytes, (got_bytes, ref_bytes)  # was 1.00x
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    assert_same_grads(grads, ref_grads, rtol=1e-5, atol=1e-7)
+    slimact.revert(model)
+    assert _plain(model.get_base_model()) and step(model)[0] == ref_bytes
+
+
 class CallsForward(nn.Module):
     """A wrapper slimact does not know, calling its model's ``forward`` (no hooks run there)."""
 
