@@ -35,7 +35,8 @@ def hf_model_of(model: nn.Module) -> nn.Module:
     every wrapper peeled off (``state.model_of``, the one rule ``apply``, ``applied`` and
     ``revert`` follow): a peft ``PeftModel``'s ``get_base_model()`` (the HF model, with the
     LoRA layers injected in it), a peft tuner's ``model``, the ``module`` of DDP /
-    ``DataParallel`` / any ``.module`` wrapper. A ``PeftModelForCausalLM`` looks like an HF
+    ``DataParallel`` / any ``.module`` wrapper (a prompt-learning ``PeftModel`` is no wrapper:
+    its forward prepends virtual tokens). A ``PeftModelForCausalLM`` looks like an HF
     causal LM but is none (no ``PreTrainedModel``, a forward without ``use_cache``): code that
     reads what a model is (``is_hf_model``, its config, its head, how it shifts labels) reads
     it off ``hf_model_of(model)``."""

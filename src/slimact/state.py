@@ -43,11 +43,12 @@ def _wrapper_kind(cls: type) -> str:
 def wrapped(model: nn.Module) -> nn.Module | None:
     """The model ``model`` wraps (one level), or None where it is no wrapper: a peft
     ``PeftModel`` (its ``get_base_model()``; not a prompt-learning one, whose forward runs its
-    prompt encoder and prepends virtual tokens: that ``PeftModel`` is the model), a peft tuner (``LoraModel``: its ``model``), and a
-    ``.module`` wrapper (``DistributedDataParallel``, ``DataParallel``, an accelerate-prepared
-    model under DDP, any module with no parameters or buffers of its own whose one child is
-    ``module``). A model compiled whole (``torch.compile``) is not seen through: it is refused
-    where it matters (``registry.refuse_compiled_root``)."""
+    prompt encoder and prepends virtual tokens: that ``PeftModel`` is the model), a peft tuner
+    (``LoraModel``: its ``model``), and a ``.module`` wrapper (``DistributedDataParallel``,
+    ``DataParallel``, an accelerate-prepared model under DDP, any module with no parameters or
+    buffers of its own whose one child is ``module``). A model compiled whole
+    (``torch.compile``) is not seen through: it is refused where it matters
+    (``registry.refuse_compiled_root``)."""
     kind = _wrapper_kind(type(model))
     if kind == "peft":
         if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False):
