@@ -6,10 +6,16 @@ the returned cache doubles, and at one token the replay's keys differ in shape f
 run's and backward raises ``CheckpointError``. Hugging Face's own gradient checkpointing avoids
 that by running training forwards without a cache; so does slimact:
 
-* :func:`guard_cache` puts a forward pre-hook on a model whose forward takes ``use_cache``: in a
-  training forward (training mode, grad enabled) ``use_cache`` becomes False, with one warning
-  per model when the caller or ``config.use_cache`` asked for a cache (the wording follows HF's
-  "`use_cache=True` is incompatible with gradient checkpointing. Setting `use_cache=False`").
+* :func:`guard_cache` puts a forward pre-hook on the model, where its forward takes
+  ``use_cache``, and on every Hugging Face model inside it whose forward does (the decoder
+  ``LlamaModel`` inside ``LlamaForCausalLM``, where HF's own gradient checkpointing drops the
+  cache): in a training forward (training mode, grad enabled) ``use_cache`` becomes False, with
+  one warning per model when the caller or the model's ``config.use_cache`` asked for a cache
+  (an inner model's config alone does not warn: BERT's encoder takes ``use_cache``; the wording
+  follows HF's "`use_cache=True` is incompatible with gradient checkpointing. Setting
+  `use_cache=False`"). The inner hooks are what reach a model run through a wrapper whose
+  forward takes no ``use_cache`` (peft's ``PeftModelForCausalLM``) or that calls the model's
+  ``forward`` without its hooks. Reverting removes them all: the cache is back in training.
 * :func:`carries_cache` tells a checkpointed block that it was handed a cache anyway (a cache
   passed in explicitly, or an eval-mode forward with grad on); the block then runs without
   checkpointing, so the cache is written once and the gradients stay exact. It warns once per
@@ -39,7 +45,8 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from slimact import sites
-from slimact.patching import override_forward
+from slimact.hf_inputs import is_hf_model
+from slimact.patching import override_forward, run_all
 from slimact.registry import AppliedChange
 
 # keyword names HF layers receive their KV cache (or a legacy per-layer past) under
@@ -76,11 +83,11 @@ def carries_cache(orig: Any, args: tuple, kwargs: dict) -> bool:
 
 
 class CacheGuard:
-    """State of one model's ``use_cache`` guard: where ``use_cache`` sits, whether it warned."""
+    """State of one model's ``use_cache`` guard, shared by its hooks: what recomputes (for the
+    warning) and whether it warned."""
 
-    def __init__(self, position: int | None, who: str) -> None:
-        self.position = position  # positional index of ``use_cache`` (self excluded), or None
-        self.who = who  # what recomputes, for the warning
+    def __init__(self, who: str) -> None:
+        self.who = who
         self.warned = False
 
 
@@ -125,17 +132,22 @@ def use_cache_position(model: nn.Module) -> int | None | bool:
     return False
 
 
-def _cache_guard_hook(guard: CacheGuard, module: nn.Module, args: tuple, kwargs: dict):
+def _cache_guard_hook(
+    guard: CacheGuard, pos: int | None, root: bool, module: nn.Module, args: tuple, kwargs: dict
+):
+    """``pos``: the positional index of ``use_cache`` in ``module``'s forward (None:
+    keyword-only). ``root``: the hook of the model the guard was put on, which warns when its
+    config asks for a cache; an inner model's hook warns only when its caller asked (BERT's
+    ``BertModel`` takes ``use_cache`` for decoder use: under ``BertForMaskedLM`` nobody did)."""
     if not (module.training and torch.is_grad_enabled()):
         return None
-    pos = guard.position
     if pos is not None and len(args) > pos:
         asked = args[pos]
         args = (*args[:pos], False, *args[pos + 1 :])
     else:
         asked = kwargs.get("use_cache")
         kwargs = {**kwargs, "use_cache": False}
-    if asked is None:
+    if asked is None and root:
         asked = getattr(getattr(module, "config", None), "use_cache", False)
     if asked and not guard.warned:
         guard.warned = True
@@ -154,29 +166,46 @@ def _drop_pre_hook(model: nn.Module, hook_id: int) -> None:
     model._forward_pre_hooks_with_kwargs.pop(hook_id, None)
 
 
-def has_cache_guard(model: nn.Module) -> bool:
+def _guards(module: nn.Module) -> bool:
     return any(
         isinstance(h, functools.partial) and h.func is _cache_guard_hook
-        for h in model._forward_pre_hooks.values()
+        for h in module._forward_pre_hooks.values()
     )
+
+
+def has_cache_guard(model: nn.Module) -> bool:
+    """Does ``model`` or a module inside it carry a ``use_cache`` guard?"""
+    return any(_guards(m) for m in model.modules())
 
 
 def guard_cache(model: nn.Module, who: str = "activation recomputation") -> AppliedChange | None:
     """Run ``model``'s training forwards (training mode, grad on) with ``use_cache=False``.
 
-    For models whose forward takes ``use_cache`` (Hugging Face LMs and seq2seq models); warns
-    once per model when a cache was asked for, explicitly or by ``config.use_cache``. Returns
-    the undoable change (picklable: a partial of a module-level function), or None where the
-    forward takes no ``use_cache`` or a guard is already installed.
+    Hooks the model, where its forward takes ``use_cache`` (Hugging Face LMs and seq2seq models),
+    and every Hugging Face model inside it whose forward does (the decoder a wrapper's forward
+    reaches however it is called); warns once per model when a cache was asked for, explicitly
+    or by the model's ``config.use_cache``. Returns the undoable change (picklable: partials of module-level
+    functions), or None where no forward takes ``use_cache`` or a guard is already installed.
     """
-    pos = use_cache_position(model)
-    if pos is False or has_cache_guard(model):
+    if has_cache_guard(model):
         return None
-    guard = CacheGuard(pos, who)
-    handle = model.register_forward_pre_hook(
-        functools.partial(_cache_guard_hook, guard), with_kwargs=True, prepend=True
-    )
-    undo = functools.partial(_drop_pre_hook, model, handle.id)
+    targets = [
+        (m, pos)
+        for m in model.modules()
+        if (m is model or is_hf_model(m)) and (pos := use_cache_position(m)) is not False
+    ]
+    if not targets:
+        return None
+    guard = CacheGuard(who)
+    undos = []
+    for m, pos in targets:
+        handle = m.register_forward_pre_hook(
+            functools.partial(_cache_guard_hook, guard, pos, m is model),
+            with_kwargs=True,
+            prepend=True,
+        )
+        undos.append(functools.partial(_drop_pre_hook, m, handle.id))
+    undo = functools.partial(run_all, *undos)
     return AppliedChange("", GUARD_ACTION, "use_cache=False in training forwards", undo=undo)
 
 

@@ -10,7 +10,9 @@ encoder), plus ``decoder_input_ids`` for encoder-decoder models. :func:`refuse_u
 is the one-line refusal of strategies that can only drive a model with token ids (``auto``).
 :func:`lm_loss` calls the loss of slimact's models and HF causal / masked LMs alike,
 :func:`mlm_batch` masks a batch BERT-style, :func:`random_token_batch` draws a planning batch
-(``slimact.hf`` re-exports the first two).
+(``slimact.hf`` re-exports the first two). :func:`hf_model_of` is the model slimact acts on for
+a wrapped one (a peft ``PeftModel``, DDP, a ``.module`` wrapper): ask it, not the wrapper, what
+the model is (its class, config, loss head, label shifting).
 
 Layer 2 (see ARCHITECTURE.md): torch only, so ``reformulate`` and the strategies can use it.
 """
@@ -22,9 +24,23 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from slimact.state import model_of
 from slimact.utils import model_device
 
 TOKEN_INPUT = "input_ids"
+
+
+def hf_model_of(model: nn.Module) -> nn.Module:
+    """The model slimact acts on for ``model``: ``model`` itself, or the model a wrapper wraps,
+    every wrapper peeled off (``state.model_of``, the one rule ``apply``, ``applied`` and
+    ``revert`` follow): a peft ``PeftModel``'s ``get_base_model()`` (the HF model, with the
+    LoRA layers injected in it), a peft tuner's ``model``, the ``module`` of DDP /
+    ``DataParallel`` / any ``.module`` wrapper (a prompt-learning ``PeftModel`` is no wrapper:
+    its forward prepends virtual tokens). A ``PeftModelForCausalLM`` looks like an HF
+    causal LM but is none (no ``PreTrainedModel``, a forward without ``use_cache``): code that
+    reads what a model is (``is_hf_model``, its config, its head, how it shifts labels) reads
+    it off ``hf_model_of(model)``."""
+    return model_of(model)
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -170,6 +186,7 @@ def random_token_batch(
 
 __all__ = [
     "dummy_inputs",
+    "hf_model_of",
     "is_encoder_decoder",
     "is_hf_model",
     "lm_loss",

@@ -5,7 +5,9 @@ config class to ``transform(model, config, filter_fn) -> AppliedChange list``. `
 ``"name"``, a config, ``"name@arg"`` for configs with a ``from_spec`` parser (``"auto@25%"``), or
 ``"a+b"`` to compose several (applied left to right; a spec of presets alone is one merged
 plan, ``register_preset_path``). Every change is
-recorded on the model (``applied(model)``) and can be undone with ``revert(model)``.
+recorded on the model (``applied(model)``) and can be undone with ``revert(model)``. A wrapper
+(a peft ``PeftModel``, DDP, any ``.module`` wrapper) is seen through: all three act on the model
+it wraps (``state.model_of``), so apply before or after wrapping and revert through either.
 
 ``apply`` is all-or-nothing: if any part of a composition raises, the parts already applied are
 undone newest first and the original error propagates; the model is left as it was.
@@ -46,7 +48,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from slimact.state import peek, prune, state_of
+from slimact.state import model_of, peek, prune, state_of
 
 logger = logging.getLogger("slimact")
 
@@ -452,7 +454,12 @@ def apply(
     refused: its forward is one compiled graph that slimact's hooks cannot enter, so a strategy
     on it would do nothing; ``compile=True`` on the plain model compiles its blocks with the
     strategy inside them.
+
+    A wrapper (``PeftModel``, DDP, a ``.module`` wrapper) is seen through: the strategy acts on
+    the model it wraps (``state.model_of``), which holds the LoRA layers and runs under the
+    wrapper's forward; the wrapper is returned.
     """
+    wrapper, model = model, model_of(model)
     refuse_compiled_root(model, "slimact.apply")
     strategy = as_config(strategy)
     if compile:
@@ -508,7 +515,7 @@ def apply(
     st = state_of(model)
     st.applied.extend(done)
     st.strategies.extend(label for label, _ in parts)
-    return model
+    return wrapper
 
 
 def is_compiled_root(model: object) -> bool:
@@ -544,7 +551,8 @@ def _undo_all(changes: list[AppliedChange], exc: BaseException) -> None:
 
 
 def applied(model: nn.Module) -> list[AppliedChange]:
-    """The changes ``apply`` made to ``model`` (skipped sites included, with their reasons)."""
+    """The changes ``apply`` made to ``model`` (skipped sites included, with their reasons);
+    through a wrapper, to the model it wraps."""
     st = peek(model)
     return list(st.applied) if st is not None else []
 
@@ -556,7 +564,8 @@ def applied_strategies(model: nn.Module) -> list[str]:
 
 
 def revert(model: nn.Module) -> nn.Module:
-    """Undo every change ``apply`` made, newest first."""
+    """Undo every change ``apply`` made, newest first; through a wrapper (``PeftModel``, DDP),
+    to the model it wraps, wherever ``apply`` was given (the wrapper or the model)."""
     st = peek(model)
     if st is None:
         return model

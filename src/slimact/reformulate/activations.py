@@ -236,8 +236,18 @@ def find_invact(
     GELU/SiLU, not in ``ops``, filtered out, forward already patched, output saved by no next
     op), then the ``invnorm-check`` row when a norm is inverted. With ``config.probe`` the
     consumer probe (``probe_consumers``: forward hooks, under ``sites.probing()``, the model's
-    RNG and training flags restored) decides; the rows carry no undo."""
+    RNG and training flags restored) decides; the rows carry no undo.
+
+    Found outside autocast, whatever the caller runs under (``SlimactCallback`` applies inside
+    ``Trainer``'s autocast): the classification grids need full precision, and under autocast
+    the next op saves its low-precision cast of the candidate's output, not the output, so the
+    probe would turn down the norms the same strategy applied before autocast swaps (the
+    inverted norm still saves less than the norm's own saves there). The sites found are the
+    ones found before autocast."""
     dev = model_device(model)
+    if dev.type in ("cpu", "cuda") and torch.is_autocast_enabled(dev.type):
+        with torch.autocast(dev.type, enabled=False):
+            return find_invact(model, config, filter_fn)
     changes: list[AppliedChange] = []
     plan: dict[str, tuple[str, str]] = {}  # path -> ("act", kind) | ("norm", "rms"/"layer")
     for path, m in model.named_modules():
