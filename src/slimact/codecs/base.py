@@ -246,9 +246,10 @@ def _codec_class_for(cfg_type: type) -> type[Codec]:
     return _CLASSES[cfg_type]
 
 
-def codec_names() -> list[str]:
-    """The registered candidate codecs (baselines registered with ``candidate=False`` left out)."""
-    return [n for n in _CODECS if n not in _BASELINES]
+def codec_names(baselines: bool = False) -> list[str]:
+    """The registered candidate codecs (baselines registered with ``candidate=False`` left out,
+    unless ``baselines``: then every registered codec)."""
+    return [n for n in _CODECS if baselines or n not in _BASELINES]
 
 
 def codec_name(config: CodecConfig) -> str:
