@@ -67,6 +67,7 @@ class BitsConfig(CodecConfig):
 
 class BitsCodec(Codec):
     config: BitsConfig
+    codes_float64 = True  # lossless for any dtype
 
     def encode(self, x: torch.Tensor) -> Packed:
         if not isinstance(x, torch.Tensor):

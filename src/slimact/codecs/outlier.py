@@ -79,7 +79,8 @@ def channel_abs_sums(x2d: torch.Tensor) -> torch.Tensor:
 
 
 def channel_abs_sums_ref(x2d: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(x2d, ord=1, dim=0, dtype=torch.float32)
+    acc = torch.promote_types(x2d.dtype, torch.float32)  # float64 sums a float64 tensor
+    return torch.linalg.vector_norm(x2d, ord=1, dim=0, dtype=acc)
 
 
 def outlier_scores(x2d: torch.Tensor) -> torch.Tensor:
@@ -162,6 +163,8 @@ class OutlierCodec(Codec):
 
     def encode(self, x: torch.Tensor) -> Packed:
         check_input(self, x)
+        if (exact := self.float64_exact(x)) is not None:
+            return exact
         c = self.config
         x2d = rows_view(self, x, c.channels)
         rows = row_stats(x2d, 0, c.max_range)
@@ -203,7 +206,7 @@ class OutlierCodec(Codec):
 
     def encode_deferred(self, x: torch.Tensor, state: dict) -> Deferred:
         c = self.config
-        if c.nonfinite == "raise" or x.numel() == 0:
+        if c.nonfinite == "raise" or x.numel() == 0 or x.dtype == torch.float64:
             return Deferred(self.encode(x))
         check_input(self, x)
         x2d = rows_view(self, x, c.channels)

@@ -97,7 +97,8 @@ def check_max_range(cfg: CodecConfig, max_range: float | None) -> None:
 
 
 def _row_norms(rows: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float32)
+    acc = torch.promote_types(rows.dtype, torch.float32)  # float64 rows: float64 norms
+    return torch.linalg.vector_norm(rows, dim=-1, dtype=acc)
 
 
 def row_stats(x: torch.Tensor, channels: int, max_range: float | None) -> torch.Tensor | None:
@@ -386,12 +387,14 @@ class QuantCodec(Codec):
         return rows, q, Packed(quantized_payload(q), tuple(x.shape), x.dtype, x.device, meta)
 
     def encode(self, x: torch.Tensor) -> Packed:
+        if (exact := self.float64_exact(x)) is not None:
+            return exact
         rows, q, packed = self._quantize(x)
         reason = quantized_problem(x, 0, self.config.max_range, rows, q)
         return self.fallback(x, reason) if reason is not None else packed
 
     def encode_deferred(self, x: torch.Tensor, state: dict) -> Deferred:
-        if self.config.nonfinite == "raise":
+        if self.config.nonfinite == "raise" or x.dtype == torch.float64:
             return Deferred(self.encode(x))
         rows, q, packed = self._quantize(x)
         return Deferred(packed, *verdict(rows, q, self.config.max_range))
@@ -466,6 +469,8 @@ class ChannelQuantCodec(Codec):
         return x2d, rows, q, Packed(quantized_payload(q), tuple(x.shape), x.dtype, x.device, meta)
 
     def encode(self, x: torch.Tensor) -> Packed:
+        if (exact := self.float64_exact(x)) is not None:
+            return exact
         x2d, rows, q, packed = self._quantize(x)
         if x2d is None:
             return packed
@@ -473,7 +478,7 @@ class ChannelQuantCodec(Codec):
         return self.fallback(x, reason) if reason is not None else packed
 
     def encode_deferred(self, x: torch.Tensor, state: dict) -> Deferred:
-        if self.config.nonfinite == "raise":
+        if self.config.nonfinite == "raise" or x.dtype == torch.float64:
             return Deferred(self.encode(x))
         x2d, rows, q, packed = self._quantize(x)
         if x2d is None:
