@@ -64,6 +64,7 @@ from slimact.codecs.quant import (
     quantized_payload,
     quantized_problem,
     rounding_args,
+    row_group,
     row_stats,
     rows_view,
     verdict,
@@ -177,7 +178,7 @@ class OutlierCodec(Codec):
             )
         keep = ~out_mask if idx.numel() else None
         q = quantize(
-            x2d, bits=c.bits, group_size=c.group_size, symmetric=c.symmetric,
+            x2d, bits=c.bits, group_size=row_group(c.group_size, x2d.shape[1]), symmetric=c.symmetric,
             paper_scale=c.paper_scale, keep_cols=keep, backend=c.backend, **rounding_args(self),
         )  # fmt: skip
         reason = quantized_problem(x2d, 0, c.max_range, rows, q)
@@ -194,7 +195,7 @@ class OutlierCodec(Codec):
         meta = {
             "numel": q.numel,
             "bits": c.bits,
-            "group_size": c.group_size,
+            "group_size": q.group_size,
             "channels": x2d.shape[1],
             "n_outliers": int(idx.numel()),
         }
@@ -222,7 +223,7 @@ class OutlierCodec(Codec):
             flags = outlier.index_select(0, idx)
             keep = torch.ones_like(outlier).index_copy_(0, idx, ~flags)  # the flagged zeroed
         q = quantize(
-            x2d, bits=c.bits, group_size=c.group_size, symmetric=c.symmetric,
+            x2d, bits=c.bits, group_size=row_group(c.group_size, x2d.shape[1]), symmetric=c.symmetric,
             paper_scale=c.paper_scale, keep_cols=keep, backend=c.backend, **rounding_args(self),
         )  # fmt: skip
         packed = self._packed(x, x2d, q, idx)

@@ -286,6 +286,20 @@ def scales_ok_values(values: list[float]) -> bool:
     return values[0] >= SCALE_FLOOR and all(v <= _F32_MAX for v in values[1:])
 
 
+def row_group(group_size: int, width: int) -> int:
+    """The group a per-group codec uses on rows of ``width`` values: ``group_size``, or, where
+    that does not divide the row, the largest power of two that does if it is at least half of
+    ``group_size`` (at most twice the scales), so that no group spans two rows (tokens). A
+    group's step is its largest value over 7 (INT4) or 127 (INT8): a group shared by a token of
+    massive activations and a normal token codes the normal one at the massive one's step, and a
+    norm's backward, which is per token, amplifies that token's relative error. Other widths keep
+    ``group_size`` (their scales would cost more than that)."""
+    if width <= 0 or width % group_size == 0:
+        return group_size
+    aligned = min(group_size, width & -width)
+    return aligned if 2 * aligned >= group_size else group_size
+
+
 def check_common(
     cfg: CodecConfig, bits: int, nonfinite: str, backend: str, rounding: str = "nearest"
 ) -> None:
@@ -378,12 +392,13 @@ class QuantCodec(Codec):
         check_input(self, x)
         c = self.config
         rows = row_stats(x, 0, c.max_range)
+        group = row_group(c.group_size, x.shape[-1] if x.dim() else 0)
         q = quantize(
-            x, bits=c.bits, group_size=c.group_size, symmetric=c.symmetric,
+            x, bits=c.bits, group_size=group, symmetric=c.symmetric,
             paper_scale=c.paper_scale, backend=c.backend, **rounding_args(self),
         )  # fmt: skip
         refuse_nonfinite(self, x, q.nonfinite, c.nonfinite)
-        meta = {"numel": q.numel, "bits": c.bits, "group_size": c.group_size}
+        meta = {"numel": q.numel, "bits": c.bits, "group_size": group}
         return rows, q, Packed(quantized_payload(q), tuple(x.shape), x.dtype, x.device, meta)
 
     def encode(self, x: torch.Tensor) -> Packed:
