@@ -242,6 +242,12 @@ def test_padded_batch_gradients(padded_baselines, strategy, bound, side):
     assert actions[f"{sdpa}#0"] == "codec:bits"  # the mask
     assert actions[f"{sdpa}#1"] == actions[f"{sdpa}#2"] == "keep"  # k and q
     assert actions[f"{sdpa}#3"].startswith("codec:int8-channel")  # v
+    for r in got[2].sites:  # ids, positions, and the rotary cos/sin tables: kept as they are
+        if not r.dtype.startswith(("float", "bfloat")) or (
+            r.site.startswith("model.layers.0.self_attn:mul#") and r.shape[1] == 1
+        ):
+            assert r.action == "keep", r
+    assert any(r.shape[1] == 1 and r.op == "mul" for r in got[2].sites)  # the tables were seen
 
 
 @pytest.mark.slow  # ~12 s (two compiled blocks); test_traced_codec_keeps_an_sdpa_mask_exact: fast

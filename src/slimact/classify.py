@@ -6,7 +6,8 @@ One place for the questions every strategy and the planner ask:
   inside a module; ``parse_site`` splits it, ``role_of(site, t)`` says what the tensor is for a
   lossy codec: ``act`` (inputs of linears, norms, activations), ``qk`` (fused SDPA's q and k),
   ``qkv`` (other attention operands: SDPA's v, an unfused attention's matmul operands),
-  ``scores`` (softmax outputs, [.., S, S] operands), ``mask`` (dropout masks, 0/1 tensors), or
+  ``scores`` (softmax outputs, [.., S, S] operands), ``mask`` (dropout masks, 0/1 tensors, SDPA's
+  additive ``{0, -inf}`` attention mask: two-valued, packed losslessly), or
   None (keep exact: statistics, losses, ids, constants, tensors below ``min_numel``). Fused
   SDPA's q and k are a role of their own because its backward *recomputes* the probabilities
   from them, ``P = exp(q k^T / sqrt(d) - lse)`` against the exact saved logsumexp: an error δ

@@ -19,6 +19,13 @@ of one decode for values spread evenly between codes (``S^2/6`` against ``S^2/12
 averages out over steps in place of an error that does not. Measured in BENCHMARKS.md
 (stochastic rounding).
 
+Groups stay within a row (a token) of the ``[rows, C]`` memory view where ``C`` allows it at
+most twice the scales (:func:`row_group`): a group spanning a token of massive activations and
+a normal one would code the normal one at the massive one's step.
+
+A float64 tensor is stored exactly (``Codec.float64_exact``): the scales and arithmetic here are
+float32.
+
 Cost per element of an fp32 tensor (4 bytes): INT4 with groups of 128 stores 0.5 + 4/128 bytes
 (7.5x smaller), ``int4-asym`` 0.5 + 8/128, INT8 1 + 4/128; encode is one read and one small
 write, decode one small read and one write, against a recomputation that re-runs the op.
