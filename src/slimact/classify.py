@@ -138,11 +138,12 @@ def role_of(site: str, t: torch.Tensor, min_numel: int = 1024) -> str | None:
 
 
 def _sdpa_role(t: torch.Tensor, k: int, min_numel: int) -> str | None:
-    """:func:`role_of` of a tensor SDPA saves: q and k ``qk``, v ``qkv``, a mask (no grad; an
-        additive ``{0, -inf}`` mask, a bool mask or a CPU dropout noise) ``mask`` where it is
-        two-valued (packed losslessly), else kept; output and logsumexp kept; in SDPA's math path
-    (CPU, dropout on) what it saves is made inside it (scaled q, probabilities) and kept. The operand is read
-        off the running call (:func:`sdpa_operand`), else from the ordinal (q, k, v first)."""
+    """:func:`role_of` of a tensor SDPA saves: q and k ``qk``, v ``qkv``; a mask (no grad: an
+    additive ``{0, -inf}`` mask, a bool mask converted to one, a CPU dropout noise) ``mask``
+    where it is two-valued (packed losslessly), else kept; output and logsumexp kept; in SDPA's
+    math path (CPU, dropout on) what it saves is made inside it (scaled q, probabilities) and
+    kept. The operand is read off the running call (:func:`sdpa_operand`), else from the
+    ordinal (q, k, v first)."""
     if t.numel() < min_numel or t.dim() != 4 or t.shape[-1] == 1:
         return None  # small, or its logsumexp: never read (on a GPU, a sync at every save)
     which = sdpa_operand(t)

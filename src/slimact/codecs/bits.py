@@ -3,10 +3,10 @@
 Autograd keeps dropout masks as ``bool`` (CUDA, one byte per element) or as the float noise
 ``{0, 1/(1-p)}`` that multiplied the input (CPU, four bytes). Eight mask bits pack into one byte,
 element ``8j + i`` in bit ``i`` of byte ``j``; a tensor of ``n`` values takes exactly ``ceil(n/8)``
-bytes (plus one value ``c`` for non-bool tensors) and decodes bit-exactly (``c`` is selected
-where a bit is set, never multiplied by it: an additive attention mask ``{0, -inf}`` decodes to
-``{0, -inf}``, where ``0 * -inf`` would be NaN) (adacc.txt §3.2:
-"compress the original byte format to bit format without accuracy loss"). Non-bool tensors are
+bytes (plus one value ``c`` for non-bool tensors) and decodes bit-exactly (adacc.txt §3.2:
+"compress the original byte format to bit format without accuracy loss"): ``c`` is selected
+where a bit is set, never multiplied by it, so an additive attention mask ``{0, -inf}`` decodes
+to itself, where ``0 * -inf`` would be NaN. Non-bool tensors are
 accepted only when every value is 0 or one single ``c`` (checked, one pass); anything else is
 rejected with a ``ValueError``, never rounded.
 Bytes that already hold packed bits (InvAct's uint8 masks) fail that check and must stay as they
