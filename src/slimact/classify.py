@@ -6,7 +6,8 @@ One place for the questions every strategy and the planner ask:
   inside a module; ``parse_site`` splits it, ``role_of(site, t)`` says what the tensor is for a
   lossy codec: ``act`` (inputs of linears, norms, activations), ``qk`` (fused SDPA's q and k),
   ``qkv`` (other attention operands: SDPA's v, an unfused attention's matmul operands),
-  ``scores`` (softmax outputs, [.., S, S] operands), ``mask`` (dropout masks, 0/1 tensors), or
+  ``scores`` (softmax outputs, [.., S, S] operands), ``mask`` (dropout masks, 0/1 tensors, SDPA's
+  additive ``{0, -inf}`` attention mask: two-valued, packed losslessly), or
   None (keep exact: statistics, losses, ids, constants, tensors below ``min_numel``). Fused
   SDPA's q and k are a role of their own because its backward *recomputes* the probabilities
   from them, ``P = exp(q k^T / sqrt(d) - lse)`` against the exact saved logsumexp: an error δ
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from slimact import sites
 from slimact.codecs.bits import is_binary, two_valued
 from slimact.ops.inv_act import act_ref
 from slimact.ops.inv_act_approx import KINDS
@@ -72,6 +74,38 @@ def parse_site(site: str) -> tuple[str, str, int]:
     return module, op, int(k) if k.isdigit() else 0
 
 
+SDPA_OPERANDS = ("q", "k", "v")
+
+
+def _same_tensor(a: object, t: torch.Tensor) -> bool:
+    return (
+        isinstance(a, torch.Tensor)
+        and a.device == t.device
+        and a.dtype == t.dtype
+        and a.shape == t.shape
+        and a.stride() == t.stride()
+        and a.storage_offset() == t.storage_offset()
+        and a.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    )
+
+
+def sdpa_operand(t: torch.Tensor) -> str | None:
+    """Which operand of the running ``scaled_dot_product_attention`` call the saved ``t`` is:
+    ``"q"``, ``"k"``, ``"v"`` (its first three arguments), ``"other"`` (a tensor that is none of
+    them: the attention mask, or one the kernel made: its output, logsumexp, a converted mask), or
+    None when no SDPA call is running under the site router (the ordinal rule applies then).
+
+    The save ordinal cannot tell: CPU's fused kernel saves ``k, q, v, lse, out`` without a mask
+    and ``mask, k, q, v, lse, out`` with one, so ``#2`` is v in one call and q in the other."""
+    args = sites._state.op_args if sites._state.op == "scaled_dot_product_attention" else ()
+    if not args:
+        return None
+    for name, a in zip(SDPA_OPERANDS, args[:3], strict=False):
+        if _same_tensor(a, t):
+            return name
+    return "other"
+
+
 def role_of(site: str, t: torch.Tensor, min_numel: int = 1024) -> str | None:
     """The role of a saved tensor (``act``/``qk``/``qkv``/``scores``/``mask``, module docstring)
     or None to keep it."""
@@ -84,11 +118,9 @@ def role_of(site: str, t: torch.Tensor, min_numel: int = 1024) -> str | None:
         ):
             return "mask"
         return None
+    if op == "scaled_dot_product_attention":
+        return _sdpa_role(t, k, min_numel)
     if not t.requires_grad and op in MASK_OPS and t.numel() >= min_numel:
-        if op == "scaled_dot_product_attention" and (t.dim() != 4 or t.shape[-1] == 1):
-            # its logsumexp (3-D, or ending in 1): never a mask, and reading it would be a
-            # device-to-host sync at every save (a layer's each step)
-            return None
         return "mask" if two_valued(t) is not None else None  # CPU dropout noise {0, 1/(1-p)}
     if not t.requires_grad or t.numel() < min_numel or t.dim() == 0 or t.shape[-1] == 1:
         return None
@@ -98,20 +130,40 @@ def role_of(site: str, t: torch.Tensor, min_numel: int = 1024) -> str | None:
         return "scores"
     if op in ATTN_OPS:
         if t.dim() != 4:
-            return "act" if op != "scaled_dot_product_attention" else None
-        if op == "scaled_dot_product_attention":
-            # q, k, v come first; output/logsumexp stay exact
-            return "qk" if k < 2 else "qkv" if k == 2 else None
+            return "act"
         return "scores" if t.shape[-1] == t.shape[-2] else "qkv"
     if op in ACT_OPS or "silu" in op or "gelu" in op:
         return "act"
     return None
 
 
+def _sdpa_role(t: torch.Tensor, k: int, min_numel: int) -> str | None:
+    """:func:`role_of` of a tensor SDPA saves: q and k ``qk``, v ``qkv``; a mask (no grad: an
+    additive ``{0, -inf}`` mask, a bool mask converted to one, a CPU dropout noise) ``mask``
+    where it is two-valued (packed losslessly), else kept; output and logsumexp kept; in SDPA's
+    math path (CPU, dropout on) what it saves is made inside it (scaled q, probabilities) and
+    kept. The operand is read off the running call (:func:`sdpa_operand`), else from the
+    ordinal (q, k, v first)."""
+    if t.numel() < min_numel or t.dim() != 4 or t.shape[-1] == 1:
+        return None  # small, or its logsumexp: never read (on a GPU, a sync at every save)
+    which = sdpa_operand(t)
+    if not t.requires_grad:
+        if which in SDPA_OPERANDS:
+            return None  # a frozen operand: kept as it is
+        return "mask" if two_valued(t) is not None else None
+    if which is None:
+        which = SDPA_OPERANDS[k] if k < 3 else "other"
+    return "qk" if which in ("q", "k") else "qkv" if which == "v" else None
+
+
 def is_sdpa_output(site: str, t: torch.Tensor) -> bool:
-    """SDPA's saved output: a 4-D save after q, k, v (the logsumexp is 3-D or ends in 1)."""
+    """SDPA's saved output: a 4-D save that is none of its operands (under the router), else
+    one after q, k, v (the logsumexp is 3-D or ends in 1)."""
     _, op, k = parse_site(site)
-    return op == "scaled_dot_product_attention" and k >= 3 and t.dim() == 4 and t.shape[-1] > 1
+    if op != "scaled_dot_product_attention" or t.dim() != 4 or t.shape[-1] == 1:
+        return False
+    which = sdpa_operand(t)
+    return which == "other" if which is not None else k >= 3
 
 
 def site_role(

@@ -11,7 +11,8 @@ or per shared group; ``state_dict``/``load_state_dict`` let checkpoints carry it
 
 Exact fallback: a codec whose encode meets a tensor it cannot represent within its error contract
 (non-finite values it has no sparse path for, a dynamic range its scales cannot span, a failed or
-overflowing factorization) returns :func:`exact_packed` instead: the tensor itself, unchanged (no
+overflowing factorization, a float64 tensor: the lossy codecs' scales and arithmetic are float32,
+:meth:`Codec.float64_exact`) returns :func:`exact_packed` instead: the tensor itself, unchanged (no
 copy, so it costs exactly what keeping it would), with the reason in ``meta["fallback"]``.
 ``decode`` returns it as is (:func:`exact_value`), ``Codec.fallbacks`` counts the reasons, and the
 saving policy reports the site (``codecs.saving``). Never a wrong finite value instead.
@@ -153,8 +154,23 @@ class CodecConfig:
         return {"codec": codec_name(self), **asdict(self)}
 
 
+FLOAT64 = (
+    "float64: the codecs' scales and arithmetic are float32, so a float64 tensor (a float64 "
+    "model) is stored exactly"
+)
+
+
 class Codec(ABC):
     """encode(tensor) -> Packed; decode(Packed) -> tensor; nbytes(Packed) -> exact bytes."""
+
+    codes_float64 = False  # lossless codecs (bits, offload) store a float64 tensor as any other
+
+    def float64_exact(self, x: torch.Tensor) -> Packed | None:
+        """A lossy codec's first step in ``encode`` and ``encode_deferred``: a float64 tensor
+        stored exactly (:data:`FLOAT64`), else None."""
+        if x.dtype != torch.float64 or self.codes_float64:
+            return None
+        return self.fallback(x, FLOAT64)
 
     def __init__(self, config: CodecConfig) -> None:
         self.config = config
@@ -246,9 +262,10 @@ def _codec_class_for(cfg_type: type) -> type[Codec]:
     return _CLASSES[cfg_type]
 
 
-def codec_names() -> list[str]:
-    """The registered candidate codecs (baselines registered with ``candidate=False`` left out)."""
-    return [n for n in _CODECS if n not in _BASELINES]
+def codec_names(baselines: bool = False) -> list[str]:
+    """The registered candidate codecs (baselines registered with ``candidate=False`` left out,
+    unless ``baselines``: then every registered codec)."""
+    return [n for n in _CODECS if baselines or n not in _BASELINES]
 
 
 def codec_name(config: CodecConfig) -> str:

@@ -4,7 +4,9 @@ Autograd keeps dropout masks as ``bool`` (CUDA, one byte per element) or as the 
 ``{0, 1/(1-p)}`` that multiplied the input (CPU, four bytes). Eight mask bits pack into one byte,
 element ``8j + i`` in bit ``i`` of byte ``j``; a tensor of ``n`` values takes exactly ``ceil(n/8)``
 bytes (plus one value ``c`` for non-bool tensors) and decodes bit-exactly (adacc.txt §3.2:
-"compress the original byte format to bit format without accuracy loss"). Non-bool tensors are
+"compress the original byte format to bit format without accuracy loss"): ``c`` is selected
+where a bit is set, never multiplied by it, so an additive attention mask ``{0, -inf}`` decodes
+to itself, where ``0 * -inf`` would be NaN. Non-bool tensors are
 accepted only when every value is 0 or one single ``c`` (checked, one pass); anything else is
 rejected with a ``ValueError``, never rounded.
 Bytes that already hold packed bits (InvAct's uint8 masks) fail that check and must stay as they
@@ -65,6 +67,7 @@ class BitsConfig(CodecConfig):
 
 class BitsCodec(Codec):
     config: BitsConfig
+    codes_float64 = True  # lossless for any dtype
 
     def encode(self, x: torch.Tensor) -> Packed:
         if not isinstance(x, torch.Tensor):
@@ -82,8 +85,9 @@ class BitsCodec(Codec):
 
     def decode(self, packed: Packed) -> torch.Tensor:
         y = unpack_bits(packed.tensors["bits"], packed.meta["numel"])
-        if "value" in packed.tensors:
-            y = y.to(packed.dtype) * packed.tensors["value"]
+        if "value" in packed.tensors:  # selected, not multiplied: 0 * inf would be NaN
+            value = packed.tensors["value"].reshape(())
+            y = torch.where(y, value, torch.zeros((), dtype=packed.dtype, device=y.device))
         return y.view(packed.shape)
 
 

@@ -280,6 +280,7 @@ class OffloadCodec(Codec):
     codec's host checks, deferred verdicts, fallbacks and state are its own."""
 
     config: OffloadConfig
+    codes_float64 = True  # a copy (an inner codec decides for its own payload)
 
     def __init__(self, config: OffloadConfig) -> None:
         super().__init__(config)

@@ -64,6 +64,7 @@ from slimact.codecs.quant import (
     quantized_payload,
     quantized_problem,
     rounding_args,
+    row_group,
     row_stats,
     rows_view,
     verdict,
@@ -79,7 +80,8 @@ def channel_abs_sums(x2d: torch.Tensor) -> torch.Tensor:
 
 
 def channel_abs_sums_ref(x2d: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(x2d, ord=1, dim=0, dtype=torch.float32)
+    acc = torch.promote_types(x2d.dtype, torch.float32)  # float64 sums a float64 tensor
+    return torch.linalg.vector_norm(x2d, ord=1, dim=0, dtype=acc)
 
 
 def outlier_scores(x2d: torch.Tensor) -> torch.Tensor:
@@ -162,6 +164,8 @@ class OutlierCodec(Codec):
 
     def encode(self, x: torch.Tensor) -> Packed:
         check_input(self, x)
+        if (exact := self.float64_exact(x)) is not None:
+            return exact
         c = self.config
         x2d = rows_view(self, x, c.channels)
         rows = row_stats(x2d, 0, c.max_range)
@@ -174,7 +178,7 @@ class OutlierCodec(Codec):
             )
         keep = ~out_mask if idx.numel() else None
         q = quantize(
-            x2d, bits=c.bits, group_size=c.group_size, symmetric=c.symmetric,
+            x2d, bits=c.bits, group_size=row_group(c.group_size, x2d.shape[1]), symmetric=c.symmetric,
             paper_scale=c.paper_scale, keep_cols=keep, backend=c.backend, **rounding_args(self),
         )  # fmt: skip
         reason = quantized_problem(x2d, 0, c.max_range, rows, q)
@@ -191,7 +195,7 @@ class OutlierCodec(Codec):
         meta = {
             "numel": q.numel,
             "bits": c.bits,
-            "group_size": c.group_size,
+            "group_size": q.group_size,
             "channels": x2d.shape[1],
             "n_outliers": int(idx.numel()),
         }
@@ -203,7 +207,7 @@ class OutlierCodec(Codec):
 
     def encode_deferred(self, x: torch.Tensor, state: dict) -> Deferred:
         c = self.config
-        if c.nonfinite == "raise" or x.numel() == 0:
+        if c.nonfinite == "raise" or x.numel() == 0 or x.dtype == torch.float64:
             return Deferred(self.encode(x))
         check_input(self, x)
         x2d = rows_view(self, x, c.channels)
@@ -219,7 +223,7 @@ class OutlierCodec(Codec):
             flags = outlier.index_select(0, idx)
             keep = torch.ones_like(outlier).index_copy_(0, idx, ~flags)  # the flagged zeroed
         q = quantize(
-            x2d, bits=c.bits, group_size=c.group_size, symmetric=c.symmetric,
+            x2d, bits=c.bits, group_size=row_group(c.group_size, x2d.shape[1]), symmetric=c.symmetric,
             paper_scale=c.paper_scale, keep_cols=keep, backend=c.backend, **rounding_args(self),
         )  # fmt: skip
         packed = self._packed(x, x2d, q, idx)

@@ -355,6 +355,8 @@ class PracCodec(Codec):
         return x2d, t
 
     def encode(self, x: torch.Tensor) -> Packed:
+        if isinstance(x, torch.Tensor) and (exact := self.float64_exact(x)) is not None:
+            return exact
         x2d, t = self._prepare(x)
         finite = bool(torch.isfinite(x2d).all())
         reason = range_problem(x2d, 0, self.config.max_range) if finite else None
@@ -378,7 +380,13 @@ class PracCodec(Codec):
     def encode_deferred(self, x: torch.Tensor, state: dict) -> Deferred:
         """:meth:`encode` without a host read (see the module docstring); the checked encode
         where there is no basis to fall back on yet, or a skipped update to retry."""
-        if self.q1 is None or self.q1_pending or not x.is_floating_point() or x.dim() < 1:
+        if (
+            self.q1 is None
+            or self.q1_pending
+            or not x.is_floating_point()
+            or x.dim() < 1
+            or x.dtype == torch.float64
+        ):
             return Deferred(self.encode(x))
         x2d, t = self._prepare(x)
         try:

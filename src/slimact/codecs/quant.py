@@ -19,6 +19,13 @@ of one decode for values spread evenly between codes (``S^2/6`` against ``S^2/12
 averages out over steps in place of an error that does not. Measured in BENCHMARKS.md
 (stochastic rounding).
 
+Groups stay within a row (a token) of the ``[rows, C]`` memory view where ``C`` allows it at
+most twice the scales (:func:`row_group`): a group spanning a token of massive activations and
+a normal one would code the normal one at the massive one's step.
+
+A float64 tensor is stored exactly (``Codec.float64_exact``): the scales and arithmetic here are
+float32.
+
 Cost per element of an fp32 tensor (4 bytes): INT4 with groups of 128 stores 0.5 + 4/128 bytes
 (7.5x smaller), ``int4-asym`` 0.5 + 8/128, INT8 1 + 4/128; encode is one read and one small
 write, decode one small read and one write, against a recomputation that re-runs the op.
@@ -97,7 +104,8 @@ def check_max_range(cfg: CodecConfig, max_range: float | None) -> None:
 
 
 def _row_norms(rows: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float32)
+    acc = torch.promote_types(rows.dtype, torch.float32)  # float64 rows: float64 norms
+    return torch.linalg.vector_norm(rows, dim=-1, dtype=acc)
 
 
 def row_stats(x: torch.Tensor, channels: int, max_range: float | None) -> torch.Tensor | None:
@@ -285,6 +293,20 @@ def scales_ok_values(values: list[float]) -> bool:
     return values[0] >= SCALE_FLOOR and all(v <= _F32_MAX for v in values[1:])
 
 
+def row_group(group_size: int, width: int) -> int:
+    """The group a per-group codec uses on rows of ``width`` values: ``group_size``, or, where
+    that does not divide the row, the largest power of two that does if it is at least half of
+    ``group_size`` (at most twice the scales), so that no group spans two rows (tokens). A
+    group's step is its largest value over 7 (INT4) or 127 (INT8): a group shared by a token of
+    massive activations and a normal token codes the normal one at the massive one's step, and a
+    norm's backward, which is per token, amplifies that token's relative error. Other widths keep
+    ``group_size`` (their scales would cost more than that)."""
+    if width <= 0 or width % group_size == 0:
+        return group_size
+    aligned = min(group_size, width & -width)
+    return aligned if 2 * aligned >= group_size else group_size
+
+
 def check_common(
     cfg: CodecConfig, bits: int, nonfinite: str, backend: str, rounding: str = "nearest"
 ) -> None:
@@ -377,21 +399,24 @@ class QuantCodec(Codec):
         check_input(self, x)
         c = self.config
         rows = row_stats(x, 0, c.max_range)
+        group = row_group(c.group_size, x.shape[-1] if x.dim() else 0)
         q = quantize(
-            x, bits=c.bits, group_size=c.group_size, symmetric=c.symmetric,
+            x, bits=c.bits, group_size=group, symmetric=c.symmetric,
             paper_scale=c.paper_scale, backend=c.backend, **rounding_args(self),
         )  # fmt: skip
         refuse_nonfinite(self, x, q.nonfinite, c.nonfinite)
-        meta = {"numel": q.numel, "bits": c.bits, "group_size": c.group_size}
+        meta = {"numel": q.numel, "bits": c.bits, "group_size": group}
         return rows, q, Packed(quantized_payload(q), tuple(x.shape), x.dtype, x.device, meta)
 
     def encode(self, x: torch.Tensor) -> Packed:
+        if (exact := self.float64_exact(x)) is not None:
+            return exact
         rows, q, packed = self._quantize(x)
         reason = quantized_problem(x, 0, self.config.max_range, rows, q)
         return self.fallback(x, reason) if reason is not None else packed
 
     def encode_deferred(self, x: torch.Tensor, state: dict) -> Deferred:
-        if self.config.nonfinite == "raise":
+        if self.config.nonfinite == "raise" or x.dtype == torch.float64:
             return Deferred(self.encode(x))
         rows, q, packed = self._quantize(x)
         return Deferred(packed, *verdict(rows, q, self.config.max_range))
@@ -466,6 +491,8 @@ class ChannelQuantCodec(Codec):
         return x2d, rows, q, Packed(quantized_payload(q), tuple(x.shape), x.dtype, x.device, meta)
 
     def encode(self, x: torch.Tensor) -> Packed:
+        if (exact := self.float64_exact(x)) is not None:
+            return exact
         x2d, rows, q, packed = self._quantize(x)
         if x2d is None:
             return packed
@@ -473,7 +500,7 @@ class ChannelQuantCodec(Codec):
         return self.fallback(x, reason) if reason is not None else packed
 
     def encode_deferred(self, x: torch.Tensor, state: dict) -> Deferred:
-        if self.config.nonfinite == "raise":
+        if self.config.nonfinite == "raise" or x.dtype == torch.float64:
             return Deferred(self.encode(x))
         x2d, rows, q, packed = self._quantize(x)
         if x2d is None:

@@ -44,7 +44,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from slimact import actions
-from slimact.codecs.base import Codec, Packed, codec_label, draw_seed, site_draw_seed
+from slimact.codecs.base import FLOAT64, Codec, Packed, codec_label, draw_seed, site_draw_seed
 from slimact.ops.deferred import DeferredChecks
 
 
@@ -219,7 +219,11 @@ class CodecPolicy:
             self.fallbacks, self.late = carry.fallbacks, carry.late
 
     def _report_fallback(self, site: str, reason: str) -> None:
-        counts = self.__dict__.setdefault("fallbacks", {}).setdefault(site, {})
+        fallbacks = self.__dict__.setdefault("fallbacks", {})
+        counts = fallbacks.setdefault(site, {})
+        if reason == FLOAT64 and any(FLOAT64 in c for c in fallbacks.values() if c):
+            counts[reason] = counts.get(reason, 0) + 1  # a float64 model: said once, not per site
+            return
         if not counts:
             warnings.warn(
                 f"site {site}: stored exactly, not through its codec: {reason}",
@@ -402,7 +406,8 @@ class CodecPolicy:
             raise type(e)(f"site {site}: {e}") from e
         if stored.fallback is not None:
             self._report_fallback(site, stored.fallback)
-            if exact_next is None:  # a tensor its codec cannot represent: its op's other saves
+            if exact_next is None and stored.fallback != FLOAT64:  # (float64: each its own)
+                # a tensor its codec cannot represent: its op's other saves
                 self._exact_sibling(prev, prefix, site)
                 self._exact_next = (prefix, site)
         else:

@@ -89,12 +89,14 @@ class TokenQuantCodec(Codec):
         return x2d, rows, q, Packed(quantized_payload(q), tuple(x.shape), x.dtype, x.device, meta)
 
     def encode(self, x: torch.Tensor) -> Packed:
+        if (exact := self.float64_exact(x)) is not None:
+            return exact
         x2d, rows, q, packed = self._quantize(x)
         reason = quantized_problem(x2d, 0, self.config.max_range, rows, q)
         return self.fallback(x, reason) if reason is not None else packed
 
     def encode_deferred(self, x: torch.Tensor, state: dict) -> Deferred:
-        if self.config.nonfinite == "raise":
+        if self.config.nonfinite == "raise" or x.dtype == torch.float64:
             return Deferred(self.encode(x))
         _, rows, q, packed = self._quantize(x)
         return Deferred(packed, *verdict(rows, q, self.config.max_range))

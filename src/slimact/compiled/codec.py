@@ -222,8 +222,10 @@ TRACE_CALLS = {"pack": 0, "unpack": 0}
 # ----------------------------------------------------------------------------- the codec math
 def _attention_role(node: torch.fx.Node | None) -> str | None:
     """``"lse"`` (SDPA's logsumexp and other statistics it returns), ``"attention"`` (SDPA's
-    output, or a tensor SDPA reads as v), ``"qk"`` (a tensor SDPA reads only as q or k) or None,
-    from the saved node of the forward graph."""
+    output, or a tensor SDPA reads as v), ``"qk"`` (a tensor SDPA reads only as q or k),
+    ``"mask"`` (a tensor SDPA reads only as its attention mask: an additive ``{0, -inf}`` mask
+    quantized would decode to NaN, so it stays exact) or None, from the saved node of the
+    forward graph."""
     if node is None:
         return None
     if node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
@@ -232,13 +234,15 @@ def _attention_role(node: torch.fx.Node | None) -> str | None:
     reads = [u for u in node.users if _SDPA in str(u.target)]
     if not reads:
         return None
+    if all(node not in u.args[:3] for u in reads):
+        return "mask"  # its attention mask / bias (args[3] or a keyword): never quantized
     as_qk = all(node in u.args[:2] and node not in u.args[2:] for u in reads)
     return "qk" if as_qk else "attention"
 
 
 def _role_bits(codec: CompiledCodec, role: str | None) -> int | None:
     """Bits for an SDPA role (None: the codec's own)."""
-    if role == "lse":
+    if role in ("lse", "mask"):
         return 0
     if role == "qk":
         return codec.attention_bits if codec.qk_bits is None else codec.qk_bits

@@ -20,8 +20,11 @@ built on the role's first save, one instance per channel count:
   per hidden channel); their errors stay linear in backward.
 * ``scores``: ``softmax`` outputs and ``[.., S, S]`` matmul operands (unfused attention only;
   fused SDPA keeps no scores) -> ``int4-asym``.
-* ``mask``: bool tensors (dropout masks), uint8 tensors holding only 0/1, and the float dropout
-  noise ``{0, 1/(1-p)}`` that CPU dropout (also inside SDPA's math path) saves -> ``bits``.
+* ``mask``: bool tensors (dropout masks), uint8 tensors holding only 0/1, the float dropout
+  noise ``{0, 1/(1-p)}`` that CPU dropout (also inside SDPA's math path) saves, and the additive
+  ``{0, -inf}`` attention mask CPU SDPA saves with a padded batch -> ``bits`` (lossless; the
+  decode selects the value, ``0 * -inf`` would be NaN). Which SDPA save is q, k, v or the mask
+  is read off the running call (``classify.sdpa_operand``): a mask shifts the save order.
 * kept as is: SDPA's output and logsumexp, norm statistics (last dim 1), tensors below
   ``min_numel``, ``cross_entropy``'s saves, tensors that do not require grad (RoPE tables,
   constants), integer tensors (InvAct's packed uint8 masks included), and the 3-D ``bmm``
