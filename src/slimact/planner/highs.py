@@ -19,10 +19,6 @@ solves; ``Problem.solve`` reads the chosen columns back into decisions.
 
 from __future__ import annotations
 
-import os
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
@@ -215,33 +211,15 @@ def run(
         integrality[v], upper[v] = 0, np.inf
     for v, most in (built.counts or {}).items():
         upper[v] = most
-    with _quiet_stdout():
-        return milp(
-            c,
-            constraints=LinearConstraint(a, np.array(lo), np.array(hi)),
-            integrality=integrality,
-            bounds=Bounds(0, upper),
-            options={"time_limit": time_limit, "mip_rel_gap": 1e-9, "disp": False},
-        )
-
-
-@contextmanager
-def _quiet_stdout() -> Iterator[None]:
-    """HiGHS may printf debug lines even with disp=False; keep them off stdout (``--json``)."""
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):  # captured / redirected in Python
-        yield
-        return
-    sys.stdout.flush()
-    saved, devnull = os.dup(fd), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, fd)
-    try:
-        yield
-    finally:
-        os.dup2(saved, fd)
-        os.close(saved)
-        os.close(devnull)
+    # disp=False turns HiGHS' output off (its own option): a solve prints nothing and changes
+    # no file descriptor, so solves on several threads at once leave the process's stdout alone
+    return milp(
+        c,
+        constraints=LinearConstraint(a, np.array(lo), np.array(hi)),
+        integrality=integrality,
+        bounds=Bounds(0, upper),
+        options={"time_limit": time_limit, "mip_rel_gap": 1e-9, "disp": False},
+    )
 
 
 __all__ = ["EPS_S", "Rows", "build", "run"]
