@@ -177,8 +177,8 @@ def run(
 
     ``tie_tolerance`` (minimizing time): plans within this share of the fastest plan's seconds
     are near ties, which measurement noise would otherwise decide; among them the plan taken is
-    the one with the fewest lossy choices (columns of a quality cost), then the fewest bytes
-    (then the least time), each a solve of its own (``near_tie``); ``x`` is that plan's and
+    the one with the fewest lossy choices (columns of a quality cost), then the fewest bytes,
+    then the least time, each a solve of its own (``near_tie``); ``x`` is that plan's and
     ``tie_break`` says what decided."""
     res = _run(built, budget_bytes, max_quality, minimize, time_limit)
     if minimize != "time" or not tie_tolerance > 0 or res.x is None:
@@ -204,6 +204,13 @@ def near_tie(built: Rows, budget_bytes, max_quality, res, tolerance: float, time
         rows=[*band.rows, lossy], lo=[*band.lo, -np.inf], hi=[*band.hi, fewest + 0.5]
     )
     lean = _run(lean_rows, budget_bytes, max_quality, "bytes", time_limit)
+    if lean.x is not None:  # the fastest of the leanest: no time spent that saves no byte
+        least = sum(c * float(lean.x[v]) for v, c in built.mem.items()) / SCALE
+        mib = {v: c / SCALE for v, c in built.mem.items()}
+        fast = lean_rows._replace(rows=[*lean_rows.rows, mib], lo=[*lean_rows.lo, -np.inf],
+                                  hi=[*lean_rows.hi, least + 1e-6])  # fmt: skip
+        again = _run(fast, budget_bytes, max_quality, "time", time_limit)
+        lean = again if again.x is not None else lean
     out = lean if lean.x is not None else exact
     out.tie_break = (
         f"plans within {tolerance:.0%} of the fastest plan's seconds taken as equally fast: "

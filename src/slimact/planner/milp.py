@@ -310,12 +310,15 @@ class Problem:
         return self.offload.copy_s(self.bytes_of(g, sid, inner_of(opt)) / len(g.blocks))
 
     def stall_s(self, g: Group, d: Decision) -> float:
-        """The group's copies' stall per step: |g| (max(0, C - T_f) + max(0, C - 2 T_f))."""
-        off = [(sid, c) for sid, c in d.codecs.items() if is_offload(c)]
+        """The group's copies' stall per step: the sum over its blocks b of max(0, C_b - T_f) +
+        max(0, C_b - 2 T_f), C_b block b's own copies (a payload's bytes differ by block; the
+        MILP's columns charge the group's average block, ``planner.highs``)."""
+        off = [(sid, inner_of(c)) for sid, c in d.codecs.items() if is_offload(c)]
         if not off or self.offload is None:
             return 0.0
-        copies = sum(self.copy_s(g, sid, o) for sid, o in off)
-        return len(g.blocks) * stall_s(copies, self.hide_s(g))
+        copy_s, t_f = self.offload.copy_s, self.hide_s(g)
+        return sum(stall_s(sum(copy_s(g.kind.bytes_of(b, sid, c)) for sid, c in off), t_f)
+                   for b in g.blocks)  # fmt: skip
 
     def host_bytes(self, decisions: list[Decision]) -> int:
         """Bytes the decisions offload to host memory."""
