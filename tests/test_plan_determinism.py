@@ -85,7 +85,9 @@ X = torch.randint(0, 200, (2, 32), generator=torch.Generator().manual_seed(0))
 def eager_profile():
     torch.manual_seed(0)
     model = build_model("llama-tiny")
-    return profile_model(model, X, codecs=("int8", "int4"), repeats=1, reform=False, grads=False)
+    return profile_model(
+        model, X, codecs=("int8", "int4"), repeats=1, reform=False, grads=False, per_block=False
+    )
 
 
 def _fixed(prof, noise: float, seed: int, codec_s=1e-4, recompute_s=1e-4):

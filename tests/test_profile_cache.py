@@ -54,6 +54,7 @@ def test_a_cached_entry_that_does_not_match_the_model_is_profiled_again(tmp_path
     assert hit.meta["cache_hit"] is True
 
 
+@pytest.mark.slow  # the tests above cover the key and the check; this is the reported sequence
 def test_auto_plans_after_auto_with_recompute_on_the_same_cache(tmp_path):
     """The reported sequence: ``auto@<b>+recompute``, then plain ``auto@<b>`` on the same model
     and batch and cache: the second plans on its own profile (its budget is a share of the
