@@ -89,9 +89,10 @@ def test_time_drift_alone_changes_the_plan(tmp_path):
     event = ev.on_step(1)
     assert event["bytes_drift"] == 0.0 and event["time_drift"] > 10
     assert event["time_factors"]["int4"] > 10  # rescaled: far outside the 2x noise band
-    assert event["applied"] is True and event["reason"] in ("faster", "current plan over budget")
+    # bytes do not drift, so the current plan is within its budget: re-planned for speed (the
+    # evolver's decision: predicted seconds below the current plan's by min_gain)
+    assert event["applied"] is True and event["reason"] == "faster"
     assert any(new == "recompute" for _, _, new in event["changed"])
-    assert event["predicted_time_s"] < event["current_time_s"]
     assert event["predicted_bytes"] <= plan.budget_bytes
     assert plan_diff(plan, ev.rt.plan)
     assert json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])["step"] == 1

@@ -218,21 +218,26 @@ def test_committed_results_still_render():
     assert "## Suite `" in md and "| point | saved MiB |" in md
 
 
-def test_time_case_interleaves_baseline_first_and_drops_a_failing_point():
-    import time
+def test_time_case_interleaves_baseline_first_and_drops_a_failing_point(monkeypatch):
+    import types
 
     import torch.nn as nn
 
+    import slimact.timing
     from slimact.bench.timing_phase import Live, time_case
 
     calls: list[str] = []
+    clock = [0.0]  # the timer's clock: each step advances it by its seconds (no wall clock)
+    monkeypatch.setattr(
+        slimact.timing, "time", types.SimpleNamespace(perf_counter=lambda: clock[0])
+    )
 
     def step(name, seconds, fail_at=None):
         def call():
             calls.append(name)
             if fail_at is not None and calls.count(name) == fail_at:
                 raise RuntimeError("boom")
-            time.sleep(seconds)
+            clock[0] += seconds
 
         return call
 
@@ -251,7 +256,7 @@ def test_time_case_interleaves_baseline_first_and_drops_a_failing_point():
     assert records["bad"]["step_time_s"] is None
     sp = records["slow"]["step_time_ratio_spread"]
     assert sp["n"] == 3 and sp["min"] <= sp["median"] <= sp["max"]
-    assert records["slow"]["step_time_ratio"] == sp["median"] > 1.5
+    assert records["slow"]["step_time_ratio"] == sp["median"] == pytest.approx(5.0)
     assert records["slow"]["tokens_per_s"] == pytest.approx(32 / records["slow"]["step_time_s"])
     assert records["none"]["step_time_ratio"] == 1.0
 

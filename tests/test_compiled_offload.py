@@ -136,7 +136,9 @@ def test_the_offload_option_is_measured_and_charged_by_the_link(tiny_profile):
     rec = next(s for s in stats if s.choice == BlockChoice(0.0))
     x_bytes = IDS.numel() * model.config.d_model * 4
     assert off.bytes == 0 and off.host_bytes == x_bytes == rec.bytes  # the input, moved
-    assert 0 < off.forward_s < off.seconds and off.grad_err < 1e-9
+    # what is measured is positive; how the link is charged is a function of it (no relation
+    # between two measured times is asserted: they move with the machine's load)
+    assert off.forward_s > 0 and off.seconds > 0 and off.grad_err < 1e-9
     slow = OffloadOption(x_bytes / (10 * off.forward_s), 2**30)  # copies of 10 forwards
     want = off.seconds + stall_s(10 * off.forward_s, off.forward_s)
     assert off.seconds_with(slow) == pytest.approx(want, rel=1e-12)

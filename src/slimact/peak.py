@@ -12,13 +12,16 @@ and the batch are excluded on both devices, so CPU and GPU figures read the same
   down, so never time a step that is measured this way. Kineto (torch 2.13) prints a
   ``USDT: ... profiler_start`` / ``profiler_stop`` line to the process's stderr at each start and
   stop; those two moments run with file descriptor 2 pointed at /dev/null (``quiet_stderr``) so
-  the lines do not land in the middle of a user's progress bar.
+  the lines do not land in the middle of a user's progress bar. Those moments hold one lock of
+  the process, so two threads' saves and restores of file descriptor 2 never interleave (which
+  would leave it at /dev/null for good).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
@@ -27,6 +30,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 T = TypeVar("T")
+_FD_LOCK = threading.RLock()  # file descriptor 2 is the process's: one save/restore at a time
 
 
 def step_peak(fn: Callable[[], object], device: torch.device | str = "cpu") -> int:
@@ -59,23 +63,25 @@ def peak_and_result(fn: Callable[[], T], device: torch.device | str = "cpu") -> 
 
 @contextmanager
 def quiet_stderr() -> Iterator[None]:
-    """Point file descriptor 2 at /dev/null for the block (C++ logging bypasses ``sys.stderr``)."""
+    """Point file descriptor 2 at /dev/null for the block (C++ logging bypasses ``sys.stderr``),
+    holding the process's lock on it (threads take turns)."""
     try:
         fd = sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):  # no real fd (e.g. captured): nothing to hide
         yield
         return
-    sys.stderr.flush()
-    saved = os.dup(fd)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), fd)
-            try:
-                yield
-            finally:
-                os.dup2(saved, fd)
-    finally:
-        os.close(saved)
+    with _FD_LOCK:
+        sys.stderr.flush()
+        saved = os.dup(fd)
+        try:
+            with open(os.devnull, "w") as null:
+                os.dup2(null.fileno(), fd)
+                try:
+                    yield
+                finally:
+                    os.dup2(saved, fd)
+        finally:
+            os.close(saved)
 
 
 def peak_from_profile(prof: profile) -> int:

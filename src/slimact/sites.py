@@ -90,6 +90,7 @@ class _State(threading.local):
     calls: int = 0  # root calls tracked so far on this thread (``call_index``)
     tracked: frozenset[int] = frozenset()  # ids of the tracked model's modules
     probing: int = 0  # > 0 inside ``probing()``
+    entry: object | None = None  # this thread's outermost ``tracking``: its hooks act here only
 
 
 _state = _State()
@@ -347,6 +348,7 @@ def tracking(model: nn.Module | None = None) -> Iterator[None]:
             _state.depth -= 1
         return
     handles = []
+    entry = _state.entry = object()
     if model is not None:
         _state.excluded = _param_storages(model)
         _state.blocks = frozenset(block_paths(model))
@@ -357,11 +359,11 @@ def tracking(model: nn.Module | None = None) -> Iterator[None]:
                 continue
             if m in _COMPILED:
                 sealed.append(path)
-            handles.append(m.register_forward_pre_hook(_make_pre_hook(path)))
+            handles.append(m.register_forward_pre_hook(_make_pre_hook(path, entry)))
             if path:  # the root needs no pop (an empty stack is the root), and a forward hook
                 # on it would be removed while a failing root call iterates its forward hooks
                 # (when the router was entered by one of them), hiding the call's own error
-                handles.append(m.register_forward_hook(_post_hook, always_call=True))
+                handles.append(m.register_forward_hook(_make_post_hook(entry), always_call=True))
     _state.depth = 1
     _state.calls += 1
     _state.stack.clear()
@@ -376,6 +378,7 @@ def tracking(model: nn.Module | None = None) -> Iterator[None]:
         _state.excluded = set()
         _state.blocks = frozenset()
         _state.tracked = frozenset()
+        _state.entry = None
         for h in handles:
             h.remove()
 
@@ -415,9 +418,15 @@ def _param_storages(model: nn.Module) -> set[int]:
     return keys
 
 
-def _make_pre_hook(path: str):
+def _make_pre_hook(path: str, entry: object):
+    """Module hooks are the process's, the router's state is the thread's: a hook acts for the
+    ``tracking`` that registered it only, on its thread (another thread tracking the same model
+    registers its own), so no thread's module stack takes another thread's pushes."""
+
     def pre_hook(module, args):
         if torch.compiler.is_compiling():  # inside a compiled block: its saves are the block's
+            return
+        if _state.entry is not entry:
             return
         _state.stack.append(path)
         _state.counters.pop(path, None)
@@ -425,11 +434,14 @@ def _make_pre_hook(path: str):
     return pre_hook
 
 
-def _post_hook(module, args, output):
-    if torch.compiler.is_compiling():
-        return
-    if _state.stack:
-        _state.stack.pop()
+def _make_post_hook(entry: object):
+    def post_hook(module, args, output):
+        if torch.compiler.is_compiling() or _state.entry is not entry:
+            return
+        if _state.stack:
+            _state.stack.pop()
+
+    return post_hook
 
 
 @contextmanager
@@ -475,6 +487,9 @@ def _running_module_calls() -> list[Any]:
     return out
 
 
+REFUSED = (None, None, "refused")  # the entry of a call ``RootCalls.claim`` refused
+
+
 class RootCalls:
     """What a root module's forward pre-hook entered for one call, kept for its forward hook
     to close (the router, a policy, a listener).
@@ -486,35 +501,79 @@ class RootCalls:
     held, not its id, which a later call's frame may reuse once it is freed, and dropped when
     the entry is closed); :meth:`close_stale` closes, with ``close``, the entries of this thread
     whose call is no longer running, so the model's next call starts as a finished one leaves
-    it. ``close_all`` is for removal (``slimact.revert``)."""
+    it. ``close_all`` is for removal (``slimact.revert``). Entries are per thread: a forward
+    hook closes its own thread's innermost entry (a context is exited on the thread that
+    entered it); :meth:`claim` refuses a call while another thread is inside one."""
 
     def __init__(self, close: Callable[[Any], None]) -> None:
         self._close = close
-        self._entries: list[tuple[int, Any, Any]] = []  # (thread id, call frame, item)
+        self._entries: dict[int, list[tuple[Any, Any]]] = {}  # thread id -> [(call frame, item)]
+        self._lock = threading.RLock()
+
+    def _mine(self) -> list[tuple[Any, Any]]:
+        return self._entries.get(threading.get_ident(), [])
 
     def close_stale(self) -> None:
         """Close the entries of this thread's calls that are no longer running (interrupted by
         a BaseException); a pre-hook calls it first, before it does anything else."""
-        if not self._entries:
-            return
-        running, me = _running_module_calls(), threading.get_ident()
-        while self._entries and self._entries[-1][0] == me:
-            if any(f is self._entries[-1][1] for f in running):
-                break
-            self._close(self._entries.pop()[2])
+        mine, running = self._mine(), _running_module_calls() if self._mine() else []
+        while mine and not any(f is mine[-1][0] for f in running):
+            self._close(mine.pop()[1])
 
     def push(self, item: Any) -> None:
         self.close_stale()
         calls = _running_module_calls()
-        self._entries.append((threading.get_ident(), calls[0] if calls else None, item))
+        with self._lock:
+            mine = self._entries.setdefault(threading.get_ident(), [])
+            mine.append((calls[0] if calls else None, item))
+
+    def replace(self, item: Any) -> None:
+        """``item`` for this thread's innermost open call (the one :meth:`claim` pushed)."""
+        mine = self._mine()
+        mine[-1] = (mine[-1][0], item)
 
     def pop(self) -> Any:
-        """The item of the innermost open call (None if there is none)."""
-        return self._entries.pop()[2] if self._entries else None
+        """The item of this thread's innermost open call (None if there is none)."""
+        with self._lock:
+            mine = self._entries.get(threading.get_ident())
+            return mine.pop()[1] if mine else None
+
+    def claim(self, item: Any, what: str, worker: str) -> None:
+        """:meth:`push` ``item``; but while another thread is inside a call (its call's frame
+        on its stack), push ``REFUSED`` (for the forward hook, which torch runs after a
+        pre-hook's error too) and raise. Threads named ``worker`` (a planner's, serving a call
+        that waits on it) neither check nor count."""
+        with self._lock:
+            me = threading.current_thread()
+            names = {t.ident: t.name for t in threading.enumerate()}
+            others = [(t, {id(f) for f, _ in es}) for t, es in self._entries.items()
+                      if es and t != me.ident and names.get(t) != worker]  # fmt: skip
+            frames = sys._current_frames() if others and me.name != worker else {}
+            for tid, calls in others:
+                f = frames.get(tid)
+                while f is not None and id(f) not in calls:
+                    f = f.f_back
+                if f is not None:
+                    self.push(REFUSED)
+                    raise RuntimeError(
+                        f"this {what} is in a forward on another thread ({tid}); a model with a "
+                        "slimact plan serves one thread's forward at a time: give each thread "
+                        "its own copy (copy.deepcopy(model)), or take turns"
+                    )
+            self.push(item)
+
+    def __getstate__(self) -> dict:  # a copy starts with no open call and a lock of its own
+        return {"close": self._close}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["close"])
 
     def close_all(self) -> None:
-        while self._entries:
-            self._close(self._entries.pop()[2])
+        with self._lock:
+            entries = [item for es in self._entries.values() for _, item in reversed(es)]
+            self._entries.clear()
+        for item in entries:
+            self._close(item)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return sum(len(es) for es in self._entries.values())

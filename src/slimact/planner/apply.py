@@ -20,24 +20,20 @@ between steps (adaptive evolution) and ``slimact.revert`` undoes it all:
   that offloads is refused on a CPU model (its tensors are in host memory already).
 - **codecs**: one ``CodecPolicy`` whose ``assign`` looks every site up in the plan's table
   (absolute site name -> codec); one codec instance per (block, storage), built for the tensor's
-  channel count, so stateful codecs (PRAC) keep one state per storage and block. A site the
-  table does not encode goes to the plan's lazy rules (``SiteRule``): its role
-  (``slimact.classify.site_role``) -> the rule's codec label, one instance per (rule, role,
-  channel count), for the sites of the rule's ``modules`` only (``filter_fn`` at install is
-  written into the plan's rules: ``restrict_rules``). A PRAC rule (``roles="prac"``) goes to
-  the runtime's PRAC state (``planner.prac_sites``): its per-site decisions, one codec per
-  compressed storage, the step clock every codec reads (advanced per training forward),
-  checkpointed as ``stateful["prac"]``.
+  channel count, so stateful codecs (PRAC) keep one state per storage and block. Other sites go
+  to the plan's lazy rules (``SiteRule``): role (``classify.site_role``) -> the rule's codec, one
+  instance per (rule, role, channel count), for the rule's ``modules`` only (``filter_fn`` at
+  install written into the rules: ``restrict_rules``). A PRAC rule (``roles="prac"``) goes to the
+  runtime's PRAC state (``planner.prac_sites``): per-site decisions, a codec per compressed
+  storage, the step clock (advanced per training forward), as ``stateful["prac"]``.
 
-The router and the policy are entered around every root forward by the runtime's own hooks:
-the one way into the router (a ``CodecPolicy`` of one's own rides an empty plan's runtime,
-:func:`install_policy`), and the one entry on the root of what acts per root call: the
-runtime's *watchers* (:meth:`PlanRuntime.watch`; the budget check, the evolver, compiled-auto).
-*Lazy planning* (strategy ``auto`` without a batch shape): on the first grad-enabled forward the
-runtime profiles the model on that very batch and solves, in a worker thread. The site router's
-state, saved-tensor hooks, the torch-function mode stack and grad mode are thread-local, so an
-enclosing ``slimact.measure`` neither sees nor counts the profiling passes; autocast state is
-carried over; the RNG state is restored afterwards (``profile_model`` forks it).
+The runtime's root hooks enter the router and the policy around every root forward (the one
+way in: a ``CodecPolicy`` of one's own rides an empty plan's runtime, :func:`install_policy`)
+and call its *watchers* (:meth:`PlanRuntime.watch`: budget check, evolver, compiled-auto); a
+forward on another thread meanwhile is refused (``sites.RootCalls.claim``). *Lazy planning*
+(``auto`` without a batch shape) profiles and solves on the first grad-enabled forward's batch,
+in a worker thread (thread-local router, hooks and modes: an enclosing ``slimact.measure``
+neither sees nor counts it; autocast carried over, the RNG state restored).
 """
 
 from __future__ import annotations
@@ -371,11 +367,13 @@ class PlanRuntime:
         return list(self.watchers)
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        self._calls.close_stale()
+        # one call at a time (what it enters is the runtime's): another thread's is refused
+        self._calls.claim((None, False), type(self.model).__name__, PLANNER_THREAD)
+        if getattr(_tls, "busy", False):  # the planner's own forwards, for a call that waits
+            return None
         for watcher in self._watching():
             watcher.before(args, kwargs)
-        if getattr(_tls, "busy", False) or sites.is_probing():
-            self._calls.push((None, False))
+        if sites.is_probing():
             return None
         ids, tgt = call_batch(self.model, args, kwargs)
         if isinstance(ids, torch.Tensor) and self.planner is not None:  # lazy planning's
@@ -390,13 +388,13 @@ class PlanRuntime:
         # plan installed during this call (lazy planning, a re-plan) would miss
         parked = park_labels(self.model, args, kwargs) if self._head_planned else None
         if self.policy is None or not self.routes_saves():
-            self._calls.push((None, parked is not None))
+            self._calls.replace((None, parked is not None))
             return parked
         stack = ExitStack()
         stack.enter_context(sites.tracking(self.model))
         stack.enter_context(sites.policy(self.policy))
+        self._calls.replace((stack, parked is not None))
         self.policy.reset()
-        self._calls.push((stack, parked is not None))
         return parked
 
     def merge_plan(self, plan: Plan) -> tuple[list[AppliedChange], Callable[[], None]]:
@@ -427,10 +425,12 @@ class PlanRuntime:
         return bool(a.table or a.rules)
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if (entry := self._calls.pop()) is sites.REFUSED:  # refused by ``_pre``: entered nothing
+            return None
         with ExitStack() as after:  # the watchers' ``after``, oldest first, each one run
             for watcher in self._watching():
                 after.callback(watcher.after, output)
-            stack, parked = self._calls.pop() or (None, False)
+            stack, parked = entry or (None, False)
             if stack is not None:
                 stack.close()
                 if self.policy is not None:

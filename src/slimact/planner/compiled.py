@@ -35,9 +35,10 @@ passes are stated in the eager planner's row form and solved by ``slimact.planne
 ``n_ko`` integer, ``x_r`` binary (identical blocks are interchangeable, so the MILP counts them;
 blocks take options in their order, the fewest bytes first). A uniform plan (every block at one
 option) is a feasible point, so the solution is never slower than the best single option that
-fits (by more than the 1% tolerance), and never holds more bytes than allowed by the measured
-figures. Compile's own ``activation_memory_budget`` is the column ``c = none``; its partition
-is one of the options, not a competitor.
+fits (by more than 1%, or the near ties': ``TIE_TOLERANCE``, options of a kind within 3% of
+each other, go exact first, then leanest), never over the bytes the measured figures allow.
+Compile's own ``activation_memory_budget`` is the column ``c = none``; its partition is one of
+the options, not a competitor.
 
 Offload (``host_budget`` given, CUDA only): one more option per kind, ``o_off`` =
 ``BlockChoice(0, "none", offload=True)`` (``slimact.compiled.offload``): the block keeps nothing
@@ -109,6 +110,11 @@ MAX_GRAD_ERR = 2e-3  # as auto's: 1 - cos of any parameter's (or the input's) bl
 # second stage: the fewest bytes among plans within this share of the fastest plan's seconds (the
 # options' measured times are medians of interleaved rounds, ~1-3% apart run to run)
 TIME_TOLERANCE = 0.01
+# first stage: options of one kind (and the root's options) whose measured seconds are within
+# this share of each other are equally fast; such near ties go by TIE_ORDER, not by which one the
+# run's noise made a little faster (two runs on empty caches took different plans that way)
+TIE_TOLERANCE = 0.03
+TIE_ORDER = "exact before lossy, then fewer bytes, then the profile's option order"
 EXACT_ERR = 1e-9  # 1 - cos at or below this is rounding (exact options measure ~5e-13)
 OFFLOAD_CHOICE = BlockChoice(0.0, "none", offload=True)  # the offload option (module docstring)
 
@@ -411,6 +417,7 @@ def solve_compiled(
     max_grad_err: float | None = MAX_GRAD_ERR,
     time_tolerance: float = TIME_TOLERANCE,
     offload: OffloadOption | None = None,
+    tie_tolerance: float = TIE_TOLERANCE,
 ) -> CompiledPlan:
     """The fastest choice per block, and for the eager root, whose predicted bytes fit
     ``budget`` (module docstring), among the options whose measured gradient error is at most
@@ -419,9 +426,16 @@ def solve_compiled(
     than the fastest plan's worst (options equally fast within measurement noise can differ
     much in bytes, e.g. compile budget 0.7 against 1.0 with the same codec; an exact plan
     stays exact). ``offload`` admits the profile's offload option, its stall charged by the
-    link's bandwidth and its host bytes capped by the host budget (module docstring)."""
+    link's bandwidth and its host bytes capped by the host budget (module docstring).
+
+    Near ties: a kind's options (and the root's) whose seconds are within ``tie_tolerance`` of
+    the fastest of their group are solved as equally fast (``near_ties``) and taken in
+    ``TIE_ORDER``, so that measurement noise between two profiles of one model does not pick
+    the plan; the plan's ``meta["tie_break"]`` records the groups and the rule."""
     if not time_tolerance >= 0:
         raise ValueError(f"time_tolerance must be >= 0, got {time_tolerance!r}")
+    if not tie_tolerance >= 0:
+        raise ValueError(f"tie_tolerance must be >= 0, got {tie_tolerance!r}")
     budget = Budget.parse(budget)
     allowed = _allowed(profile, budget)
     ok = lambda s: max_grad_err is None or s.grad_err <= max_grad_err  # noqa: E731
@@ -430,10 +444,14 @@ def solve_compiled(
     roots = [r for r in profile.roots() if ok(r)]
     kinds = list(profile.options)
     nv = len(var)
-    cost = [s.seconds_with(offload) for _, s in var] + [r.seconds for r in roots]
+    measured = [s.seconds_with(offload) for _, s in var] + [r.seconds for r in roots]
     size = [float(s.bytes) for _, s in var] + [float(r.bytes) for r in roots]
     host = [float(s.host_bytes) for _, s in var] + [0.0] * len(roots)
     err = [s.grad_err for _, s in var] + [r.grad_err for r in roots]
+    group = [k for k, _ in var] + [None] * len(roots)  # None: the root's options
+    cost, ties = near_ties(measured, group, tie_tolerance)
+    labels = [s.choice.label for _, s in var] + [r.label for r in roots]
+    rank = tie_ranks(err, size)
     # the eager planner's row form (planner.highs): a column per option, its value the number
     # of blocks of its kind that take it; one row per kind (its blocks), one for the root
     rows = [{j: 1.0 for j, (k, _) in enumerate(var) if k == kind} for kind in kinds]
@@ -451,6 +469,8 @@ def solve_compiled(
         counts={j: n[kinds.index(var[j][0])] if j < nv else 1.0 for j in range(len(cost))},
     )  # fmt: skip
     res = highs.run(built, allowed)
+    if res.x is not None:  # among the plans as fast, the first in TIE_ORDER
+        res = tie_break(built, allowed, res, (cost,), rank)
     if res.x is not None and time_tolerance > 0:
         # the leanest plan as fast within tolerance, and no lossier: only options whose error is
         # at most the worst the fastest plan took (an exact plan stays exact)
@@ -462,7 +482,8 @@ def solve_compiled(
             counts={j: (m if err[j] <= worst else 0.0) for j, m in built.counts.items()},
         )  # fmt: skip
         again = highs.run(lean, allowed, minimize="bytes")
-        res = again if again.x is not None else res
+        if again.x is not None:  # among the plans as lean (and as fast), the first in TIE_ORDER
+            res = tie_break(lean, allowed, again, (size, cost), rank)
     if res.x is None:
         floor = min(r.bytes for r in roots) + sum(
             min(s.bytes for kk, s in var if kk == k) * len(profile.blocks[k]) for k in kinds
@@ -483,6 +504,14 @@ def solve_compiled(
     flat = [s for k in kinds for s in picks[k]]
     meta: dict[str, Any] = {"profile_time_s": round(profile.profile_time_s, 2),
                             "solver": "scipy HiGHS"}  # fmt: skip
+    meta["tie_break"] = {
+        "tolerance": tie_tolerance,
+        "rule": TIE_ORDER,
+        "near_ties": {
+            "(root)" if g is None else g: [[labels[j] for j in ids] for ids in groups]
+            for g, groups in ties.items()
+        },
+    }
     if offload is not None:
         meta.update(host_bytes=int(sum(s.host_bytes for s in flat)),
                     host_budget=offload.host_budget, link_bandwidth=offload.bandwidth)  # fmt: skip
@@ -496,6 +525,53 @@ def solve_compiled(
         meta=meta,
         root=None if root.keeps else root,
     )
+
+
+def near_ties(
+    seconds: list[float], group: list[Any], tolerance: float
+) -> tuple[list[float], dict[Any, list[list[int]]]]:
+    """``seconds`` with near ties made equal: within each ``group`` (a kind's options), sorted
+    by time, an option within ``tolerance`` of its tie group's fastest joins that group and
+    takes its seconds; the groups of more than one option, by ``group``."""
+    out = list(seconds)
+    ties: dict[Any, list[list[int]]] = {}
+    for g in dict.fromkeys(group):
+        ids = sorted((j for j in range(len(seconds)) if group[j] == g), key=seconds.__getitem__)
+        runs: list[list[int]] = []
+        for j in ids:
+            if runs and seconds[j] <= seconds[runs[-1][0]] * (1.0 + tolerance):
+                runs[-1].append(j)
+            else:
+                runs.append([j])
+            out[j] = seconds[runs[-1][0]]
+        if any(len(r) > 1 for r in runs):
+            ties[g] = [sorted(r) for r in runs if len(r) > 1]
+    return out, ties
+
+
+def tie_ranks(err: list[float], size: list[float]) -> list[float]:
+    """Each option's place in ``TIE_ORDER``: exact (error at most ``EXACT_ERR``) before lossy,
+    then fewer bytes, then the given order."""
+    order = sorted(range(len(err)), key=lambda j: (err[j] > EXACT_ERR, size[j], j))
+    return [float(order.index(j)) for j in range(len(err))]
+
+
+def tie_break(
+    built: highs.Rows, allowed: float, res: Any, keys: tuple[list[float], ...], rank: list[float]
+):
+    """Among the solutions of ``built`` no worse than ``res`` in any of ``keys`` (seconds,
+    bytes), the one whose options come first in ``TIE_ORDER`` (the least sum of
+    ``tie_ranks``); ``res`` where that solve fails. A solve of its own, on ranks, so the order
+    never weighs against a real difference of seconds or bytes, nor drowns in the solver's gap."""
+    x = np.round(res.x)
+    rows, lo, hi = list(built.rows), list(built.lo), list(built.hi)
+    for key in keys:
+        value = float(np.array(key) @ x)
+        rows.append(dict(enumerate(key)))
+        lo.append(-np.inf)
+        hi.append(value + 1e-9 * abs(value))
+    again = highs.run(built._replace(rows=rows, lo=lo, hi=hi, obj=dict(enumerate(rank))), allowed)
+    return again if again.x is not None else res
 
 
 def metered_bytes(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> MemoryReport:

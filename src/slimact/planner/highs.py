@@ -19,10 +19,6 @@ solves; ``Problem.solve`` reads the chosen columns back into decisions.
 
 from __future__ import annotations
 
-import os
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
@@ -173,10 +169,63 @@ def run(
     max_quality: float | None = None,
     minimize: str = "time",
     time_limit: float = 60.0,
+    tie_tolerance: float = 0.0,
 ):
     """Solve ``built`` (not changed): minimize added time s.t. bytes <= ``budget_bytes``, or
     minimize bytes (then time, as a tie-break). Returns scipy's ``OptimizeResult``; its ``x``
-    is None when infeasible."""
+    is None when infeasible.
+
+    ``tie_tolerance`` (minimizing time): plans within this share of the fastest plan's seconds
+    are near ties, which measurement noise would otherwise decide; among them the plan taken is
+    the one with the fewest lossy choices (columns of a quality cost), then the fewest bytes,
+    then the least time, each a solve of its own (``near_tie``); ``x`` is that plan's and
+    ``tie_break`` says what decided."""
+    res = _run(built, budget_bytes, max_quality, minimize, time_limit)
+    if minimize != "time" or not tie_tolerance > 0 or res.x is None:
+        return res
+    return near_tie(built, budget_bytes, max_quality, res, tie_tolerance, time_limit)
+
+
+def near_tie(built: Rows, budget_bytes, max_quality, res, tolerance: float, time_limit: float):
+    """Among the plans of ``built`` within ``tolerance`` of ``res``'s seconds (the fastest),
+    the fewest lossy choices, then the fewest bytes (``run``'s docstring)."""
+    n = len(built.cols)
+    fastest = sum(built.obj.get(j, 0.0) * float(res.x[j]) for j in range(n))
+    cap = fastest * (1.0 + tolerance) + 1e-12
+    lossy = {j: 1.0 for j, q in built.qual.items() if q > 0}
+    band = built._replace(
+        rows=[*built.rows, dict(built.obj)], lo=[*built.lo, -np.inf], hi=[*built.hi, cap]
+    )
+    exact = _run(band._replace(obj=lossy), budget_bytes, max_quality, "time", time_limit)
+    if exact.x is None:
+        return res
+    fewest = float(round(sum(float(exact.x[j]) for j in lossy)))
+    lean_rows = band._replace(
+        rows=[*band.rows, lossy], lo=[*band.lo, -np.inf], hi=[*band.hi, fewest + 0.5]
+    )
+    lean = _run(lean_rows, budget_bytes, max_quality, "bytes", time_limit)
+    if lean.x is not None:  # the fastest of the leanest: no time spent that saves no byte
+        least = sum(c * float(lean.x[v]) for v, c in built.mem.items()) / SCALE
+        mib = {v: c / SCALE for v, c in built.mem.items()}
+        fast = lean_rows._replace(rows=[*lean_rows.rows, mib], lo=[*lean_rows.lo, -np.inf],
+                                  hi=[*lean_rows.hi, least + 1e-6])  # fmt: skip
+        again = _run(fast, budget_bytes, max_quality, "time", time_limit)
+        lean = again if again.x is not None else lean
+    out = lean if lean.x is not None else exact
+    out.tie_break = (
+        f"plans within {tolerance:.0%} of the fastest plan's seconds taken as equally fast: "
+        f"the fewest lossy choices ({int(fewest)}), then the fewest bytes"
+    )
+    return out
+
+
+def _run(
+    built: Rows,
+    budget_bytes: float | None,
+    max_quality: float | None,
+    minimize: str,
+    time_limit: float,
+):
     cols, rows, lo, hi, mem, obj, qual = (
         built.cols,
         built.rows,
@@ -215,33 +264,15 @@ def run(
         integrality[v], upper[v] = 0, np.inf
     for v, most in (built.counts or {}).items():
         upper[v] = most
-    with _quiet_stdout():
-        return milp(
-            c,
-            constraints=LinearConstraint(a, np.array(lo), np.array(hi)),
-            integrality=integrality,
-            bounds=Bounds(0, upper),
-            options={"time_limit": time_limit, "mip_rel_gap": 1e-9, "disp": False},
-        )
-
-
-@contextmanager
-def _quiet_stdout() -> Iterator[None]:
-    """HiGHS may printf debug lines even with disp=False; keep them off stdout (``--json``)."""
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):  # captured / redirected in Python
-        yield
-        return
-    sys.stdout.flush()
-    saved, devnull = os.dup(fd), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, fd)
-    try:
-        yield
-    finally:
-        os.dup2(saved, fd)
-        os.close(saved)
-        os.close(devnull)
+    # disp=False turns HiGHS' output off (its own option): a solve prints nothing and changes
+    # no file descriptor, so solves on several threads at once leave the process's stdout alone
+    return milp(
+        c,
+        constraints=LinearConstraint(a, np.array(lo), np.array(hi)),
+        integrality=integrality,
+        bounds=Bounds(0, upper),
+        options={"time_limit": time_limit, "mip_rel_gap": 1e-9, "disp": False},
+    )
 
 
 __all__ = ["EPS_S", "Rows", "build", "run"]

@@ -76,6 +76,7 @@ from slimact.planner.plan import (
 
 __all__ = [
     "DEFAULT_MAX_GRAD_ERR",
+    "TIE_TOLERANCE",
     "GRAD_CKPT_KEY",
     "GRAD_KEY",
     "LAYER_MODES",
@@ -120,7 +121,13 @@ class Result:
     status: str
     solve_s: float
     grad_err: float = 0.0  # the largest summed gradient error of one parameter (grad_load)
+    tie_break: str = ""  # how near ties were decided (``highs.run``'s ``tie_tolerance``)
 
+
+# plans whose added seconds are within this share of the fastest plan's are near ties, decided
+# by a fixed order (exact before lossy, then fewer bytes: ``highs.near_tie``), not by the noise
+# of the measured times (``solve_plan``; ``Problem.solve`` solves exactly unless asked)
+TIE_TOLERANCE = 0.03
 
 SLOT_FROM = 5  # identical blocks of one kind, from this many on, share decisions in slots
 
@@ -303,12 +310,15 @@ class Problem:
         return self.offload.copy_s(self.bytes_of(g, sid, inner_of(opt)) / len(g.blocks))
 
     def stall_s(self, g: Group, d: Decision) -> float:
-        """The group's copies' stall per step: |g| (max(0, C - T_f) + max(0, C - 2 T_f))."""
-        off = [(sid, c) for sid, c in d.codecs.items() if is_offload(c)]
+        """The group's copies' stall per step: the sum over its blocks b of max(0, C_b - T_f) +
+        max(0, C_b - 2 T_f), C_b block b's own copies (a payload's bytes differ by block; the
+        MILP's columns charge the group's average block, ``planner.highs``)."""
+        off = [(sid, inner_of(c)) for sid, c in d.codecs.items() if is_offload(c)]
         if not off or self.offload is None:
             return 0.0
-        copies = sum(self.copy_s(g, sid, o) for sid, o in off)
-        return len(g.blocks) * stall_s(copies, self.hide_s(g))
+        copy_s, t_f = self.offload.copy_s, self.hide_s(g)
+        return sum(stall_s(sum(copy_s(g.kind.bytes_of(b, sid, c)) for sid, c in off), t_f)
+                   for b in g.blocks)  # fmt: skip
 
     def host_bytes(self, decisions: list[Decision]) -> int:
         """Bytes the decisions offload to host memory."""
@@ -376,12 +386,14 @@ class Problem:
         max_quality: float | None = None,
         minimize: str = "time",
         time_limit: float = 60.0,
+        tie_tolerance: float = 0.0,
     ) -> Result:
-        """Minimize added time s.t. bytes <= ``budget_bytes`` (or minimize bytes)."""
+        """Minimize added time s.t. bytes <= ``budget_bytes`` (or minimize bytes);
+        ``tie_tolerance``: near ties of time decided by a fixed order (``highs.run``)."""
         t0 = time.perf_counter()
         if getattr(self, "_built", None) is None:
             self._built = highs.build(self)
-        res = highs.run(self._built, budget_bytes, max_quality, minimize, time_limit)
+        res = highs.run(self._built, budget_bytes, max_quality, minimize, time_limit, tie_tolerance)
         solve_s = time.perf_counter() - t0
         if res.x is None:
             return Result([], 0, math.inf, math.inf, "infeasible", solve_s)
@@ -401,7 +413,10 @@ class Problem:
             d.recompute, d.reform = frozenset(rec[gi]), frozenset(ref[gi])
         b, t, q = self.evaluate(decisions)
         status = "optimal" if res.status == 0 else f"status {res.status}: {res.message}"
-        return Result(decisions, b, t, q, status, solve_s, self.grad_load(decisions))
+        return Result(
+            decisions, b, t, q, status, solve_s, self.grad_load(decisions),
+            res.get("tie_break", ""),
+        )  # fmt: skip
 
     def min_bytes(self, max_quality: float | None = None) -> Result:
         return self.solve(None, max_quality, minimize="bytes")

@@ -40,8 +40,13 @@ measurements ``slimact.planner.codecstats``.
 Outside the blocks (embedding, final norm, head, loss) is profiled the same way as a kind
 ``(root)`` with one instance whose module paths are absolute. Timings are medians over
 ``repeats`` after one warm-up. ``cached_profile`` stores the result as JSON, keyed by
-``profile_key``: model structure, a weight fingerprint, parameter dtypes, train mode, batch
-shape, device, autocast state and dtype, codec list and options, torch version.
+``profile_key``: model structure, a weight fingerprint, parameter dtypes, train mode, the
+forwards other changes put on its modules (a recomputed block's checkpoint, a reformulated
+forward: they change what is saved), batch shape, device, autocast state and dtype, codec list
+and options, torch version. A cached profile is checked against the model it serves before it
+is used: its baseline bytes against one metered forward of the model on the batch (exact and
+deterministic bytes); where they differ (something the key does not see changed the model's
+saves) the entry is profiled again and overwritten, with a warning.
 """
 
 from __future__ import annotations
@@ -59,7 +64,10 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from slimact import sites
+from slimact.classify import label_arg
 from slimact.codecs.base import codec_names
+from slimact.meter import measure
+from slimact.patching import ForwardOverride
 from slimact.planner.codecstats import (
     _payload_bytes,  # noqa: F401  (planner.evolve reads it here)
     codec_stat,
@@ -117,6 +125,37 @@ def model_fingerprint(model: nn.Module) -> str:
     for n, p in model.named_parameters():
         h.update(f"{n}{tuple(p.shape)}{p.dtype}{float(p.detach().float().sum()):.6e}".encode())
     return h.hexdigest()[:16]
+
+
+def forward_patches(model: nn.Module) -> list[str]:
+    """The instance-level forwards on ``model``'s modules, ``"<path>: <wrapper>[ < <wrapper>]"``
+    (innermost last): what other changes (a checkpoint, a reformulation) run in place of the
+    class's forward, which the structure and the weights do not show."""
+    out = []
+    for path, m in model.named_modules():
+        f = m.__dict__.get("forward")
+        chain = []
+        while f is not None:
+            if isinstance(f, ForwardOverride):
+                chain.append(getattr(f.wrapper, "__qualname__", type(f.wrapper).__name__))
+                f = f.prev
+            else:
+                chain.append(getattr(f, "__qualname__", type(f).__name__))
+                f = None
+        if chain:
+            out.append(f"{path}: {' < '.join(chain)}")
+    return out
+
+
+def saved_bytes(model: nn.Module, input_ids: torch.Tensor, targets: torch.Tensor | None) -> int:
+    """The bytes one forward of ``model`` on the batch saves for backward (the meter's total,
+    as a profile's ``baseline_bytes``); the RNG state is left as it was."""
+    label = (label_arg(model) or ("targets", 1))[0]
+    devices = [input_ids.device] if input_ids.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        with measure(model, input_ids.numel()) as meter:
+            model(input_ids, **{label: input_ids if targets is None else targets})
+    return int(meter.report.total_bytes)
 
 
 def default_cache_dir() -> Path:
@@ -239,8 +278,8 @@ def profile_key(
 ) -> dict[str, Any]:
     """Everything that changes what a profile measures, as a JSON-able dict (the cache key).
 
-    Model structure and weights, parameter and buffer dtypes, train/eval mode, the batch's
-    shapes, dtype and device, the autocast state of that device type (on/off and its dtype),
+    Model structure and weights, parameter and buffer dtypes, train/eval mode, the modules'
+    instance forwards (``forward_patches``), the batch's shapes, dtype and device, the autocast state of that device type (on/off and its dtype),
     the candidate codecs and other ``profile_model`` options, torch's version and the profile
     format."""
     codecs = tuple(kwargs.pop("codecs", None) or codec_names())
@@ -252,6 +291,7 @@ def profile_key(
         "weights": model_fingerprint(model),
         "dtypes": sorted({str(t.dtype).replace("torch.", "") for t in tensors}),
         "training": bool(model.training),
+        "patches": forward_patches(model),
         "input": [list(input_ids.shape), str(input_ids.dtype)],
         "targets": None if targets is None else [list(targets.shape), str(targets.dtype)],
         "device": str(input_ids.device),
@@ -291,7 +331,10 @@ def cached_profile(
 ) -> Profile:
     """``profile_model`` with a JSON cache (``cache_dir=None``: ``default_cache_dir()``) keyed by
     ``profile_key``. ``refresh``: profile again and overwrite the entry. An unreadable entry is
-    profiled again; an unwritable directory is warned about once and the profile not cached."""
+    profiled again; so is an entry whose baseline bytes are not what one metered forward of the
+    model on this batch saves (``saved_bytes``: the entry was measured on a model that saved
+    otherwise), with a warning; an unwritable directory is warned about once and the profile
+    not cached."""
     key = profile_key(model, input_ids, targets, name=name, **kwargs)
     path = cache_path(cache_dir, key)
     if path.exists() and not refresh:
@@ -300,9 +343,17 @@ def cached_profile(
         except (OSError, ValueError, KeyError, TypeError) as e:
             warnings.warn(f"slimact: ignoring unreadable profile cache {path}: {e}", stacklevel=2)
         else:
-            prof.meta["cache"] = str(path)
-            prof.meta["cache_hit"] = True
-            return prof
+            now = saved_bytes(model, input_ids, targets)
+            if now == prof.baseline_bytes:
+                prof.meta["cache"] = str(path)
+                prof.meta["cache_hit"] = True
+                return prof
+            warnings.warn(
+                f"slimact: the cached profile {path} has a baseline of {prof.baseline_bytes} "
+                f"bytes, this model saves {now} bytes on this batch; profiling again",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     prof = profile_model(model, input_ids, targets, name=name, **kwargs)
     try:
         prof.save(path)

@@ -16,7 +16,7 @@ from typing import Any
 
 from slimact import actions
 from slimact.budget import Budget
-from slimact.planner.milp import DEFAULT_MAX_GRAD_ERR, Problem
+from slimact.planner.milp import DEFAULT_MAX_GRAD_ERR, TIE_TOLERANCE, Problem
 from slimact.planner.offload import inner_of, is_offload, option_for
 from slimact.planner.plan import LayerPlan, Plan, Profile
 from slimact.utils import fmt_bytes
@@ -66,7 +66,7 @@ def solve_plan(
             f"budget is {fmt_bytes(smallest.bytes)} ({smallest.bytes / base:.1%}){extra} for "
             f"{profile.model} at batch {profile.batch} x seq {profile.seq}"
         )
-    res = problem.solve(allowed, max_quality)
+    res = problem.solve(allowed, max_quality, tie_tolerance=TIE_TOLERANCE)
     if res.status == "infeasible" or res.bytes > allowed:  # solver tolerance: the exact floor
         res = smallest
     return make_plan(problem, res, budget, allowed, static, smallest.bytes)
@@ -140,6 +140,7 @@ def make_plan(
               ("max_grad_err", getattr(problem, "max_grad_err", None)),
               ("autocast", prof.meta.get("autocast")), ("profile_s", prof.meta.get("profile_s")))
         + (_offload_meta(problem, res) if getattr(problem, "offload", None) else ())
+        + ((("tie_break", res.tie_break),) if getattr(res, "tie_break", "") else ())
         + ((("grad_err_skipped", prof.meta["grad_err_skipped"]),)
            if "grad_err_skipped" in prof.meta else ()),
     )  # fmt: skip
