@@ -1,5 +1,6 @@
 import gc
 import os
+import tempfile
 from contextlib import nullcontext
 
 import pytest
@@ -9,6 +10,11 @@ import torch
 # is first imported (torch.compile imports it too), so set it before any test module runs.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The suite never reads or writes the user's profile cache (~/.cache/slimact/profiles): each test
+# process starts with an empty one, as a clean machine has, so no result depends on what an
+# earlier run left there (tests that need their own still set SLIMACT_CACHE_DIR themselves).
+os.environ["SLIMACT_CACHE_DIR"] = tempfile.mkdtemp(prefix="slimact-test-cache-")
 
 # Under pytest-xdist (the README's test command runs ``-n 2``) each worker is one process on one
 # core: one intra-op thread each, so two workers do not oversubscribe a 2-core machine.
