@@ -1,5 +1,7 @@
+import atexit
 import gc
 import os
+import shutil
 import tempfile
 from contextlib import nullcontext
 
@@ -14,7 +16,8 @@ if not torch.cuda.is_available():
 # The suite never reads or writes the user's profile cache (~/.cache/slimact/profiles): each test
 # process starts with an empty one, as a clean machine has, so no result depends on what an
 # earlier run left there (tests that need their own still set SLIMACT_CACHE_DIR themselves).
-os.environ["SLIMACT_CACHE_DIR"] = tempfile.mkdtemp(prefix="slimact-test-cache-")
+os.environ["SLIMACT_CACHE_DIR"] = _PROFILES = tempfile.mkdtemp(prefix="slimact-test-cache-")
+atexit.register(shutil.rmtree, _PROFILES, ignore_errors=True)
 
 # Under pytest-xdist (the README's test command runs ``-n 2``) each worker is one process on one
 # core: one intra-op thread each, so two workers do not oversubscribe a 2-core machine.
