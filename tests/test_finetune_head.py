@@ -196,3 +196,17 @@ def test_training_call_without_labels_says_so_once():
         with torch.no_grad():
             model(ids)
         model(**_batch())
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "model.compile"])
+@pytest.mark.parametrize("strategy", ["int4", "chunked-ce"])
+def test_compile_after_apply_is_refused(how, strategy):
+    """A model compiled whole after ``slimact.apply`` would run past slimact's hooks, silently
+    uncompressed: its first call raises, naming ``compile=True``."""
+    model = slimact.apply(_llama(), strategy)
+    if how == "torch.compile":
+        model = torch.compile(model, backend="aot_eager")
+    else:
+        model.compile(backend="aot_eager")
+    with pytest.raises(RuntimeError, match=r"compiled whole.*compile=True"):
+        model(**_batch())
