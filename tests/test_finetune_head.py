@@ -210,3 +210,15 @@ def test_compile_after_apply_is_refused(how, strategy):
         model.compile(backend="aot_eager")
     with pytest.raises(RuntimeError, match=r"compiled whole.*compile=True"):
         model(**_batch())
+
+
+def test_revert_under_a_wrapper_installed_after_apply():
+    """accelerate's ``prepare`` (mixed precision: ``Trainer(bf16=True)``) wraps ``model.forward``
+    after ``slimact.apply``, holding the chunked root inside: after ``slimact.revert`` the model
+    computes its own loss through that wrapper (the held root passes calls through)."""
+    want = _step(_llama())
+    model = slimact.apply(_llama(), "chunked-ce")
+    held = model.forward
+    model.forward = types.MethodType(lambda self, *a, **kw: held(*a, **kw), model)
+    slimact.revert(model)
+    _same(_step(model), want)

@@ -10,7 +10,9 @@ measured saved bytes show the strategy acted."""
 
 from __future__ import annotations
 
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -234,3 +236,61 @@ def test_accelerate_loop(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _follows(train("chunked-ce"), base, "chunked-ce")
+
+
+# ----------------------------------------------------------------------------- README
+README = Path(__file__).resolve().parents[1] / "README.md"
+# the snippets' downloads, replaced by tiny local stand-ins, and their training arguments with
+# use_cpu=True (bf16 is refused on a machine without a GPU otherwise) and two steps added; the
+# rest runs verbatim
+TWO_STEPS = "use_cpu=True, max_steps=2, per_device_train_batch_size=2, "
+STAND_INS = {
+    'tokenizer = AutoTokenizer.from_pretrained("Qwen/Qwen2.5-0.5B")': "tokenizer = _tokenizer()",
+    'model = AutoModelForCausalLM.from_pretrained("Qwen/Qwen2.5-0.5B")': "model = _qwen2()",
+    'dataset = load_dataset("stanfordnlp/imdb", split="train")': "dataset = _texts()",
+    'TrainingArguments("out", ': f'TrainingArguments("out", {TWO_STEPS}',
+    'SFTConfig("out", ': f'SFTConfig("out", {TWO_STEPS}',
+}
+
+
+def _qwen2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+def _texts():
+    datasets = pytest.importorskip("datasets")
+    rows = [" ".join(f"t{i}" for i in r) for r in _rows()]
+    return datasets.Dataset.from_dict({"text": rows, "label": [0] * len(rows)})
+
+
+def _finetuning_snippets() -> str:
+    section = README.read_text().split("### Fine-tuning with peft/TRL\n", 1)[1]
+    blocks = re.findall(r"```python\n(.+?)```", section.split("\n### ", 1)[0], flags=re.S)
+    assert len(blocks) == 2, blocks  # peft + Trainer; SFTTrainer with the callback
+    code = "\n".join(blocks)
+    for line, stand_in in STAND_INS.items():
+        assert code.count(line) == 1, f"README snippet changed: {line!r} not found once"
+        code = code.replace(line, stand_in)
+    return code
+
+
+def test_readme_finetuning_snippets_run(tmp_path, monkeypatch):
+    """The README's fine-tuning snippets run as written, with a tiny Qwen2, its tokenizer and
+    a few texts in place of the downloads: LoRA + slimact + Trainer, then SFTTrainer with the
+    callback, which measured the first step."""
+    pytest.importorskip("peft")
+    pytest.importorskip("trl")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SLIMACT_CACHE", str(tmp_path / "cache"))
+    ns = {"_tokenizer": _tokenizer, "_qwen2": _qwen2, "_texts": _texts}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(_finetuning_snippets(), str(README), "exec"), ns)
+    assert ns["cb"].saved_bytes > 0
+    assert (tmp_path / "out" / "adapter_config.json").is_file()
+    assert not slimact.applied(ns["model"])  # the callback reverted at train end

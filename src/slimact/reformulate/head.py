@@ -112,6 +112,7 @@ class HeadState:
         "shift",
         "job",
         "told",
+        "live",
     )
 
     def __init__(self, head, config: ChunkedCEConfig, label: str, label_pos: int, shift: bool):
@@ -120,6 +121,15 @@ class HeadState:
         self.label, self.label_pos, self.shift = label, label_pos, shift
         self.job: dict | None = None  # labels, num_items, ignore_index, shift_labels -> loss
         self.told: set[str] = set()  # the calls left unchanged that were said once
+        self.live = True  # False once undone (see ``_retire``)
+
+
+def _retire(state: HeadState) -> None:
+    """The undo's last step. A wrapper installed over the root override after it (accelerate's
+    ``prepare`` wraps ``model.forward`` in autocast for mixed precision, holding the override
+    inside) keeps calling it after ``undo_forward`` took it out of the instance: retired, it
+    passes every call through."""
+    state.live = False
 
 
 def _hf_like(model: nn.Module) -> bool:
@@ -250,7 +260,7 @@ def _finish(state: HeadState, out):
 
 
 def _root_forward(inner, state: HeadState, *args, **kwargs):
-    parked = _park(state, args, kwargs)
+    parked = _park(state, args, kwargs) if state.live else None
     if parked is None:
         return inner(*args, **kwargs)
     try:
@@ -463,5 +473,5 @@ def patch_chunked_ce(
     state = HeadState(head, config, arg[0], arg[1], shift=_shifts(model))
     _, undo_head = override_forward(head, _head_forward, state)
     _, undo_root = override_forward(model, _root_forward, state)
-    row.undo = functools.partial(run_all, undo_root, undo_head)
+    row.undo = functools.partial(run_all, undo_root, undo_head, functools.partial(_retire, state))
     return [row]
