@@ -144,6 +144,24 @@ def test_probe_skips_a_head_whose_loss_ignores_num_items():
     assert row.skipped and "chunked loss" in row.detail, row
 
 
+class _NoKwargsLlama(transformers.LlamaForCausalLM):
+    """A causal LM whose forward takes no ``num_items_in_batch`` (nor ``**kwargs``)."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None):
+        return super().forward(input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def test_probe_passes_num_items_only_where_the_forward_takes_them():
+    """``Trainer`` passes no ``num_items_in_batch`` to a forward that cannot take it, and
+    neither does the probe: such a plain head is patched, its loss the model's."""
+    model = _llama()
+    model.__class__ = _NoKwargsLlama
+    want = _step(model)
+    slimact.apply(model, "chunked-ce")
+    assert [r.skipped for r in _head_rows(model)] == [False], _head_rows(model)
+    _same(_step(model), want)
+
+
 def test_auto_plans_the_head_only_after_the_probe(soft_capped_llama, tmp_path):
     """``auto`` considers the chunked head only where the fixed strategy's loss check passes:
     a soft-capped head (more than linear + cross-entropy) is never planned."""

@@ -73,7 +73,7 @@ from slimact.reformulate import (
 )
 from slimact.registry import AppliedChange
 from slimact.state import peek, prune, state_of
-from slimact.utils import PLANNER_THREAD, in_worker_thread
+from slimact.utils import PLANNER_THREAD, in_worker_thread, refuse_compiled_call
 
 _tls = threading.local()
 
@@ -371,8 +371,7 @@ class PlanRuntime:
         return list(self.watchers)
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if torch.compiler.is_compiling():  # dynamo traces this hook: the root is being compiled
-            _refuse_compiled_call(self.model)
+        refuse_compiled_call(self.model)  # this hook under dynamo: the root compiled after apply
         self._calls.close_stale()
         for watcher in self._watching():
             watcher.before(args, kwargs)
@@ -442,29 +441,11 @@ class PlanRuntime:
             return None
 
 
-@torch.compiler.disable
-def _refuse_compiled_call(model: nn.Module) -> None:
-    """The root hooks run eagerly, around the compiled blocks of ``compile=True``; dynamo
-    reaches them only where the user compiled the root after ``slimact.apply``
-    (``torch.compile(model)``, ``model.compile()``). Such a graph would run past the router and
-    the policy (every save raw, silently), so its first call raises instead: disabled for
-    dynamo, this runs eagerly at the graph break and its error reaches the caller."""
-    raise RuntimeError(
-        f"{type(model).__name__} was compiled whole (torch.compile(model) or model.compile()) "
-        "after slimact.apply: the compiled graph runs past slimact's hooks, so training would "
-        "silently run without slimact's actions. Compile through slimact instead, on the "
-        "uncompiled model: slimact.revert(model) (or use the model you passed to "
-        "torch.compile), then slimact.apply(model, spec, compile=True), which compiles every "
-        "block with the strategy's actions inside"
-    )
-
-
 def _patched(
     model: nn.Module, plan: Plan
 ) -> tuple[list[AppliedChange], list[Callable[[], None]], bool]:
     """Patch what ``plan`` recomputes and reformulates: (the changes, their undos in order, is
-    the loss head reformulated?). Where a patch fails, the ones before it are undone and the
-    reason raised."""
+    the loss head reformulated?); where a patch fails, earlier ones are undone and it raises."""
     modules = dict(model.named_modules())
     changes: list[AppliedChange] = []
     undos: list[Callable[[], None]] = []

@@ -137,7 +137,7 @@ def measure_head_reform(prof: Any, kp: KindProfile) -> None:
         return
     if sites.block_of(path, prof.blocks) or prof.targets is None:
         return
-    if find_chunked_ce(model, ChunkedCEConfig(probe=True))[0].skipped:
+    if find_chunked_ce(model, ChunkedCEConfig(probe=True), strict=True)[0].skipped:
         return
     h0 = prof.captured[path][0][0]
     h_sid = prof.by_ptr.get(sites.storage_key(h0))

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import warnings
 from dataclasses import dataclass
@@ -342,6 +343,16 @@ def _dummy_batch(model: nn.Module, label: str) -> dict | None:
     return None
 
 
+def _takes_num_items(model: nn.Module) -> bool:
+    """Can ``model`` be passed ``num_items_in_batch`` (by name or ``**kwargs``)? Where it
+    cannot, ``Trainer`` passes none, and the probe does not either."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "num_items_in_batch" or p.kind is p.VAR_KEYWORD for p in params)
+
+
 def _autocast_dtype(device: torch.device) -> torch.dtype | None:
     """Autocast's dtype where it is on for ``device``, else None."""
     dev = device.type
@@ -350,7 +361,7 @@ def _autocast_dtype(device: torch.device) -> torch.dtype | None:
     return None
 
 
-def _probe(model: nn.Module, state: HeadState) -> str:
+def _probe(model: nn.Module, state: HeadState, strict: bool = False) -> str:
     """'' when the chunked loss matches the model's own on a dummy batch, else why not.
 
     The model is not patched: one forward with the label gives the model's own loss and, by a
@@ -360,8 +371,8 @@ def _probe(model: nn.Module, state: HeadState) -> str:
     ``PROBE_LOGIT_STD`` (restored after). At initialization the logits are ~0.1 and a
     soft-capped head (``cap * tanh(z / cap)``) computes nearly ``z``, so only large logits
     tell the two losses apart. A Hugging Face model's second run passes ``num_items_in_batch``
-    (as ``Trainer`` does under gradient accumulation; more than the batch's labels), so that
-    its loss must be the sum over the items, as the chunked one is. With the model's
+    where its forward takes it (as ``Trainer`` does under gradient accumulation; more than the
+    batch's labels), so that its loss must be the sum over the items, as the chunked one is. With the model's
     forward under autocast (accelerate's ``mixed_precision``, which ``Trainer(bf16=True)``
     wraps the model's forward in) the chunked loss is computed under the same autocast as the
     head's call, and the two compare at the tolerance of autocast's dtype."""
@@ -379,6 +390,7 @@ def _probe(model: nn.Module, state: HeadState) -> str:
         lambda m, args: inputs.append((args[0], _autocast_dtype(args[0].device)))
     )
     low = False  # did the head run under a low-precision autocast?
+    takes_items = state.shift and _takes_num_items(model)
     pairs = []
     try:
         model.eval()  # no dropout: both losses see the same function
@@ -387,7 +399,7 @@ def _probe(model: nn.Module, state: HeadState) -> str:
                 with torch.no_grad():
                     weight.copy_(saved * scale)
                 inputs.clear()
-                items = job["labels"].numel() + 3 if k and state.shift else None
+                items = job["labels"].numel() + 3 if k and takes_items else None
                 kw = {} if items is None else {"num_items_in_batch": torch.tensor(items)}
                 out = model(**batch, **kw)
                 if not inputs:
@@ -406,6 +418,8 @@ def _probe(model: nn.Module, state: HeadState) -> str:
     except (TypeError, ValueError, AttributeError, KeyError, IndexError, RuntimeError) as e:
         # the model's own failures (e.g. an output type the loss cannot be set on); a bug of
         # ours (NameError, ImportError, ...) propagates instead of reading as a skipped head
+        if strict:
+            raise
         return f"MISMATCH: {type(e).__name__}: {e}"
     finally:
         hook.remove()
@@ -427,13 +441,19 @@ def _probe(model: nn.Module, state: HeadState) -> str:
 
 
 def find_chunked_ce(
-    model: nn.Module, config: ChunkedCEConfig, filter_fn: FilterFn | None = None
+    model: nn.Module,
+    config: ChunkedCEConfig,
+    filter_fn: FilterFn | None = None,
+    *,
+    strict: bool = False,
 ) -> list[AppliedChange]:
     """What ``chunked-ce`` would change, found without changing the model: the loss head's row
     (action ``chunked-ce``), or skipped with the reason (no head or label, not a causal-LM
     loss, filtered out, already patched, the probe's mismatch). With ``config.probe`` the loss
     is checked on a dummy batch (``_probe``: under ``sites.probing()``, the head's weights,
-    the RNG and the training flags restored). One row, without an undo."""
+    the RNG and the training flags restored); ``strict``: the model's own failure in the probe
+    raises (the planner's, whose every run's failure does) instead of skipping the head. One
+    row, without an undo."""
     path, head, why = find_head(model)
     arg = _label_arg(model)
     if head is None or arg is None:
@@ -452,7 +472,8 @@ def find_chunked_ce(
         return [AppliedChange(path, "chunked-ce", "head forward already patched", skipped=True)]
     detail = f"{arg[0]} -> {config.mode}, chunk {config.chunk_size or 'auto'}"
     if config.probe:
-        why = _probe(model, HeadState(head, config, arg[0], arg[1], shift=_shifts(model)))
+        state = HeadState(head, config, arg[0], arg[1], shift=_shifts(model))
+        why = _probe(model, state, strict)
         if why.startswith("MISMATCH"):
             return [AppliedChange(path, "chunked-ce", why[10:], skipped=True)]
         detail += f"; {why}" if why else "; loss verified on a dummy batch"
