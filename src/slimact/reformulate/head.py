@@ -28,12 +28,22 @@ state object:
 The root then returns the model's output with ``loss`` set and ``logits=None``: in training with
 labels the full logits are never computed. No caller in slimact reads ``.logits`` in training
 (train loop, compare, bench and meter read ``.loss``); eval without labels, ``torch.no_grad``
-(evaluation, ``generate``) and calls without labels run the model unchanged, logits included.
+(evaluation, ``generate``) and calls without labels run the model unchanged, logits included
+(a training call without labels says so once: it saves nothing there). A call with TRL's
+``fused_lm_head=True`` runs unchanged too, its labels left where TRL's forward reads them (TRL's
+own fused head stores no logits either), said once.
 
-``probe=True`` checks on a tiny dummy batch that the chunked loss equals the model's own loss; a
+Through a peft wrapper (``PeftModel``) the loss is the wrapped Hugging Face model's
+(``_hf_model_of``): its labels shifted, its label argument where the wrapper's forward only
+passes ``*args, **kwargs`` on.
+
+``probe=True`` checks on a tiny dummy batch that the chunked loss equals the model's own loss
+(with ``num_items_in_batch`` too, under the autocast the head runs in; see ``_probe``); a
 model whose head does more than ``linear`` + cross-entropy (Gemma-2's logit soft-capping,
-Cohere's logit scale, a custom loss) is skipped with that reason. ``slimact.revert`` undoes both
-overrides; copies and pickles of the model carry their own.
+Cohere's logit scale, a custom loss) is skipped with that reason. The planner considers the head
+only where the same probe passes. ``slimact.revert`` undoes both overrides (a wrapper installed
+over the root's after it, such as accelerate's mixed-precision forward, keeps calling a retired
+root, which passes calls through); copies and pickles of the model carry their own.
 """
 
 from __future__ import annotations
