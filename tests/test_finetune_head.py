@@ -74,7 +74,7 @@ def test_peft_lora_head_trains_the_shifted_loss(strategy, tmp_path):
     chunked head's loss and every LoRA gradient are the model's own (a padded batch)."""
     want = _step(_lora(_llama()))
     model = _lora(_llama())
-    spec = AutoConfig(budget="25%", cache=str(tmp_path), codecs=())  # exact: no codec
+    spec = AutoConfig(budget="25%", cache=str(tmp_path), codecs=(), repeats=1)  # exact: no codec
     spec = strategy if strategy == "chunked-ce" else spec
     slimact.apply(model, spec)
     got = _step(model)  # auto plans on this batch
@@ -170,7 +170,7 @@ def test_auto_plans_the_head_only_after_the_probe(soft_capped_llama, tmp_path):
     model = soft_capped_llama()
     ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator())
     ref = soft_capped_llama()(ids, targets=ids.roll(-1, 1)).loss
-    slimact.apply(model, AutoConfig(budget="20%", cache=str(tmp_path), codecs=("int8",)))
+    slimact.apply(model, AutoConfig(budget="20%", cache=str(tmp_path), codecs=("int8",), repeats=1))
     loss = model(ids, targets=ids.roll(-1, 1)).loss  # planned on this batch
     loss.backward()
     assert not [r for r in _head_rows(model) if not r.skipped], _head_rows(model)

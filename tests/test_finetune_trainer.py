@@ -20,6 +20,7 @@ import torch
 import slimact
 from slimact import hf
 from slimact.patching import overrides
+from slimact.planner.auto import AutoConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -83,6 +84,14 @@ def _losses(trainer) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
+def _spec(strategy: str, cache) -> str | AutoConfig:
+    """``auto@50%`` timing one repeat per candidate (the plan's choices, not its timings, are
+    under test here), its profile cached under ``cache``."""
+    if strategy == "auto@50%":
+        return AutoConfig(budget="50%", repeats=1, cache=str(cache))
+    return strategy
+
+
 def _follows(losses: list[float], base: list[float], strategy: str) -> None:
     assert len(losses) == len(base) and all(map(torch.isfinite, torch.tensor(losses)))
     rel = torch.tensor(losses).sub(torch.tensor(base)).abs().div(torch.tensor(base).abs())
@@ -116,7 +125,7 @@ def test_trainer_callback(strategy, trainer_base, tmp_path, monkeypatch):
     monkeypatch.setenv("SLIMACT_CACHE", str(tmp_path / "cache"))
     base, base_bytes = trainer_base
     model = _llama()
-    cb = hf.SlimactCallback(strategy)
+    cb = hf.SlimactCallback(_spec(strategy, tmp_path))
     losses = _losses(_trainer(model, tmp_path, [cb]))
     _follows(losses, base, strategy)
     assert cb.saved_bytes < base_bytes, (strategy, cb.saved_bytes, base_bytes)
@@ -188,7 +197,7 @@ def test_sft_trainer_callback(strategy, sft_base, tmp_path, monkeypatch):
     callback trains; chunked-ce leaves TRL's fused head (which stores no logits either) as
     it is instead of hiding the labels its forward reads."""
     monkeypatch.setenv("SLIMACT_CACHE", str(tmp_path / "cache"))
-    cb = hf.SlimactCallback(strategy)
+    cb = hf.SlimactCallback(_spec(strategy, tmp_path))
     _follows(_losses(_sft(_llama(), tmp_path, [cb])), sft_base, strategy)
     assert cb.saved_bytes is not None
 
@@ -199,7 +208,8 @@ def test_sft_trainer_twenty_steps(strategy, tmp_path, monkeypatch):
     """Twenty SFT steps per strategy follow the run without slimact (lossy: 2e-2 relative)."""
     monkeypatch.setenv("SLIMACT_CACHE", str(tmp_path / "cache"))
     base = _losses(_sft(_llama(), tmp_path / "base", steps=20))
-    losses = _losses(_sft(_llama(), tmp_path, [hf.SlimactCallback(strategy)], steps=20))
+    cb = hf.SlimactCallback(_spec(strategy, tmp_path))
+    losses = _losses(_sft(_llama(), tmp_path, [cb], steps=20))
     assert len(losses) == 20 and all(map(torch.isfinite, torch.tensor(losses)))
     rel = torch.tensor(losses).sub(torch.tensor(base)).abs().div(torch.tensor(base))
     assert rel.max() <= (1e-5 if strategy in EXACT else 2e-2), (losses, base)
