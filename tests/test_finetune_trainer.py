@@ -202,12 +202,17 @@ def test_sft_trainer_callback(strategy, sft_base, tmp_path, monkeypatch):
     assert cb.saved_bytes is not None
 
 
+@pytest.fixture(scope="module")
+def sft_base_twenty(tmp_path_factory):
+    return _losses(_sft(_llama(), tmp_path_factory.mktemp("sft20"), steps=20))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", [*EXACT, *APPROX])
-def test_sft_trainer_twenty_steps(strategy, tmp_path, monkeypatch):
+def test_sft_trainer_twenty_steps(strategy, sft_base_twenty, tmp_path, monkeypatch):
     """Twenty SFT steps per strategy follow the run without slimact (lossy: 2e-2 relative)."""
     monkeypatch.setenv("SLIMACT_CACHE", str(tmp_path / "cache"))
-    base = _losses(_sft(_llama(), tmp_path / "base", steps=20))
+    base = sft_base_twenty
     cb = hf.SlimactCallback(_spec(strategy, tmp_path))
     losses = _losses(_sft(_llama(), tmp_path, [cb], steps=20))
     assert len(losses) == 20 and all(map(torch.isfinite, torch.tensor(losses)))
