@@ -5,8 +5,8 @@ Each run trains a tiny random Llama a few steps on ragged, right-padded batches
 (``attention_mask``, ``-100`` labels) under bf16 autocast with gradient accumulation 2 (so
 ``Trainer`` passes ``num_items_in_batch``), and its logged losses follow the run without
 slimact: the first step's exactly for every strategy (the forward is unchanged), the later ones
-to 1e-5 relative for the exact strategies and within a bound for the approximate ones. The callback's
-measured saved bytes show the strategy acted."""
+to 1e-5 relative for the exact strategies and within a bound for the approximate ones. The
+callback's measured saved bytes show the strategy acted."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def _llama() -> torch.nn.Module:
 def _rows(n: int = 8) -> list[list[int]]:
     """Token rows of 5 to 16 tokens (ragged: every batch is padded)."""
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(2, V, (int(k),), generator=g).tolist() for k in torch.randint(5, 17, (n,), generator=g)]  # fmt: skip
+    lengths = torch.randint(5, 17, (n,), generator=g).tolist()
+    return [torch.randint(2, V, (k,), generator=g).tolist() for k in lengths]
 
 
 class _Rows(torch.utils.data.Dataset):
@@ -132,17 +133,23 @@ def test_trainer_callback(strategy, trainer_base, tmp_path, monkeypatch):
     assert not slimact.applied(model) and not overrides(model)  # reverted at train end
 
 
-def test_trainer_num_items_reach_the_chunked_head(tmp_path):
-    """The Trainer passes ``num_items_in_batch`` under gradient accumulation; the patched head
-    takes it (sum / items, as the model's loss does)."""
+def test_trainer_num_items_reach_the_chunked_head(tmp_path, monkeypatch):
+    """The Trainer passes ``num_items_in_batch`` under gradient accumulation (one count for
+    the step's micro-batches); the patched head computes its loss with it (sum / items)."""
+    from slimact import sites
+    from slimact.reformulate import head
+
     seen: list = []
-    model = _llama()
-    model.register_forward_pre_hook(
-        lambda m, a, kw: seen.append(kw.get("num_items_in_batch")), with_kwargs=True
-    )
-    cb = hf.SlimactCallback("chunked-ce")
-    _losses(_trainer(model, tmp_path, [cb], steps=1))
-    assert seen and all(n is not None for n in seen[-2:]), seen
+    chunked_loss = head._chunked_loss
+
+    def spy(state, job, x):
+        if not sites.is_probing():
+            seen.append(job["num_items"])
+        return chunked_loss(state, job, x)
+
+    monkeypatch.setattr(head, "_chunked_loss", spy)
+    _losses(_trainer(_llama(), tmp_path, [hf.SlimactCallback("chunked-ce")], steps=1))
+    assert len(seen) == 2 and seen[0] is not None and int(seen[0]) == int(seen[1]) > 0, seen
 
 
 def test_peft_lora_with_trainer(tmp_path):
