@@ -163,7 +163,10 @@ class SlimactCallback(_callback_base()):
     train end (``revert_at_end``), and record the first step's saved activation bytes.
 
     Plain ``slimact.apply(model, ...)`` before building the Trainer does the same; the callback
-    only adds the measurement (``saved_bytes``, ``report``) and the revert.
+    only adds the measurement (``saved_bytes``, ``report``) and the revert. It works alike on a
+    peft model and under TRL's trainers (whose fused LM head ``chunked-ce`` leaves as it is);
+    with ``TrainingArguments(torch_compile=True)`` the first step raises (a model compiled whole
+    runs past slimact's hooks): ``slimact.apply(model, spec, compile=True)`` instead.
     """
 
     def __init__(

@@ -82,3 +82,24 @@ def in_worker_thread(fn: Callable[[], Any], device_type: str = "cpu") -> Any:
     if "error" in out:
         raise out["error"]
     return out["result"]
+
+
+def refuse_compiled_call(model: torch.nn.Module) -> None:
+    """For a root hook that runs eagerly around what slimact compiles (the blocks of
+    ``compile=True``): under dynamo it is traced only where the user compiled the model whole
+    after ``slimact.apply`` (``torch.compile(model)``, ``model.compile()``), a graph that would
+    run past slimact's hooks, silently without its actions. Then the call raises instead."""
+    if torch.compiler.is_compiling():
+        _raise_compiled_call(type(model).__name__)
+
+
+@torch.compiler.disable  # runs eagerly at the graph break: its error reaches the caller
+def _raise_compiled_call(name: str) -> None:
+    raise RuntimeError(
+        f"{name} was compiled whole (torch.compile(model) or model.compile()) after "
+        "slimact.apply: the compiled graph runs past slimact's hooks, so training would "
+        "silently run without slimact's actions. Compile through slimact instead, on the "
+        "uncompiled model: slimact.revert(model) (or use the model you passed to "
+        "torch.compile), then slimact.apply(model, spec, compile=True), which compiles every "
+        "block with the strategy's actions inside"
+    )

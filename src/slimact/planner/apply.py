@@ -69,7 +69,7 @@ from slimact.reformulate import (
 )
 from slimact.registry import AppliedChange
 from slimact.state import peek, prune, state_of
-from slimact.utils import PLANNER_THREAD, in_worker_thread
+from slimact.utils import PLANNER_THREAD, in_worker_thread, refuse_compiled_call
 
 _tls = threading.local()
 
@@ -367,6 +367,7 @@ class PlanRuntime:
         return list(self.watchers)
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        refuse_compiled_call(self.model)  # this hook under dynamo: the root compiled after apply
         # one call at a time (what it enters is the runtime's): another thread's is refused
         self._calls.claim((None, False), type(self.model).__name__, PLANNER_THREAD)
         if getattr(_tls, "busy", False):  # the planner's own forwards, for a call that waits
@@ -444,8 +445,7 @@ def _patched(
     model: nn.Module, plan: Plan
 ) -> tuple[list[AppliedChange], list[Callable[[], None]], bool]:
     """Patch what ``plan`` recomputes and reformulates: (the changes, their undos in order, is
-    the loss head reformulated?). Where a patch fails, the ones before it are undone and the
-    reason raised."""
+    the loss head reformulated?); where a patch fails, earlier ones are undone and it raises."""
     modules = dict(model.named_modules())
     changes: list[AppliedChange] = []
     undos: list[Callable[[], None]] = []

@@ -33,7 +33,13 @@ from slimact.meter import measure
 from slimact.ops.chunked_ce import chunked_linear_cross_entropy
 from slimact.planner.measure import call_module, fwd_bwd, time_delta
 from slimact.planner.plan import KindProfile, ReformProfile, abs_path, inside, rel_site, site_module
-from slimact.reformulate import ChunkedCEConfig, InvActConfig, patch_chunked_ce, patch_invact
+from slimact.reformulate import (
+    ChunkedCEConfig,
+    InvActConfig,
+    find_chunked_ce,
+    patch_chunked_ce,
+    patch_invact,
+)
 from slimact.reformulate.head import find_head
 
 HEAD_KIND = "chunked-ce"
@@ -121,12 +127,17 @@ def head_times(
 
 
 def measure_head_reform(prof: Any, kp: KindProfile) -> None:
-    """The root kind's loss head as ``chunked-ce``: one more forward of the model, patched."""
+    """The root kind's loss head as ``chunked-ce``: one more forward of the model, patched.
+    A candidate only where the ``chunked-ce`` strategy would patch it: after the same loss
+    check on a dummy batch (``find_chunked_ce``), so that a head whose loss the chunked one
+    does not reproduce is never planned."""
     model = prof.model
     path, head, _ = find_head(model)
     if head is None or label_arg(model) is None or path not in prof.captured:
         return
     if sites.block_of(path, prof.blocks) or prof.targets is None:
+        return
+    if find_chunked_ce(model, ChunkedCEConfig(probe=True), strict=True)[0].skipped:
         return
     h0 = prof.captured[path][0][0]
     h_sid = prof.by_ptr.get(sites.storage_key(h0))

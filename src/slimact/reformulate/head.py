@@ -28,19 +28,31 @@ state object:
 The root then returns the model's output with ``loss`` set and ``logits=None``: in training with
 labels the full logits are never computed. No caller in slimact reads ``.logits`` in training
 (train loop, compare, bench and meter read ``.loss``); eval without labels, ``torch.no_grad``
-(evaluation, ``generate``) and calls without labels run the model unchanged, logits included.
+(evaluation, ``generate``) and calls without labels run the model unchanged, logits included
+(a training call without labels says so once: it saves nothing there). A call with TRL's
+``fused_lm_head=True`` runs unchanged too, its labels left where TRL's forward reads them (TRL's
+own fused head stores no logits either), said once.
 
-``probe=True`` checks on a tiny dummy batch that the chunked loss equals the model's own loss; a
+Through a peft wrapper (``PeftModel``) the loss is the wrapped Hugging Face model's
+(``_hf_model_of``): its labels shifted, its label argument where the wrapper's forward only
+passes ``*args, **kwargs`` on.
+
+``probe=True`` checks on a tiny dummy batch that the chunked loss equals the model's own loss
+(with ``num_items_in_batch`` too, under the autocast the head runs in; see ``_probe``); a
 model whose head does more than ``linear`` + cross-entropy (Gemma-2's logit soft-capping,
-Cohere's logit scale, a custom loss) is skipped with that reason. ``slimact.revert`` undoes both
-overrides; copies and pickles of the model carry their own.
+Cohere's logit scale, a custom loss) is skipped with that reason. The planner considers the head
+only where the same probe passes. ``slimact.revert`` undoes both overrides (a wrapper installed
+over the root's after it, such as accelerate's mixed-precision forward, keeps calling a retired
+root, which passes calls through); copies and pickles of the model carry their own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -110,6 +122,8 @@ class HeadState:
         "label_pos",
         "shift",
         "job",
+        "told",
+        "live",
     )
 
     def __init__(self, head, config: ChunkedCEConfig, label: str, label_pos: int, shift: bool):
@@ -117,10 +131,46 @@ class HeadState:
         self.chunk_size, self.mode, self.backend = config.chunk_size, config.mode, config.backend
         self.label, self.label_pos, self.shift = label, label_pos, shift
         self.job: dict | None = None  # labels, num_items, ignore_index, shift_labels -> loss
+        self.told: set[str] = set()  # the calls left unchanged that were said once
+        self.live = True  # False once undone (see ``_retire``)
+
+
+def _retire(state: HeadState) -> None:
+    """The undo's last step. A wrapper installed over the root override after it (accelerate's
+    ``prepare`` wraps ``model.forward`` in autocast for mixed precision, holding the override
+    inside) keeps calling it after ``undo_forward`` took it out of the instance: retired, it
+    passes every call through."""
+    state.live = False
 
 
 def _hf_like(model: nn.Module) -> bool:
     return any(c.__name__ == "PreTrainedModel" for c in type(model).__mro__)
+
+
+def _hf_model_of(model: nn.Module) -> nn.Module:
+    """The model a peft wrapper runs (``PeftModel.get_base_model()``: the Hugging Face model
+    under its adapters), else ``model``: whose loss (shifted or not) the head computes."""
+    for _ in range(4):  # PeftModel -> the wrapped model; a wrapper of a wrapper at most
+        get = getattr(type(model), "get_base_model", None)
+        inner = get(model) if callable(get) else None
+        if not isinstance(inner, nn.Module) or inner is model:
+            break
+        model = inner
+    return model
+
+
+def _shifts(model: nn.Module) -> bool:
+    """Does the model's loss shift its labels inside (Hugging Face causal LMs, also under
+    peft), rather than take them shifted (slimact's ``targets``)?"""
+    return _hf_like(_hf_model_of(model))
+
+
+def _label_arg(model: nn.Module) -> tuple[str, int] | None:
+    """The forward's label parameter; a peft wrapper whose forward takes ``*args, **kwargs``
+    (``PeftModel`` without a task type) passes them on: the wrapped model's."""
+    arg = label_arg(model)
+    inner = _hf_model_of(model)
+    return arg if arg is not None or inner is model else label_arg(inner)
 
 
 def find_head(model: nn.Module) -> tuple[str, nn.Module | None, str]:
@@ -163,11 +213,41 @@ def _with_loss(out, loss: torch.Tensor):
     raise TypeError(f"chunked-ce: cannot set the loss on a {type(out).__name__} output")
 
 
+# The caller's own fused head: TRL's trainers call ``model(..., labels=..., fused_lm_head=True)``
+# and compute the loss from the per-token log-probabilities the model returns, reading the labels
+# in the model's (TRL-patched) forward; such a call runs unchanged, its labels where they were.
+_CALLER_HEAD = "fused_lm_head"
+
+
+def _tell_once(state: HeadState, key: str, msg: str) -> None:
+    if key not in state.told and not sites.is_probing():
+        state.told.add(key)
+        warnings.warn(f"slimact chunked-ce: {msg}", stacklevel=4)
+
+
 def _park(state: HeadState, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """Take the call's label into ``state.job`` for the head; (args, kwargs) without it, or
-    None when the call runs unchanged (no label, no grad)."""
+    None when the call runs unchanged (no label, no grad, a caller's fused head)."""
+    if state.job is not None or not torch.is_grad_enabled():
+        return None
+    if kwargs.get(_CALLER_HEAD):
+        _tell_once(
+            state,
+            _CALLER_HEAD,
+            f"a call with {_CALLER_HEAD}=True (TRL's trainers) computes its loss with the "
+            "caller's own fused head, which stores no logits either; chunked-ce leaves it as "
+            "it is",
+        )
+        return None
     labels, a, kw = _take_label(state, args, kwargs)
-    if labels is None or state.job is not None or not torch.is_grad_enabled():
+    if labels is None:
+        _tell_once(
+            state,
+            "no-labels",
+            f"a training forward without `{state.label}` computes the full logits (the caller "
+            f"computes the loss); chunked-ce saves memory where the model gets `{state.label}` "
+            "and returns the loss itself",
+        )
         return None
     state.job = {
         "labels": labels,
@@ -191,7 +271,7 @@ def _finish(state: HeadState, out):
 
 
 def _root_forward(inner, state: HeadState, *args, **kwargs):
-    parked = _park(state, args, kwargs)
+    parked = _park(state, args, kwargs) if state.live else None
     if parked is None:
         return inner(*args, **kwargs)
     try:
@@ -273,7 +353,25 @@ def _dummy_batch(model: nn.Module, label: str) -> dict | None:
     return None
 
 
-def _probe(model: nn.Module, state: HeadState) -> str:
+def _takes_num_items(model: nn.Module) -> bool:
+    """Can ``model`` be passed ``num_items_in_batch`` (by name or ``**kwargs``)? Where it
+    cannot, ``Trainer`` passes none, and the probe does not either."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "num_items_in_batch" or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """Autocast's dtype where it is on for ``device``, else None."""
+    dev = device.type
+    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return None
+
+
+def _probe(model: nn.Module, state: HeadState, strict: bool = False) -> str:
     """'' when the chunked loss matches the model's own on a dummy batch, else why not.
 
     The model is not patched: one forward with the label gives the model's own loss and, by a
@@ -282,7 +380,12 @@ def _probe(model: nn.Module, state: HeadState) -> str:
     head's weights as they are, and scaled so that the logits' spread is about
     ``PROBE_LOGIT_STD`` (restored after). At initialization the logits are ~0.1 and a
     soft-capped head (``cap * tanh(z / cap)``) computes nearly ``z``, so only large logits
-    tell the two losses apart."""
+    tell the two losses apart. A Hugging Face model's second run passes ``num_items_in_batch``
+    where its forward takes it (as ``Trainer`` does under gradient accumulation; more than the
+    batch's labels), so that its loss must be the sum over the items, as the chunked one is. With the model's
+    forward under autocast (accelerate's ``mixed_precision``, which ``Trainer(bf16=True)``
+    wraps the model's forward in) the chunked loss is computed under the same autocast as the
+    head's call, and the two compare at the tolerance of autocast's dtype."""
     batch = _dummy_batch(model, state.label)
     if batch is None:
         return "unverified (no dummy input to probe the loss)"
@@ -292,28 +395,41 @@ def _probe(model: nn.Module, state: HeadState) -> str:
     rms = float(saved.float().pow(2).mean().sqrt()) * weight.shape[-1] ** 0.5
     scales = (1.0, PROBE_LOGIT_STD / rms) if rms > 0 and math.isfinite(rms) else (1.0,)
     job = {"labels": batch[state.label], "num_items": None, "ignore_index": -100}
-    inputs: list[torch.Tensor] = []
-    hook = state.head.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
+    inputs: list[tuple[torch.Tensor, torch.dtype | None]] = []  # the head's input, autocast
+    hook = state.head.register_forward_pre_hook(
+        lambda m, args: inputs.append((args[0], _autocast_dtype(args[0].device)))
+    )
+    low = False  # did the head run under a low-precision autocast?
+    takes_items = state.shift and _takes_num_items(model)
     pairs = []
     try:
         model.eval()  # no dropout: both losses see the same function
         with torch.random.fork_rng(devices=[]), torch.enable_grad(), sites.probing():
-            for scale in scales:
+            for k, scale in enumerate(scales):
                 with torch.no_grad():
                     weight.copy_(saved * scale)
                 inputs.clear()
-                out = model(**batch)
+                items = job["labels"].numel() + 3 if k and takes_items else None
+                kw = {} if items is None else {"num_items_in_batch": torch.tensor(items)}
+                out = model(**batch, **kw)
                 if not inputs:
                     raise RuntimeError(
                         "chunked-ce: the model's forward did not call its output projection; "
                         "slimact.revert(model) and report the model class"
                     )
-                loss = _chunked_loss(state, {**job, "shift_labels": None}, inputs[0])
+                x, cast = inputs[0]
+                low = low or cast not in (None, torch.float32, torch.float64)
+                with torch.autocast(x.device.type, dtype=cast, enabled=cast is not None):
+                    loss = _chunked_loss(
+                        state, {**job, "num_items": items, "shift_labels": None}, x
+                    )
                 got = getattr(_with_loss(out, loss), "loss", None)
                 pairs.append((getattr(out, "loss", None), got))
     except (TypeError, ValueError, AttributeError, KeyError, IndexError, RuntimeError) as e:
         # the model's own failures (e.g. an output type the loss cannot be set on); a bug of
         # ours (NameError, ImportError, ...) propagates instead of reading as a skipped head
+        if strict:
+            raise
         return f"MISMATCH: {type(e).__name__}: {e}"
     finally:
         hook.remove()
@@ -321,7 +437,7 @@ def _probe(model: nn.Module, state: HeadState) -> str:
             weight.copy_(saved)
         for m, flag in flags.items():
             m.training = flag
-    rtol = _PROBE_RTOL.get(weight.dtype, 2e-2)
+    rtol = 2e-2 if low else _PROBE_RTOL.get(weight.dtype, 2e-2)
     for ref, got in pairs:
         if ref is None or got is None:
             return "MISMATCH: the model returned no loss for labels"
@@ -335,21 +451,28 @@ def _probe(model: nn.Module, state: HeadState) -> str:
 
 
 def find_chunked_ce(
-    model: nn.Module, config: ChunkedCEConfig, filter_fn: FilterFn | None = None
+    model: nn.Module,
+    config: ChunkedCEConfig,
+    filter_fn: FilterFn | None = None,
+    *,
+    strict: bool = False,
 ) -> list[AppliedChange]:
     """What ``chunked-ce`` would change, found without changing the model: the loss head's row
     (action ``chunked-ce``), or skipped with the reason (no head or label, not a causal-LM
     loss, filtered out, already patched, the probe's mismatch). With ``config.probe`` the loss
     is checked on a dummy batch (``_probe``: under ``sites.probing()``, the head's weights,
-    the RNG and the training flags restored). One row, without an undo."""
+    the RNG and the training flags restored); ``strict``: the model's own failure in the probe
+    raises (the planner's, whose every run's failure does) instead of skipping the head. One
+    row, without an undo."""
     path, head, why = find_head(model)
-    arg = label_arg(model)
+    arg = _label_arg(model)
     if head is None or arg is None:
         why = why or "the forward takes neither `labels` nor `targets`"
         return [AppliedChange(path, "chunked-ce", why, skipped=True)]
-    loss_type = getattr(model, "loss_type", None) if _hf_like(model) else None
+    inner = _hf_model_of(model)
+    loss_type = getattr(inner, "loss_type", None) if _hf_like(inner) else None
     if loss_type not in (None, "ForCausalLM"):  # e.g. ForMaskedLM: labels are not shifted
-        why = f"{type(model).__name__} computes a {loss_type} loss; only causal-LM losses chunk"
+        why = f"{type(inner).__name__} computes a {loss_type} loss; only causal-LM losses chunk"
         return [AppliedChange(path, "chunked-ce", why, skipped=True)]
     if filter_fn is not None and not filter_fn(head, path):
         return [AppliedChange(path, "chunked-ce", "filtered out", skipped=True)]
@@ -359,7 +482,8 @@ def find_chunked_ce(
         return [AppliedChange(path, "chunked-ce", "head forward already patched", skipped=True)]
     detail = f"{arg[0]} -> {config.mode}, chunk {config.chunk_size or 'auto'}"
     if config.probe:
-        why = _probe(model, HeadState(head, config, arg[0], arg[1], shift=_hf_like(model)))
+        state = HeadState(head, config, arg[0], arg[1], shift=_shifts(model))
+        why = _probe(model, state, strict)
         if why.startswith("MISMATCH"):
             return [AppliedChange(path, "chunked-ce", why[10:], skipped=True)]
         detail += f"; {why}" if why else "; loss verified on a dummy batch"
@@ -376,9 +500,9 @@ def patch_chunked_ce(
     if row.skipped:
         return [row]
     head = model.get_submodule(row.path) if row.path else model
-    arg = label_arg(model)
-    state = HeadState(head, config, arg[0], arg[1], shift=_hf_like(model))
+    arg = _label_arg(model)
+    state = HeadState(head, config, arg[0], arg[1], shift=_shifts(model))
     _, undo_head = override_forward(head, _head_forward, state)
     _, undo_root = override_forward(model, _root_forward, state)
-    row.undo = functools.partial(run_all, undo_root, undo_head)
+    row.undo = functools.partial(run_all, undo_root, undo_head, functools.partial(_retire, state))
     return [row]
