@@ -236,6 +236,8 @@ def wrapped(kind: str, model: nn.Module):
         yield nn.DataParallel(model)
     elif kind == "accelerate":
         accelerate = pytest.importorskip("accelerate")
+        # a Trainer run earlier in the process leaves its state (bf16 mixed precision) behind
+        accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
         try:
             yield accelerate.Accelerator(cpu=True).prepare(model)
         finally:  # its process-wide state, as transformers' Trainer would find it

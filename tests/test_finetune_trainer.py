@@ -31,6 +31,16 @@ APPROX = ("invact", "int4", "int8", "auto@50%")
 APPROX_RTOL = 1e-3  # the loss after one update from approximate gradients
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerate():
+    """Each Trainer starts from, and leaves, no process-wide accelerate state (a bf16 run's
+    mixed precision would otherwise reach the next Accelerator made in this process)."""
+    state = pytest.importorskip("accelerate").state
+    state.AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    state.AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def _llama() -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
