@@ -355,16 +355,20 @@ def _massive_grads(model) -> dict[str, torch.Tensor]:
 MASSIVE = {"int8": 0.99, "int4": 0.98, "int4-plain": 0.98}  # normal inputs: 0.9999, 0.991, 0.991
 
 
-def _check_massive(kind: str, ratio: float, strategy: str) -> None:
+def _check_massive(
+    kind: str, ratio: float, strategy: str, filter_fn=None, bound: float | None = None
+) -> None:
+    """Every gradient's cosine against float64 autograd >= ``bound`` (``MASSIVE[strategy]``)."""
     truth = _massive_grads(_massive(kind, ratio, torch.float64))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a range fallback may be reported
-        got = _massive_grads(slimact.apply(_massive(kind, ratio), strategy))
+        got = _massive_grads(slimact.apply(_massive(kind, ratio), strategy, filter_fn))
+    bound = MASSIVE[strategy] if bound is None else bound
     for n, g in got.items():
         if float(truth[n].norm()) == 0.0:
             continue
         cos = float(F.cosine_similarity(g.flatten(), truth[n].flatten(), 0, eps=0))
-        assert cos >= MASSIVE[strategy], (kind, ratio, strategy, n, cos)
+        assert cos >= bound, (kind, ratio, strategy, n, cos)
 
 
 def test_massive_up_proj_int8():
@@ -372,6 +376,47 @@ def test_massive_up_proj_int8():
     small norm was coded at its massive neighbour's step (gate_proj cosine 0.78); groups now
     stay within a row (``codecs.quant.row_group``)."""
     _check_massive("up_proj", 3e4, "int8")
+
+
+@pytest.mark.parametrize(
+    "strategy,ratio", [("int4", 3e4), ("int4", 3e5), ("int4-paper", 3e5), ("int8", 3e5)]
+)
+def test_massive_final_norm_input(strategy, ratio):
+    """Issue 43: in the repro every token of the residual stream carries the massive component
+    (rows ~11x apart, no channel stands out), and the final norm's backward cancels the gradient
+    along its input using the small rest below that component, which a coded group rounds away;
+    the error then goes through up_proj's large row. With only the final norm's saves coded,
+    the worst gradient cosine was 0.82 / 0.02 (int4 at 3e4 / 3e5) and int8 fell at 3e5; rows
+    beyond 8x the median now store the tensor exactly (``codecs.quant.range_limit``)."""
+    _check_massive("up_proj", ratio, strategy, lambda module, path: path == "norm", 0.99)
+
+
+def test_massive_up_proj_int4():
+    """Issue 43's repro under all of int4: every residual-stream norm input is now stored
+    exactly (worst cosine 0.66 -> 0.86 at 3e4, -0.06 -> 0.89 at 3e5). What is left comes from
+    layers.0's MLP product and post-attention norm, whose inputs look normal: the gain is in
+    up_proj's weight, not in the tensors the codecs see."""
+    _check_massive("up_proj", 3e5, "int4", bound=0.85)
+
+
+@pytest.mark.parametrize("name", ["int4", "int8", "int4-outlier", "int4-outlier-g16"])
+def test_massive_rows_stored_exactly(name):
+    """Rows 10x the median row (massive activations) are stored exactly by the symmetric codecs,
+    checked and deferred (the verdict names the range); the asymmetric ones keep coding them."""
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    x[::8] *= 10.0
+    codec = build_codec(name, x)
+    packed = codec.encode(x)
+    assert "dynamic range" in packed.meta.get("fallback", ""), packed.meta
+    assert torch.equal(codec.decode(packed), x)
+    state: dict = {"capacity": 2} if "outlier" in name else {}
+    d = codec.encode_deferred(x, state)
+    values = [float(v) for t in d.verdict for v in t.flatten()]
+    assert "max_range" in (d.explain(values) or ""), values
+    asym = build_codec("int4-asym", x.abs())
+    assert "fallback" not in asym.encode(x.abs()).meta
+    x[::8] /= 2.0  # 5x: within the limit, coded
+    assert "fallback" not in codec.encode(x).meta
 
 
 @pytest.mark.parametrize("kind,strategy", [("token", "int4"), ("channel", "int8")])

@@ -25,7 +25,8 @@ what the checked encode of the same seed draws (the draws depend on the seed and
 index only), so the two stay bit for bit alike while the count is within the capacity.
 
 Extreme finite values (squares overflowing float32, rows beyond ``max_range`` times the median
-row) store the whole tensor exactly, as in ``slimact.codecs.quant`` (``row_stats``).
+row, at most 8x for the symmetric codecs: massive activations, ``codecs.quant.range_limit``)
+store the whole tensor exactly, as in ``slimact.codecs.quant`` (``row_stats``).
 
 **Without a sync** (:meth:`OutlierCodec.encode_deferred`): how many channels are outliers is
 data, and a payload sized by it needs the count on the host. A deferred encode therefore stores
@@ -63,6 +64,7 @@ from slimact.codecs.quant import (
     quantized_from,
     quantized_payload,
     quantized_problem,
+    range_limit,
     rounding_args,
     row_group,
     row_stats,
@@ -167,8 +169,9 @@ class OutlierCodec(Codec):
         if (exact := self.float64_exact(x)) is not None:
             return exact
         c = self.config
+        limit = range_limit(c.bits, c.symmetric, c.max_range)
         x2d = rows_view(self, x, c.channels)
-        rows = row_stats(x2d, 0, c.max_range)
+        rows = row_stats(x2d, 0, limit)
         out_mask = outlier_mask(x2d, c.threshold) if x.numel() else x2d.new_zeros(1, dtype=bool)
         idx = out_mask.nonzero().view(-1)
         if c.nonfinite == "raise" and x.numel() and not bool(torch.isfinite(x2d).all()):
@@ -181,7 +184,7 @@ class OutlierCodec(Codec):
             x2d, bits=c.bits, group_size=row_group(c.group_size, x2d.shape[1]), symmetric=c.symmetric,
             paper_scale=c.paper_scale, keep_cols=keep, backend=c.backend, **rounding_args(self),
         )  # fmt: skip
-        reason = quantized_problem(x2d, 0, c.max_range, rows, q)
+        reason = quantized_problem(x2d, 0, limit, rows, q)
         if reason is not None:
             return self.fallback(x, reason)
         return self._packed(x, x2d, q, idx)
@@ -210,8 +213,9 @@ class OutlierCodec(Codec):
         if c.nonfinite == "raise" or x.numel() == 0 or x.dtype == torch.float64:
             return Deferred(self.encode(x))
         check_input(self, x)
+        limit = range_limit(c.bits, c.symmetric, c.max_range)
         x2d = rows_view(self, x, c.channels)
-        rows = row_stats(x2d, 0, c.max_range)
+        rows = row_stats(x2d, 0, limit)
         scores = outlier_scores(x2d)
         outlier = scores > c.threshold
         count = outlier.sum()
@@ -229,7 +233,7 @@ class OutlierCodec(Codec):
         packed = self._packed(x, x2d, q, idx)
         if flags is not None:
             packed.tensors["outlier_flag"] = flags  # which stored channels are outliers
-        stats, problem = verdict(rows, q, c.max_range)
+        stats, problem = verdict(rows, q, limit)
 
         def explain(values: list[float]) -> str | None:
             if values[0] > state.get("capacity", 0):

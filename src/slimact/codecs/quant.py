@@ -52,6 +52,18 @@ read with the scale check below in one sync:
   has rows ~340x the median, and quantizing the final norm's input alone drops the gradient
   cosine to 0.92 (0.91 for all of ``int4``; 0.996 on normal inputs, where the ratio is < 2).
   ``max_range=None`` turns the check off.
+* massive activations under the symmetric per-group codecs (``int4``, ``int8``,
+  ``int4-outlier*``): the limit is :data:`MASSIVE_RANGE` (8) instead (:func:`range_limit`). Rows of a normal activation differ by
+  less than 2x; a residual stream carrying massive activations (a few channels or directions
+  hundreds of times the rest, as trained LLMs have) has rows ~10x apart, and the norm reading it
+  (RMSNorm, LayerNorm) is scale invariant: its backward cancels the gradient along ``x`` almost
+  exactly, and the part of ``x`` that decides the cancellation is the small rest below the
+  massive component, which a group's 8 (INT4) or 128 (INT8) levels round away. The error is
+  then multiplied by whatever gain wrote the massive component (measured on llama-tiny with one
+  ``up_proj`` row scaled up: the final norm's input alone drops the gradient cosine to near 0
+  under INT4, and INT8 follows at a ten times larger gain). Such a tensor is stored exactly and
+  reported. The asymmetric codecs (softmax probabilities, whose rows legitimately differ by up
+  to the square root of the sequence length) and the channel-wise ones keep ``max_range``.
 
 After quantizing, a scale or offset that is not finite, or a nonzero scale below the kernels'
 floor (1e-30: such a group would decode to zeros, outside ``|x − x^| <= S/2``), also falls back.
@@ -90,6 +102,7 @@ from slimact.ops.quant import BACKENDS, Quantized, dequantize, quantize, quantiz
 
 NONFINITE_MODES = ("exact", "raise")
 DEFAULT_MAX_RANGE = 256.0
+MASSIVE_RANGE = 8.0  # symmetric per-group codecs: rows beyond it mark massive activations
 SCALE_FLOOR = 1e-30  # slimact.ops.quant._TINY: 1/scale is clamped there
 _F32_MAX = torch.finfo(torch.float32).max
 _MEDIAN_SAMPLE = 256
@@ -101,6 +114,14 @@ def check_max_range(cfg: CodecConfig, max_range: float | None) -> None:
     )
     if not ok:
         raise ValueError(f"{type(cfg).__name__}.max_range must be None or >= 1, got {max_range!r}")
+
+
+def range_limit(bits: int, symmetric: bool, max_range: float | None) -> float | None:
+    """The dynamic range a per-group codec codes: ``max_range``, and for a symmetric one at most
+    :data:`MASSIVE_RANGE` (module docstring, massive activations). ``None``: no check."""
+    if max_range is None or not symmetric:
+        return max_range
+    return min(max_range, MASSIVE_RANGE)
 
 
 def _row_norms(rows: torch.Tensor) -> torch.Tensor:
@@ -398,7 +419,7 @@ class QuantCodec(Codec):
     def _quantize(self, x: torch.Tensor):
         check_input(self, x)
         c = self.config
-        rows = row_stats(x, 0, c.max_range)
+        rows = row_stats(x, 0, self.max_range)
         group = row_group(c.group_size, x.shape[-1] if x.dim() else 0)
         q = quantize(
             x, bits=c.bits, group_size=group, symmetric=c.symmetric,
@@ -412,14 +433,19 @@ class QuantCodec(Codec):
         if (exact := self.float64_exact(x)) is not None:
             return exact
         rows, q, packed = self._quantize(x)
-        reason = quantized_problem(x, 0, self.config.max_range, rows, q)
+        reason = quantized_problem(x, 0, self.max_range, rows, q)
         return self.fallback(x, reason) if reason is not None else packed
+
+    @property
+    def max_range(self) -> float | None:
+        c = self.config
+        return range_limit(c.bits, c.symmetric, c.max_range)
 
     def encode_deferred(self, x: torch.Tensor, state: dict) -> Deferred:
         if self.config.nonfinite == "raise" or x.dtype == torch.float64:
             return Deferred(self.encode(x))
         rows, q, packed = self._quantize(x)
-        return Deferred(packed, *verdict(rows, q, self.config.max_range))
+        return Deferred(packed, *verdict(rows, q, self.max_range))
 
     def decode(self, packed: Packed) -> torch.Tensor:
         if (y := exact_value(packed)) is not None:

@@ -54,7 +54,8 @@ maximum lands on +8 and is clipped to 7). Where it must still differ:
   (1/head_dim of the output) and stays exact, like norm statistics (last dim 1);
 * the paper compresses FP16 activations; ours are fp32 (or bf16 under autocast);
 * project rules: a tensor the codec cannot represent faithfully (NaN/inf, squares overflowing
-  float32, a row > 256x the median row) is stored exactly and reported per site; tensors below
+  float32, a row > 256x the median row, > 8x under the symmetric codecs: massive activations,
+  ``codecs.quant.range_limit``) is stored exactly and reported per site; tensors below
   ``min_numel`` values, ``cross_entropy``'s saves (the loss head is outside the paper's layers),
   integer and no-grad tensors stay as they are.
 
