@@ -45,12 +45,15 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from slimact import actions
 from slimact.budget import Budget
+from slimact.codecs.base import codec_config, codec_names
 from slimact.planner import settings as _settings
 from slimact.planner.jsonread import as_list, as_object, read_entry
 from slimact.planner.rules import SiteRule, rule_conflicts
@@ -253,7 +256,19 @@ class LayerPlan:
     reform_kinds: tuple[tuple[str, str], ...] = ()  # (reformulated module, its kind)
 
     def __post_init__(self) -> None:  # rows speak slimact.actions' vocabulary (old plans too)
-        rows = tuple((n, actions.normalize(a), b, p) for n, a, b, p in self.storages)
+        where = f"plan layer {self.block or '(outside blocks)'!r}"
+        for name in ("recompute", "reform"):
+            paths = getattr(self, name)
+            if not isinstance(paths, tuple | list) or not all(isinstance(p, str) for p in paths):
+                raise ValueError(
+                    f'{where}: {name} is a list of block-relative module paths ("" for the '
+                    f"block itself), got {paths!r:.200}"
+                )
+            object.__setattr__(self, name, tuple(paths))
+        object.__setattr__(self, "codecs", _checked_codecs(self.codecs, where))
+        if not isinstance(self.storages, tuple | list):
+            raise ValueError(f"{where}: storages is a list of rows, got {self.storages!r:.200}")
+        rows = tuple(_storage_row(row, where) for row in self.storages)
         object.__setattr__(self, "storages", rows)
 
     def reform_action(self, path: str) -> str:
@@ -288,6 +303,14 @@ class Plan(StrategyConfig):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "settings", _settings.normalize(self.settings))
+        if isinstance(self.budget, str) and _NUMERIC.match(self.budget):  # a budget, not a label
+            try:
+                Budget.parse(self.budget)
+            except ValueError as e:
+                raise ValueError(f"a plan's budget {self.budget!r} is not a budget: {e}") from None
+        for layer in self.layers:
+            if not isinstance(layer, LayerPlan):
+                raise ValueError(f"a plan's layers are LayerPlan's, got {layer!r:.200}")
 
     def setting(self, family: str) -> _settings.Settings:
         """How ``family``'s actions compute in this plan (``planner.settings``)."""
@@ -355,7 +378,7 @@ class Plan(StrategyConfig):
             raise ValueError(f"a plan's JSON is an object of Plan's fields, got {d!r:.200}")
         names = {f.name for f in fields(cls)}
         for k in d:  # other keys are carried beside a plan (``slimact plan --json``'s timings)
-            near = difflib.get_close_matches(str(k), sorted(names), 1, 0.85)
+            near = _near_key(str(k), sorted(names))
             if k not in names and near:
                 raise ValueError(
                     f"a plan's JSON has key {k!r}, not a field of Plan: did you mean {near[0]!r}? "
@@ -373,6 +396,65 @@ class Plan(StrategyConfig):
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def check_against(self, model: Any, saved: Collection[str] | None = None) -> None:
+        """Does every entry of the plan name something of ``model``? A ``ValueError`` names
+        every one that does not, with the nearest valid names: a block, a recomputed or
+        reformulated module that is not a module of the model; a codec on a site whose module is
+        not one, or which lies inside a module the plan recomputes or reformulates (its tensor is
+        never saved there, so the codec would do nothing); with ``saved``, the sites one forward
+        of the planned model saved, a codec on a site its module never saves (a module that
+        saved nothing in that forward, e.g. an expert no token reached, is not judged)."""
+        modules = sorted(p for p, _ in model.named_modules())
+        known = set(modules)
+        by_module: dict[str, list[str]] = {}
+        for site in saved or ():
+            by_module.setdefault(site_module(site), []).append(site)
+        problems: list[str] = []
+
+        def module_named(what: str, path: str) -> bool:
+            if path in known:
+                return True
+            near = difflib.get_close_matches(path, modules, 3, 0.5)
+            hint = f"; nearest: {', '.join(map(repr, near))}" if near else ""
+            problems.append(f"{what} {path!r}, which is not a module of the model{hint}")
+            return False
+
+        for lp in self.layers:
+            if lp.block and not module_named("block", lp.block):
+                continue
+            recomputed = [abs_path(p, lp.block) for p in lp.recompute]
+            reformed = [abs_path(p, lp.block) for p in lp.reform if p]  # not a whole block
+            for full in recomputed:
+                module_named("recompute", full)
+            for p in lp.reform:
+                module_named("reform", abs_path(p, lp.block))
+            for codec, names in lp.codecs:
+                for rel in names:
+                    site = abs_site(rel, lp.block)
+                    module, op = site_module(site), rel.rpartition(":")[2].partition("#")[0]
+                    where = f"codec {codec} on site {site!r}: its module"
+                    if not module_named(where, module):
+                        continue
+                    hidden = _hidden_by(module, op, recomputed, reformed)
+                    if hidden:
+                        problems.append(
+                            f"codec {codec} on site {site!r}, inside {hidden}: the tensor is "
+                            "never saved there, so the codec would do nothing"
+                        )
+                        continue
+                    own = by_module.get(module)
+                    if own and site not in own:
+                        near = difflib.get_close_matches(site, own, 3, 0.0)
+                        problems.append(
+                            f"codec {codec} on site {site!r}, which {module!r} never saves; "
+                            f"its sites: {', '.join(map(repr, near))}"
+                        )
+        if problems:
+            raise ValueError(
+                f"plan for {self.model or 'a model'!r} does not match this "
+                f"{type(model).__name__}:\n  " + "\n  ".join(problems)
+            )
 
     def merge(self, other: Plan) -> Plan:
         """Both plans' actions on one model (``plan_a + plan_b``): per block, the union of what
@@ -489,13 +571,126 @@ class Plan(StrategyConfig):
         return "\n".join(lines)
 
 
+def _hidden_by(module: str, op: str, recomputed: list[str], reformed: list[str]) -> str:
+    """Where a site of ``module`` (op ``op``) is never saved under a plan that recomputes and
+    reformulates these (absolute) modules: the module hiding it, in words, or ""."""
+    for path in recomputed:
+        if op == "checkpoint_input":  # saved by the checkpoint of its own module
+            if module != path and inside(module, path):
+                return f"{path or 'the model'}, which the plan recomputes"
+        elif inside(module, path):
+            return f"{path or 'the model'}, which the plan recomputes"
+    if op == "checkpoint_input" or op in actions.REFORMULATED_OPS:
+        return ""  # saved by the recomputation / by the reformulated op itself
+    for path in reformed:
+        if inside(module, path):
+            return f"{path or 'the model'}, which the plan reformulates"
+    return ""
+
+
+_NUMERIC = re.compile(r"\s*[-+]?[0-9.]")  # a budget's text (not a label such as a root plan's)
+
+
+def _near_key(key: str, names: list[str]) -> list[str]:
+    """The field ``key`` most likely misspells: a close match (difflib) or one edit away, two
+    letters swapped counting as one (``lyaers``); [] for a key far from every field."""
+    near = difflib.get_close_matches(key, names, 1, 0.85)
+    if near or len(key) < 4:
+        return near
+    return [n for n in names if _edits(key, n) <= 1][:1]
+
+
+def _edits(a: str, b: str) -> int:
+    """Optimal string alignment distance: insertions, deletions, substitutions and swaps of
+    two neighbouring letters."""
+    prev2: list[int] = []
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        row = [i]
+        for j, cb in enumerate(b, 1):
+            d = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                d = min(d, prev2[j - 2] + 1)
+            row.append(d)
+        prev2, prev = prev, row
+    return prev[-1]
+
+
+def _checked_codecs(codecs: Any, where: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """A layer's ``codecs`` as (codec label, sites) pairs: each label one ``codec_config``
+    reads, each site named ``<module>:<op>#<k>``; anything else a ``ValueError`` naming it."""
+    if not isinstance(codecs, tuple | list):
+        raise ValueError(
+            f"{where}: codecs is a list of [codec, [sites]] pairs, got {codecs!r:.200}"
+        )
+    out = []
+    for entry in codecs:
+        if not (isinstance(entry, tuple | list) and len(entry) == 2):
+            raise ValueError(f"{where}: a codecs entry is [codec, [sites]], got {entry!r:.200}")
+        label, names = entry
+        if not isinstance(label, str):
+            raise ValueError(
+                f"{where}: codec {label!r} (on {names!r:.120}) is not a codec label; a label is "
+                f"a string such as {', '.join(repr(c) for c in list(codec_names())[:4])}"
+            )
+        try:
+            codec_config(label)
+        except ValueError as e:
+            raise ValueError(f"{where}: codec {label!r} on {names!r:.120}: {e}") from None
+        if isinstance(names, str) or not isinstance(names, tuple | list):
+            raise ValueError(f"{where}: codec {label!r} takes a list of sites, got {names!r:.200}")
+        for site in names:
+            if not isinstance(site, str) or not _SITE.fullmatch(site):
+                raise ValueError(
+                    f"{where}: codec {label!r} on {site!r}, which is not a site name: a site is "
+                    "'<module>:<op>#<k>', block-relative (e.g. 'mlp.down_proj:linear#0', "
+                    "':checkpoint_input#0' for the block's own)"
+                )
+        out.append((label, tuple(names)))
+    return tuple(out)
+
+
+_SITE = re.compile(r"[^:#]*:[^:#]+#[0-9]+")
+
+
+def _storage_row(row: Any, where: str) -> tuple[str, str, int, int]:
+    """A layer's storage row (storage, action, bytes, planned bytes), its action in
+    ``slimact.actions``' words: a legacy spelling or a bare codec label (what plans saved before
+    the vocabulary wrote) is read as such; an unknown action or codec is a ``ValueError``."""
+    if not (isinstance(row, tuple | list) and len(row) == 4):
+        raise ValueError(
+            f"{where}: a storages row is [storage, action, bytes, planned bytes], got {row!r:.200}"
+        )
+    name, text, before, after = row
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: storage {name!r} has action {text!r}, not an action string")
+    try:
+        action = actions.parse(text)
+    except ValueError:
+        try:
+            codec_config(text)
+        except ValueError:
+            raise ValueError(
+                f"{where}: storage {name!r} has unknown action {text!r}; valid: keep, recompute, "
+                f"codec:<name>, reformulate:<op>, offload, offload+codec:<name> (codecs: "
+                f"{', '.join(codec_names())})"
+            ) from None
+        return (name, actions.codec(text), before, after)
+    if action.detail and action.kind != actions.REFORMULATE:  # codec:<label>, offload+codec:...
+        try:
+            codec_config(action.detail)
+        except ValueError as e:
+            raise ValueError(f"{where}: storage {name!r} has action {text!r}: {e}") from None
+    return (name, str(action), before, after)
+
+
 def _layer_fields(lp: dict) -> dict:
     return {
         **lp,
-        "recompute": tuple(lp["recompute"]),
-        "reform": tuple(lp["reform"]),
-        "codecs": tuple((c, tuple(s)) for c, s in lp["codecs"]),
-        "storages": tuple(tuple(s) for s in lp["storages"]),
+        "recompute": lp["recompute"],  # checked and made tuples by LayerPlan itself
+        "reform": lp["reform"],
+        "codecs": lp["codecs"],
+        "storages": lp["storages"],
         "reform_kinds": tuple(tuple(r) for r in lp.get("reform_kinds", ())),
     }
 
