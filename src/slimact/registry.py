@@ -466,8 +466,6 @@ def apply(
             strategy = compiled_spec(strategy)
     parts = _resolve_named(strategy)
     before = applied_strategies(model)
-    if compile and isinstance(strategy, str) and before and all(x in before for x, _ in parts):
-        return _skip_repeat(model, strategy)  # a block is compiled once: the same spec again
     for label, cfg in parts:  # first: a second policy is the error, whatever else clashes
         if not _is_codec_policy(cfg):
             continue
@@ -518,15 +516,6 @@ def apply(
     st = state_of(model)
     st.applied.extend(done)
     st.strategies.extend(label for label, _ in parts)
-    return model
-
-
-def _skip_repeat(model: nn.Module, name: str) -> nn.Module:
-    """``apply(model, spec, compile=True)`` again with the spec the model's blocks are already
-    compiled with: nothing changes, and a skipped row says so."""
-    why = f"{name} is already applied with compile=True (a block is compiled once)"
-    state_of(model).applied.append(AppliedChange("", name, why, skipped=True))
-    logger.info("slimact.apply %s: skipped, %s", name, why)
     return model
 
 

@@ -42,10 +42,8 @@ its budget's canonical text.
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
-import re
 from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -53,9 +51,21 @@ from typing import Any
 
 from slimact import actions
 from slimact.budget import Budget
-from slimact.codecs.base import codec_config, codec_names
 from slimact.planner import settings as _settings
-from slimact.planner.jsonread import as_list, as_object, read_entry
+from slimact.planner.jsonread import (
+    abs_path,
+    abs_site,
+    as_list,
+    as_object,
+    check_budget_text,
+    check_layers,
+    checked_layer,
+    inside,
+    near_key,
+    read_entry,
+    site_module,
+)
+from slimact.planner.jsonread import rel_site as rel_site  # (re-exported: a site's names)
 from slimact.planner.rules import SiteRule, rule_conflicts
 from slimact.registry import StrategyConfig
 from slimact.utils import fmt_bytes
@@ -189,36 +199,6 @@ class Profile:
 
 
 # ---------------------------------------------------------------------------------------------
-# names
-
-
-def rel_site(site: str, block: str) -> str:
-    """``layers.0.mlp:silu#0`` -> ``mlp:silu#0`` for block ``layers.0`` (root: unchanged)."""
-    if not block:
-        return site
-    return site[len(block) + 1 :] if site.startswith(block + ".") else site[len(block) :]
-
-
-def abs_site(rel: str, block: str) -> str:
-    if not block:
-        return rel
-    return block + rel if rel.startswith(":") else f"{block}.{rel}"
-
-
-def abs_path(rel: str, block: str) -> str:
-    return f"{block}.{rel}" if block and rel else (block or rel)
-
-
-def inside(module: str, container: str) -> bool:
-    """Is module path ``module`` equal to or below ``container`` (block-relative paths)?"""
-    return not container or module == container or module.startswith(container + ".")
-
-
-def site_module(site: str) -> str:
-    return site.rpartition(":")[0]
-
-
-# ---------------------------------------------------------------------------------------------
 # budgets
 
 
@@ -256,20 +236,8 @@ class LayerPlan:
     reform_kinds: tuple[tuple[str, str], ...] = ()  # (reformulated module, its kind)
 
     def __post_init__(self) -> None:  # rows speak slimact.actions' vocabulary (old plans too)
-        where = f"plan layer {self.block or '(outside blocks)'!r}"
-        for name in ("recompute", "reform"):
-            paths = getattr(self, name)
-            if not isinstance(paths, tuple | list) or not all(isinstance(p, str) for p in paths):
-                raise ValueError(
-                    f'{where}: {name} is a list of block-relative module paths ("" for the '
-                    f"block itself), got {paths!r:.200}"
-                )
-            object.__setattr__(self, name, tuple(paths))
-        object.__setattr__(self, "codecs", _checked_codecs(self.codecs, where))
-        if not isinstance(self.storages, tuple | list):
-            raise ValueError(f"{where}: storages is a list of rows, got {self.storages!r:.200}")
-        rows = tuple(_storage_row(row, where) for row in self.storages)
-        object.__setattr__(self, "storages", rows)
+        for name, value in checked_layer(self).items():  # (jsonread: a wrong one names itself)
+            object.__setattr__(self, name, value)
 
     def reform_action(self, path: str) -> str:
         kind = dict(self.reform_kinds).get(path)
@@ -303,11 +271,7 @@ class Plan(StrategyConfig):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "settings", _settings.normalize(self.settings))
-        if isinstance(self.budget, str) and _NUMERIC.match(self.budget):  # a budget, not a label
-            try:
-                Budget.parse(self.budget)
-            except ValueError as e:
-                raise ValueError(f"a plan's budget {self.budget!r} is not a budget: {e}") from None
+        check_budget_text(self.budget)
         for layer in self.layers:
             if not isinstance(layer, LayerPlan):
                 raise ValueError(f"a plan's layers are LayerPlan's, got {layer!r:.200}")
@@ -378,7 +342,7 @@ class Plan(StrategyConfig):
             raise ValueError(f"a plan's JSON is an object of Plan's fields, got {d!r:.200}")
         names = {f.name for f in fields(cls)}
         for k in d:  # other keys are carried beside a plan (``slimact plan --json``'s timings)
-            near = _near_key(str(k), sorted(names))
+            near = near_key(str(k), sorted(names))
             if k not in names and near:
                 raise ValueError(
                     f"a plan's JSON has key {k!r}, not a field of Plan: did you mean {near[0]!r}? "
@@ -399,57 +363,10 @@ class Plan(StrategyConfig):
 
     def check_against(self, model: Any, saved: Collection[str] | None = None) -> None:
         """Does every entry of the plan name something of ``model``? A ``ValueError`` names
-        every one that does not, with the nearest valid names: a block, a recomputed or
-        reformulated module that is not a module of the model; a codec on a site whose module is
-        not one, or which lies inside a module the plan recomputes or reformulates (its tensor is
-        never saved there, so the codec would do nothing); with ``saved``, the sites one forward
-        of the planned model saved, a codec on a site its module never saves (a module that
-        saved nothing in that forward, e.g. an expert no token reached, is not judged)."""
-        modules = sorted(p for p, _ in model.named_modules())
-        known = set(modules)
-        by_module: dict[str, list[str]] = {}
-        for site in saved or ():
-            by_module.setdefault(site_module(site), []).append(site)
-        problems: list[str] = []
-
-        def module_named(what: str, path: str) -> bool:
-            if path in known:
-                return True
-            near = difflib.get_close_matches(path, modules, 3, 0.5)
-            hint = f"; nearest: {', '.join(map(repr, near))}" if near else ""
-            problems.append(f"{what} {path!r}, which is not a module of the model{hint}")
-            return False
-
-        for lp in self.layers:
-            if lp.block and not module_named("block", lp.block):
-                continue
-            recomputed = [abs_path(p, lp.block) for p in lp.recompute]
-            reformed = [abs_path(p, lp.block) for p in lp.reform if p]  # not a whole block
-            for full in recomputed:
-                module_named("recompute", full)
-            for p in lp.reform:
-                module_named("reform", abs_path(p, lp.block))
-            for codec, names in lp.codecs:
-                for rel in names:
-                    site = abs_site(rel, lp.block)
-                    module, op = site_module(site), rel.rpartition(":")[2].partition("#")[0]
-                    where = f"codec {codec} on site {site!r}: its module"
-                    if not module_named(where, module):
-                        continue
-                    hidden = _hidden_by(module, op, recomputed, reformed)
-                    if hidden:
-                        problems.append(
-                            f"codec {codec} on site {site!r}, inside {hidden}: the tensor is "
-                            "never saved there, so the codec would do nothing"
-                        )
-                        continue
-                    own = by_module.get(module)
-                    if own and site not in own:
-                        near = difflib.get_close_matches(site, own, 3, 0.0)
-                        problems.append(
-                            f"codec {codec} on site {site!r}, which {module!r} never saves; "
-                            f"its sites: {', '.join(map(repr, near))}"
-                        )
+        every one that does not, with the nearest valid names (``jsonread.check_layers``: a
+        block or module that is not one of the model's, a codec on a site never saved there);
+        ``saved``: the sites one forward of the model saved, to check each codec's op too."""
+        problems = check_layers(self.layers, [p for p, _ in model.named_modules()], saved)
         if problems:
             raise ValueError(
                 f"plan for {self.model or 'a model'!r} does not match this "
@@ -569,119 +486,6 @@ class Plan(StrategyConfig):
                 f"{fmt_bytes(meta['host_budget'])}   link {meta['link_bandwidth'] / 1e9:.1f} GB/s"
             )
         return "\n".join(lines)
-
-
-def _hidden_by(module: str, op: str, recomputed: list[str], reformed: list[str]) -> str:
-    """Where a site of ``module`` (op ``op``) is never saved under a plan that recomputes and
-    reformulates these (absolute) modules: the module hiding it, in words, or ""."""
-    for path in recomputed:
-        if op == "checkpoint_input":  # saved by the checkpoint of its own module
-            if module != path and inside(module, path):
-                return f"{path or 'the model'}, which the plan recomputes"
-        elif inside(module, path):
-            return f"{path or 'the model'}, which the plan recomputes"
-    if op == "checkpoint_input" or op in actions.REFORMULATED_OPS:
-        return ""  # saved by the recomputation / by the reformulated op itself
-    for path in reformed:
-        if inside(module, path):
-            return f"{path or 'the model'}, which the plan reformulates"
-    return ""
-
-
-_NUMERIC = re.compile(r"\s*[-+]?[0-9.]")  # a budget's text (not a label such as a root plan's)
-
-
-def _near_key(key: str, names: list[str]) -> list[str]:
-    """The field ``key`` most likely misspells: a close match (difflib) or one edit away, two
-    letters swapped counting as one (``lyaers``); [] for a key far from every field."""
-    near = difflib.get_close_matches(key, names, 1, 0.85)
-    if near or len(key) < 4:
-        return near
-    return [n for n in names if _edits(key, n) <= 1][:1]
-
-
-def _edits(a: str, b: str) -> int:
-    """Optimal string alignment distance: insertions, deletions, substitutions and swaps of
-    two neighbouring letters."""
-    prev2: list[int] = []
-    prev = list(range(len(b) + 1))
-    for i, ca in enumerate(a, 1):
-        row = [i]
-        for j, cb in enumerate(b, 1):
-            d = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + (ca != cb))
-            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
-                d = min(d, prev2[j - 2] + 1)
-            row.append(d)
-        prev2, prev = prev, row
-    return prev[-1]
-
-
-def _checked_codecs(codecs: Any, where: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """A layer's ``codecs`` as (codec label, sites) pairs: each label one ``codec_config``
-    reads, each site named ``<module>:<op>#<k>``; anything else a ``ValueError`` naming it."""
-    if not isinstance(codecs, tuple | list):
-        raise ValueError(
-            f"{where}: codecs is a list of [codec, [sites]] pairs, got {codecs!r:.200}"
-        )
-    out = []
-    for entry in codecs:
-        if not (isinstance(entry, tuple | list) and len(entry) == 2):
-            raise ValueError(f"{where}: a codecs entry is [codec, [sites]], got {entry!r:.200}")
-        label, names = entry
-        if not isinstance(label, str):
-            raise ValueError(
-                f"{where}: codec {label!r} (on {names!r:.120}) is not a codec label; a label is "
-                f"a string such as {', '.join(repr(c) for c in list(codec_names())[:4])}"
-            )
-        try:
-            codec_config(label)
-        except ValueError as e:
-            raise ValueError(f"{where}: codec {label!r} on {names!r:.120}: {e}") from None
-        if isinstance(names, str) or not isinstance(names, tuple | list):
-            raise ValueError(f"{where}: codec {label!r} takes a list of sites, got {names!r:.200}")
-        for site in names:
-            if not isinstance(site, str) or not _SITE.fullmatch(site):
-                raise ValueError(
-                    f"{where}: codec {label!r} on {site!r}, which is not a site name: a site is "
-                    "'<module>:<op>#<k>', block-relative (e.g. 'mlp.down_proj:linear#0', "
-                    "':checkpoint_input#0' for the block's own)"
-                )
-        out.append((label, tuple(names)))
-    return tuple(out)
-
-
-_SITE = re.compile(r"[^:#]*:[^:#]+#[0-9]+")
-
-
-def _storage_row(row: Any, where: str) -> tuple[str, str, int, int]:
-    """A layer's storage row (storage, action, bytes, planned bytes), its action in
-    ``slimact.actions``' words: a legacy spelling or a bare codec label (what plans saved before
-    the vocabulary wrote) is read as such; an unknown action or codec is a ``ValueError``."""
-    if not (isinstance(row, tuple | list) and len(row) == 4):
-        raise ValueError(
-            f"{where}: a storages row is [storage, action, bytes, planned bytes], got {row!r:.200}"
-        )
-    name, text, before, after = row
-    if not isinstance(text, str):
-        raise ValueError(f"{where}: storage {name!r} has action {text!r}, not an action string")
-    try:
-        action = actions.parse(text)
-    except ValueError:
-        try:
-            codec_config(text)
-        except ValueError:
-            raise ValueError(
-                f"{where}: storage {name!r} has unknown action {text!r}; valid: keep, recompute, "
-                f"codec:<name>, reformulate:<op>, offload, offload+codec:<name> (codecs: "
-                f"{', '.join(codec_names())})"
-            ) from None
-        return (name, actions.codec(text), before, after)
-    if action.detail and action.kind != actions.REFORMULATE:  # codec:<label>, offload+codec:...
-        try:
-            codec_config(action.detail)
-        except ValueError as e:
-            raise ValueError(f"{where}: storage {name!r} has action {text!r}: {e}") from None
-    return (name, str(action), before, after)
 
 
 def _layer_fields(lp: dict) -> dict:

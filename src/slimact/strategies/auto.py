@@ -144,9 +144,10 @@ def apply_plan(model: nn.Module, plan: Plan, filter_fn: FilterFn | None = None):
 
 
 def saved_sites(model: nn.Module, seq: int = 8) -> set[str] | None:
-    """The sites one training forward of ``model`` (as it is now: its plan's recomputations and
-    reformulations installed) saves, on ``seq`` random tokens with targets, under
-    ``sites.probing()`` (no codec runs, no step is counted; RNG and training flags restored);
+    """The sites one training forward of ``model`` (as it is now: its plan's reformulations
+    installed; its recomputed modules run as they are) saves, on ``seq`` random tokens with
+    targets, under ``sites.probing()`` (no codec runs, no step is counted; RNG and training flags
+    restored);
     None for a model that is not driven by token ids and targets (nothing to probe with)."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     label = label_arg(model)
