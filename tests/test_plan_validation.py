@@ -94,6 +94,9 @@ def test_codec_inside_a_recomputed_module():
     assert "inside layers.0.mlp, which the plan recomputes" in msg
     plan = _plan(_layer(codecs=[["int8", ["mlp:checkpoint_input#0"]]]))  # mlp not recomputed
     _refused_at_apply(plan, "the plan does not recompute 'layers.0.mlp'")
+    plan = _plan(_layer(recompute=["mlp"], codecs=[["int8", ["mlp:checkpoint_input#9"]]]))
+    msg = _refused_at_apply(plan, "'layers.0.mlp:checkpoint_input#9', which 'layers.0.mlp'")
+    assert "'layers.0.mlp:checkpoint_input#0'" in msg  # the input its checkpoint saves
 
 
 def test_codec_on_a_reformulated_op():

@@ -132,8 +132,8 @@ def check_layers(
     that is not a module; a codec on a site whose module is not one, which lies inside a module
     the plan recomputes or reformulates (its tensor is never saved there, so the codec would do
     nothing), or which is the checkpoint input of a module the plan does not recompute; with
-    ``saved``, the sites one forward of the model saved (its reformulations installed; a probe
-    runs recomputed modules as they are), a codec on a site its module never saves (a module
+    ``saved``, the sites one forward of the planned model saved, a codec on a site its module
+    never saves there (``:checkpoint_input#3`` of a module called with one tensor; a module
     that saved nothing in that forward, e.g. an expert no token reached, is not judged)."""
     modules = sorted(module_paths)
     known = set(modules)
@@ -172,12 +172,11 @@ def check_layers(
                         f"codec {codec} on site {site!r}, inside {hidden}: the tensor is never "
                         "saved there, so the codec would do nothing"
                     )
-                elif op == "checkpoint_input" and site not in (own or ()):
-                    if module not in recomputed:  # (its ordinal counts the module's inputs)
-                        problems.append(
-                            f"codec {codec} on site {site!r}: the plan does not recompute "
-                            f"{module!r}, so no checkpoint saves its input"
-                        )
+                elif op == "checkpoint_input" and module not in recomputed:
+                    problems.append(
+                        f"codec {codec} on site {site!r}: the plan does not recompute "
+                        f"{module!r}, so no checkpoint saves its input"
+                    )
                 elif own and site not in own:
                     near = difflib.get_close_matches(site, own, 3, 0.0)
                     problems.append(

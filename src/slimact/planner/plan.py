@@ -365,7 +365,8 @@ class Plan(StrategyConfig):
         """Does every entry of the plan name something of ``model``? A ``ValueError`` names
         every one that does not, with the nearest valid names (``jsonread.check_layers``: a
         block or module that is not one of the model's, a codec on a site never saved there);
-        ``saved``: the sites one forward of the model saved, to check each codec's op too."""
+        ``saved``: the sites one forward of the planned model saved, to check each codec's op
+        and ordinal too (``strategies/auto.py``'s ``saved_sites``, at ``apply``)."""
         problems = check_layers(self.layers, [p for p, _ in model.named_modules()], saved)
         if problems:
             raise ValueError(

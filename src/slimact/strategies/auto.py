@@ -46,7 +46,7 @@ from slimact.hf_inputs import (
 )
 from slimact.patching import run_all
 from slimact.planner.adaptive import BudgetCheck
-from slimact.planner.apply import install
+from slimact.planner.apply import install, runtime_of
 from slimact.planner.auto import AutoConfig, plan_model, solve_options
 from slimact.planner.plan import Plan
 from slimact.registry import AppliedChange, FilterFn, register_strategy
@@ -144,11 +144,12 @@ def apply_plan(model: nn.Module, plan: Plan, filter_fn: FilterFn | None = None):
 
 
 def saved_sites(model: nn.Module, seq: int = 8) -> set[str] | None:
-    """The sites one training forward of ``model`` (as it is now: its plan's reformulations
-    installed; its recomputed modules run as they are) saves, on ``seq`` random tokens with
-    targets, under ``sites.probing()`` (no codec runs, no step is counted; RNG and training flags
-    restored);
-    None for a model that is not driven by token ids and targets (nothing to probe with)."""
+    """The sites one training forward of ``model`` saves as its plan runtime has patched it
+    (recomputed modules checkpointed: their inputs saved as ``checkpoint_input``, nothing inside
+    them; reformulated ops saving their own), on ``seq`` random tokens with targets; the
+    runtime's codec policy is taken off meanwhile (no codec runs, no codec state moves, no step
+    is counted: a plan just installed has no other watcher yet), RNG and training flags are
+    restored. None for a model that is not driven by token ids and targets."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     label = label_arg(model)
     hf_other = is_hf_model(model) and (
@@ -159,12 +160,18 @@ def saved_sites(model: nn.Module, seq: int = 8) -> set[str] | None:
     ids, targets = random_token_batch(model, 1, seq, 0, "a plan's check")
     seen: set[str] = set()
     flags = {m: m.training for m in model.modules()}
+    rt = runtime_of(model)
+    policy = rt.policy if rt is not None else None
     try:
+        if rt is not None:
+            rt.policy = None  # (``sites.probing()`` would run recomputed modules as they are)
         model.train()
-        with torch.random.fork_rng(devices=[]), torch.enable_grad(), sites.probing():
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
             with sites.tracking(model), sites.listening(lambda ev: seen.add(ev.site)):
                 model(ids, **{label[0]: targets})
     finally:
+        if rt is not None:
+            rt.policy = policy
         for m, flag in flags.items():
             m.training = flag
     return seen
