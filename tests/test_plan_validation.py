@@ -133,6 +133,13 @@ def test_misspelled_key(key, field):
     _raises(f"did you mean {field!r}", Plan.from_dict, plan_d)
 
 
+def test_a_budget_with_no_actions_is_refused():
+    """A key far from every field is carried beside a plan (``slimact plan --json``'s timings),
+    so layers under another name leave a plan of no actions: refused where it has a budget."""
+    plan = Plan.from_dict({"model": "llama-tiny", "budget": "25%", "plan_layers": [_layer()]})
+    _refused_at_apply(plan, "budget '25%' but no layers and no rules")
+
+
 def test_unknown_codec_named_before_any_forward():
     msg = _raises("'int3'", _plan, _layer(codecs=[["int3", ["mlp.down_proj:linear#0"]]]))
     assert "layers.0" in msg and "mlp.down_proj:linear#0" in msg and "int8" in msg  # valid

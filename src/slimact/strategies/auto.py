@@ -131,6 +131,12 @@ def apply_plan(model: nn.Module, plan: Plan, filter_fn: FilterFn | None = None):
             "strategy 'plan' needs a solved Plan: slimact.apply(model, Plan.load(path)) or "
             "slimact.planner.plan_for(...); the bare name carries no plan"
         )
+    if plan.budget and not (plan.layers or plan.rules):  # e.g. its layers under a misspelled key
+        raise ValueError(
+            f"this Plan has budget {plan.budget!r} but no layers and no rules: applied, it would "
+            "store every activation as it is; a plan's JSON lists its actions under 'layers' "
+            "(and 'rules')"
+        )
     plan.check_against(model)  # what names no module is refused before anything changes
     changes = install(model, plan=plan, filter_fn=filter_fn)
     try:  # every codec's site is one the planned model saves
