@@ -172,7 +172,13 @@ def check_layers(
                         f"codec {codec} on site {site!r}, inside {hidden}: the tensor is never "
                         "saved there, so the codec would do nothing"
                     )
-                elif op == "checkpoint_input" and module not in recomputed:
+                elif (
+                    op == "checkpoint_input"
+                    and site not in (own or ())
+                    and not (
+                        module in recomputed or (lp.block and "" in lp.reform)  # (cola-m's own)
+                    )
+                ):
                     problems.append(
                         f"codec {codec} on site {site!r}: the plan does not recompute "
                         f"{module!r}, so no checkpoint saves its input"
