@@ -99,6 +99,17 @@ def test_codec_inside_a_recomputed_module():
     assert "'layers.0.mlp:checkpoint_input#0'" in msg  # the input its checkpoint saves
 
 
+def test_a_storage_listed_with_sharers_a_recomputation_hides():
+    """A solved plan lists a storage with every site that saves it: a recomputed block's input
+    with its norm's saves of the same tensor, which the recomputation hides; the entry is valid
+    (the checkpoint input saves it), an entry of hidden sites alone is not."""
+    shared = [":checkpoint_input#0", "input_layernorm:pow#0", "input_layernorm:mul#1"]
+    model = build_model("llama-tiny")
+    slimact.apply(model, _plan(_layer(recompute=[""], codecs=[["int8", shared]])))
+    alone = _plan(_layer(recompute=[""], codecs=[["int8", shared[1:]]]))
+    _refused_at_apply(alone, "inside layers.0, which the plan recomputes")
+
+
 def test_codec_on_a_reformulated_op():
     plan = _plan(_layer(reform=["mlp.act_fn"], codecs=[["int8", ["mlp.act_fn:silu#0"]]]))
     _refused_at_apply(plan, "inside layers.0.mlp.act_fn, which the plan reformulates")

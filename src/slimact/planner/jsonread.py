@@ -131,7 +131,9 @@ def check_layers(
     one line each with the nearest valid names: a block, a recomputed or reformulated module
     that is not a module; a codec on a site whose module is not one, which lies inside a module
     the plan recomputes or reformulates (its tensor is never saved there, so the codec would do
-    nothing), or which is the checkpoint input of a module the plan does not recompute; with
+    nothing; unless another site of its entry saves it, as a solved plan lists a storage with
+    every site that shares it: a recomputed block's input, its norm's), or which is the
+    checkpoint input of a module the plan does not recompute; with
     ``saved``, the sites one forward of the planned model saved, a codec on a site its module
     never saves there (``:checkpoint_input#3`` of a module called with one tensor; a module
     that saved nothing in that forward, e.g. an expert no token reached, is not judged)."""
@@ -160,13 +162,25 @@ def check_layers(
         for p in lp.reform:
             module_named("reform", abs_path(p, lp.block))
         for codec, names in lp.codecs:
+            hiding = {  # (a storage's sharers: a codec lists every site that saves it)
+                rel: _hidden_by(
+                    site_module(abs_site(rel, lp.block)),
+                    rel.rpartition(":")[2].partition("#")[0],
+                    recomputed,
+                    reformed,
+                )
+                for rel in names
+            }
+            shared = any(not h for h in hiding.values())
             for rel in names:
                 site = abs_site(rel, lp.block)
                 module, op = site_module(site), rel.rpartition(":")[2].partition("#")[0]
                 if not module_named(f"codec {codec} on site {site!r}: its module", module):
                     continue
-                hidden = _hidden_by(module, op, recomputed, reformed)
+                hidden = hiding[rel]
                 own = by_module.get(module)
+                if hidden and shared:
+                    continue  # a sharer saves the storage where this site no longer does
                 if hidden:
                     problems.append(
                         f"codec {codec} on site {site!r}, inside {hidden}: the tensor is never "
