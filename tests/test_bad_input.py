@@ -258,6 +258,7 @@ TRAIN_FLAGS = [
     (["--model", "nope"], "'nope'"),
     (["--strategy", "int4+prac"], "'int4' and 'prac'"),
     (["--strategy", "auto", "--budget", "25"], "'25'"),
+    (["--strategy", "auto", "--budget", "-5%"], "'-5%'"),
     (["--budget", "25%"], "--budget 25%"),
     (["--dist", "ddp"], "--dist ddp"),
     (["--dist", "fsdp"], "--dist fsdp"),
@@ -315,6 +316,7 @@ def test_memory_cli(capsys, flags, named):
 PLAN_FLAGS = [
     (["--budget", "25"], "'25'"),
     (["--budget=-5%"], "'-5%'"),
+    (["--budget", "-5%"], "'-5%'"),
     (["--budget", "nan%"], "'nan%'"),
     (["--budget", "25%", "--model", "nope"], "'nope'"),
     (["--budget", "25%", "--codecs", "zip"], "'zip'"),

@@ -25,7 +25,11 @@ _UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }  # fmt: skip
-_BUDGET = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z%]*)\s*$", re.IGNORECASE)
+_BUDGET = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z%]*)\s*$", re.IGNORECASE)
+
+
+# argparse's negative numbers (``-5``, ``-.5``) and negative budgets (``-5%``, ``-2GiB``)
+_NEGATIVE = re.compile(r"^-\d+$|^-\d*\.\d+$|^-\d*\.?\d+(?:e[+-]?\d+)?\s*[a-z%]+$", re.IGNORECASE)
 
 
 class BudgetWarning(RuntimeWarning):
@@ -41,6 +45,18 @@ class Budget:
     text: str
     share: float | None = None
     total: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.share is None) == (self.total is None):
+            raise ValueError(f"a Budget is a share or a total, got {self!r}")
+        share, total = self.share, self.total
+        if share is not None and not (isinstance(share, float | int) and 0 < share <= 1):
+            raise ValueError(
+                f"budget {self.text!r}: a share of the baseline is in (0, 1] (0% to 100%, 0 "
+                f"excluded), got {share!r}"
+            )
+        if total is not None and not (isinstance(total, int) and total > 0):
+            raise ValueError(f"budget {self.text!r}: a size in bytes is > 0, got {total!r}")
 
     @classmethod
     def parse(cls, value: str | int | Budget) -> Budget:
@@ -103,7 +119,11 @@ def add_budget_argument(
     parser: argparse.ArgumentParser, *, required: bool = False, what: str = "strategy 'auto'"
 ) -> None:
     """The ``--budget`` flag: parsed to a ``Budget`` by argparse (a bad one is a usage error
-    naming the value)."""
+    naming the value). A negative budget (``--budget -5%``) reaches ``Budget.parse``'s own
+    message: argparse would take it for an unknown option (it reads only plain negative
+    numbers as values), so ``parser`` reads negative sizes and shares as values too."""
+    if hasattr(parser, "_negative_number_matcher"):  # argparse's own test of such values
+        parser._negative_number_matcher = _NEGATIVE
     parser.add_argument(
         "--budget",
         type=_argparse_budget,

@@ -477,6 +477,14 @@ def apply(
         if not _is_codec_policy(cfg):
             continue
         for prev in before:
+            if prev == label:
+                raise ValueError(
+                    f"cannot apply {label!r}: the model already has codec-policy strategy "
+                    f"{prev!r} applied, and one codec policy decides how each saved tensor is "
+                    f"stored, so it is not applied twice. To apply it again or change it, call "
+                    f"slimact.revert(model) first, then apply what you want"
+                    + (" (two plans merge into one: plan_a + plan_b)" if label == "plan" else "")
+                )
             if _label_is_policy(prev):
                 raise ValueError(
                     f"cannot apply {label!r}: the model already has codec-policy strategy "

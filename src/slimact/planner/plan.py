@@ -42,9 +42,9 @@ its budget's canonical text.
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -52,7 +52,20 @@ from typing import Any
 from slimact import actions
 from slimact.budget import Budget
 from slimact.planner import settings as _settings
-from slimact.planner.jsonread import as_list, as_object, read_entry
+from slimact.planner.jsonread import (
+    abs_path,
+    abs_site,
+    as_list,
+    as_object,
+    check_budget_text,
+    check_layers,
+    checked_layer,
+    inside,
+    near_key,
+    read_entry,
+    site_module,
+)
+from slimact.planner.jsonread import rel_site as rel_site  # (re-exported: a site's names)
 from slimact.planner.rules import SiteRule, rule_conflicts
 from slimact.registry import StrategyConfig
 from slimact.utils import fmt_bytes
@@ -186,36 +199,6 @@ class Profile:
 
 
 # ---------------------------------------------------------------------------------------------
-# names
-
-
-def rel_site(site: str, block: str) -> str:
-    """``layers.0.mlp:silu#0`` -> ``mlp:silu#0`` for block ``layers.0`` (root: unchanged)."""
-    if not block:
-        return site
-    return site[len(block) + 1 :] if site.startswith(block + ".") else site[len(block) :]
-
-
-def abs_site(rel: str, block: str) -> str:
-    if not block:
-        return rel
-    return block + rel if rel.startswith(":") else f"{block}.{rel}"
-
-
-def abs_path(rel: str, block: str) -> str:
-    return f"{block}.{rel}" if block and rel else (block or rel)
-
-
-def inside(module: str, container: str) -> bool:
-    """Is module path ``module`` equal to or below ``container`` (block-relative paths)?"""
-    return not container or module == container or module.startswith(container + ".")
-
-
-def site_module(site: str) -> str:
-    return site.rpartition(":")[0]
-
-
-# ---------------------------------------------------------------------------------------------
 # budgets
 
 
@@ -253,8 +236,8 @@ class LayerPlan:
     reform_kinds: tuple[tuple[str, str], ...] = ()  # (reformulated module, its kind)
 
     def __post_init__(self) -> None:  # rows speak slimact.actions' vocabulary (old plans too)
-        rows = tuple((n, actions.normalize(a), b, p) for n, a, b, p in self.storages)
-        object.__setattr__(self, "storages", rows)
+        for name, value in checked_layer(self).items():  # (jsonread: a wrong one names itself)
+            object.__setattr__(self, name, value)
 
     def reform_action(self, path: str) -> str:
         kind = dict(self.reform_kinds).get(path)
@@ -288,6 +271,10 @@ class Plan(StrategyConfig):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "settings", _settings.normalize(self.settings))
+        check_budget_text(self.budget)
+        for layer in self.layers:
+            if not isinstance(layer, LayerPlan):
+                raise ValueError(f"a plan's layers are LayerPlan's, got {layer!r:.200}")
 
     def setting(self, family: str) -> _settings.Settings:
         """How ``family``'s actions compute in this plan (``planner.settings``)."""
@@ -355,7 +342,7 @@ class Plan(StrategyConfig):
             raise ValueError(f"a plan's JSON is an object of Plan's fields, got {d!r:.200}")
         names = {f.name for f in fields(cls)}
         for k in d:  # other keys are carried beside a plan (``slimact plan --json``'s timings)
-            near = difflib.get_close_matches(str(k), sorted(names), 1, 0.85)
+            near = near_key(str(k), sorted(names))
             if k not in names and near:
                 raise ValueError(
                     f"a plan's JSON has key {k!r}, not a field of Plan: did you mean {near[0]!r}? "
@@ -373,6 +360,19 @@ class Plan(StrategyConfig):
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def check_against(self, model: Any, saved: Collection[str] | None = None) -> None:
+        """Does every entry of the plan name something of ``model``? A ``ValueError`` names
+        every one that does not, with the nearest valid names (``jsonread.check_layers``: a
+        block or module that is not one of the model's, a codec on a site never saved there);
+        ``saved``: the sites one forward of the planned model saved, to check each codec's op
+        and ordinal too (``strategies/auto.py``'s ``saved_sites``, at ``apply``)."""
+        problems = check_layers(self.layers, [p for p, _ in model.named_modules()], saved)
+        if problems:
+            raise ValueError(
+                f"plan for {self.model or 'a model'!r} does not match this "
+                f"{type(model).__name__}:\n  " + "\n  ".join(problems)
+            )
 
     def merge(self, other: Plan) -> Plan:
         """Both plans' actions on one model (``plan_a + plan_b``): per block, the union of what
@@ -492,10 +492,10 @@ class Plan(StrategyConfig):
 def _layer_fields(lp: dict) -> dict:
     return {
         **lp,
-        "recompute": tuple(lp["recompute"]),
-        "reform": tuple(lp["reform"]),
-        "codecs": tuple((c, tuple(s)) for c, s in lp["codecs"]),
-        "storages": tuple(tuple(s) for s in lp["storages"]),
+        "recompute": lp["recompute"],  # checked and made tuples by LayerPlan itself
+        "reform": lp["reform"],
+        "codecs": lp["codecs"],
+        "storages": lp["storages"],
         "reform_kinds": tuple(tuple(r) for r in lp.get("reform_kinds", ())),
     }
 

@@ -30,12 +30,23 @@ from __future__ import annotations
 
 import functools
 
+import torch
 import torch.nn as nn
 
+from slimact import sites
+from slimact.classify import label_arg
 from slimact.codecs.offload import check_model
-from slimact.hf_inputs import random_token_batch, refuse_unless_token_ids
+from slimact.hf_inputs import (
+    TOKEN_INPUT,
+    is_encoder_decoder,
+    is_hf_model,
+    main_input,
+    random_token_batch,
+    refuse_unless_token_ids,
+)
+from slimact.patching import run_all
 from slimact.planner.adaptive import BudgetCheck
-from slimact.planner.apply import install
+from slimact.planner.apply import install, runtime_of
 from slimact.planner.auto import AutoConfig, plan_model, solve_options
 from slimact.planner.plan import Plan
 from slimact.registry import AppliedChange, FilterFn, register_strategy
@@ -54,12 +65,27 @@ def auto_refusal(config: AutoConfig, filter_fn: FilterFn | None) -> str:
     return ""
 
 
+def refuse_unless_lm(model: nn.Module) -> None:
+    """``auto`` profiles a training step, ``model(input_ids, targets)`` (Hugging Face:
+    ``labels``): one clear ``ValueError`` for a model whose forward takes no targets (an
+    ``nn.Sequential`` of linears), before anything is installed, not a ``TypeError`` from inside
+    the profiler at the first forward."""
+    refuse_unless_token_ids(model, "auto", "its planner profiles model(input_ids) on token ids")
+    if label_arg(model) is None:
+        raise ValueError(
+            f"strategy 'auto' plans a language model: its planner profiles one training step, "
+            f"model(input_ids, targets=...) (Hugging Face: labels=...), on token ids, and "
+            f"{type(model).__name__}.forward takes no targets or labels; on this model use a "
+            "fixed strategy (recompute, int4, int8, prac, invact) or a Plan of your own"
+        )
+
+
 def apply_auto(
     model: nn.Module, config: AutoConfig, filter_fn: FilterFn | None = None
 ) -> list[AppliedChange]:
     if why := auto_refusal(config, filter_fn):
         raise ValueError(why)
-    refuse_unless_token_ids(model, "auto", "its planner profiles model(input_ids) on token ids")
+    refuse_unless_lm(model)
     if config.host_budget is not None:  # offload asked for: CUDA only, refused here at once
         check_model(model)
     planner = functools.partial(plan_model, model, config, return_profile=True)
@@ -105,9 +131,56 @@ def apply_plan(model: nn.Module, plan: Plan, filter_fn: FilterFn | None = None):
             "strategy 'plan' needs a solved Plan: slimact.apply(model, Plan.load(path)) or "
             "slimact.planner.plan_for(...); the bare name carries no plan"
         )
+    if plan.budget and not (plan.layers or plan.rules):  # e.g. its layers under a misspelled key
+        raise ValueError(
+            f"this Plan has budget {plan.budget!r} but no layers and no rules: applied, it would "
+            "store every activation as it is; a plan's JSON lists its actions under 'layers' "
+            "(and 'rules')"
+        )
+    plan.check_against(model)  # what names no module is refused before anything changes
+    changes = install(model, plan=plan, filter_fn=filter_fn)
+    try:  # every codec's site is one the planned model saves
+        plan.check_against(model, saved_sites(model))
+    except BaseException:
+        run_all(*(c.undo for c in reversed(changes) if c.undo is not None))
+        raise
     if not plan.layers:  # rules only (Int4Config().plan()) or nothing: no budget to check
-        return install(model, plan=plan, filter_fn=filter_fn)
-    return _checked(model, install(model, plan=plan, filter_fn=filter_fn))
+        return changes
+    return _checked(model, changes)
+
+
+def saved_sites(model: nn.Module, seq: int = 8) -> set[str] | None:
+    """The sites one training forward of ``model`` saves as its plan runtime has patched it
+    (recomputed modules checkpointed: their inputs saved as ``checkpoint_input``, nothing inside
+    them; reformulated ops saving their own), on ``seq`` random tokens with targets; the
+    runtime's codec policy is taken off meanwhile (no codec runs, no codec state moves, no step
+    is counted: a plan just installed has no other watcher yet), RNG and training flags are
+    restored. None for a model that is not driven by token ids and targets."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    label = label_arg(model)
+    hf_other = is_hf_model(model) and (
+        main_input(model) != TOKEN_INPUT or is_encoder_decoder(model)
+    )
+    if not isinstance(vocab, int) or label is None or hf_other:
+        return None
+    ids, targets = random_token_batch(model, 1, seq, 0, "a plan's check")
+    seen: set[str] = set()
+    flags = {m: m.training for m in model.modules()}
+    rt = runtime_of(model)
+    policy = rt.policy if rt is not None else None
+    try:
+        if rt is not None:
+            rt.policy = None  # (``sites.probing()`` would run recomputed modules as they are)
+        model.train()
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            with sites.tracking(model), sites.listening(lambda ev: seen.add(ev.site)):
+                model(ids, **{label[0]: targets})
+    finally:
+        if rt is not None:
+            rt.policy = policy
+        for m, flag in flags.items():
+            m.training = flag
+    return seen
 
 
 register_strategy(

@@ -69,7 +69,7 @@ import torch.nn as nn
 from slimact.actions import FUSED_RMS
 from slimact.classify import is_norm
 from slimact.codecs.prac import resolve_rank
-from slimact.hf_inputs import random_token_batch, refuse_unless_token_ids
+from slimact.hf_inputs import random_token_batch
 from slimact.planner.apply import restrict_rules, runtime_of
 from slimact.planner.auto import AutoConfig, plan_model
 from slimact.planner.plan import Plan
@@ -82,7 +82,7 @@ from slimact.registry import (
     resolve,
 )
 from slimact.state import peek
-from slimact.strategies.auto import auto_refusal
+from slimact.strategies.auto import auto_refusal, refuse_unless_lm
 from slimact.strategies.chunked_ce import chunked_ce_part
 from slimact.strategies.cola import CoLAConfigMarker, CoLAMConfig, apply_cola, colam_part
 from slimact.strategies.int4 import Int4Config, NaiveInt4Config
@@ -126,7 +126,7 @@ def _auto(
     """The plan ``auto`` solves: on ``example`` (the first training batch, which the strategy
     plans on), or with ``batch``/``seq`` on the strategy's random tokens; one profile and solve
     (``plan_model``, the strategy's planner, its profile cache included), in training mode."""
-    refuse_unless_token_ids(model, "auto", "its planner profiles model(input_ids) on token ids")
+    refuse_unless_lm(model)
     if config.batch is not None:
         if example is not None:
             raise ValueError(

@@ -22,9 +22,11 @@ installs it on its blocks and root instead of profiling and solving again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +209,20 @@ def planner_files(model: nn.Module, evolver: PlanEvolver | None) -> dict[str, st
     return {PLAN_FILE: rt.plan.to_json(), PLANNER_FILE: json.dumps(state)}
 
 
+@contextlib.contextmanager
+def _naming(path: Path, name: str) -> Iterator[None]:
+    """A plan file of checkpoint ``path`` that does not read or install (a codec unknown, a
+    field of the wrong shape, another model's blocks) is a ``CheckpointError`` naming the file,
+    not the reader's error alone."""
+    try:
+        yield
+    except (ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(
+            f"cannot resume from {path}: its {name} ({Path(path) / name}) is not a plan this "
+            f"model takes: {type(e).__name__}: {e}"
+        ) from e
+
+
 def restore_planner(
     model: nn.Module, path: Path, step: int, run_dir: Path, evolve: bool
 ) -> PlanEvolver | None:
@@ -214,14 +230,16 @@ def restore_planner(
     and (``evolve``) evolver state; returns the evolver, if the run has one."""
     compiled = read_json(path, COMPILED_PLAN_FILE)
     if compiled is not None:
-        install_plan(model, CompiledPlan.from_dict(compiled))
+        with _naming(path, COMPILED_PLAN_FILE):
+            install_plan(model, CompiledPlan.from_dict(compiled))
         return None
     rt = runtime_of(model)
     saved = read_json(path, PLAN_FILE)
     if rt is None or saved is None:
         return None
     state = read_json(path, PLANNER_FILE) or {}
-    rt.set_plan(Plan.from_dict(saved))
+    with _naming(path, PLAN_FILE):
+        rt.set_plan(Plan.from_dict(saved))
     if state.get("profile") is not None:
         rt.profile = Profile.from_dict(state["profile"])
     check = budget_check_of(model)
