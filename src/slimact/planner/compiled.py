@@ -92,6 +92,7 @@ from slimact.planner.compiled_root import (
     model_loss,
     profile_root,
 )
+from slimact.planner.milp import TIE_TOLERANCE
 from slimact.planner.offload import OffloadOption, stall_s
 from slimact.planner.profile import _warn_uncached, cache_path, profile_key, static_memory
 from slimact.planner.profiler import kind_signature
@@ -111,9 +112,8 @@ MAX_GRAD_ERR = 2e-3  # as auto's: 1 - cos of any parameter's (or the input's) bl
 # options' measured times are medians of interleaved rounds, ~1-3% apart run to run)
 TIME_TOLERANCE = 0.01
 # first stage: options of one kind (and the root's options) whose measured seconds are within
-# this share of each other are equally fast; such near ties go by TIE_ORDER, not by which one the
-# run's noise made a little faster (two runs on empty caches took different plans that way)
-TIE_TOLERANCE = 0.03
+# TIE_TOLERANCE (the eager MILP's, ``milp.py``) of each other are equally fast; such near ties go
+# by TIE_ORDER, not by which one the run's noise made a little faster
 TIE_ORDER = "exact before lossy, then fewer bytes, then the profile's option order"
 EXACT_ERR = 1e-9  # 1 - cos at or below this is rounding (exact options measure ~5e-13)
 OFFLOAD_CHOICE = BlockChoice(0.0, "none", offload=True)  # the offload option (module docstring)
