@@ -34,7 +34,7 @@ labels the full logits are never computed. No caller in slimact reads ``.logits`
 own fused head stores no logits either), said once.
 
 Through a peft wrapper (``PeftModel``) the loss is the wrapped Hugging Face model's
-(``_hf_model_of``): its labels shifted, its label argument where the wrapper's forward only
+(``hf_inputs.hf_model_of``): its labels shifted, its label argument where the wrapper's forward only
 passes ``*args, **kwargs`` on.
 
 ``probe=True`` checks on a tiny dummy batch that the chunked loss equals the model's own loss
@@ -61,6 +61,7 @@ import torch.nn.functional as F
 
 from slimact import sites
 from slimact.classify import label_arg
+from slimact.hf_inputs import hf_model_of
 from slimact.ops.chunked_ce import BACKENDS, MODES, chunked_linear_cross_entropy
 from slimact.patching import override_forward, overrides, run_all
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig
@@ -147,29 +148,17 @@ def _hf_like(model: nn.Module) -> bool:
     return any(c.__name__ == "PreTrainedModel" for c in type(model).__mro__)
 
 
-def _hf_model_of(model: nn.Module) -> nn.Module:
-    """The model a peft wrapper runs (``PeftModel.get_base_model()``: the Hugging Face model
-    under its adapters), else ``model``: whose loss (shifted or not) the head computes."""
-    for _ in range(4):  # PeftModel -> the wrapped model; a wrapper of a wrapper at most
-        get = getattr(type(model), "get_base_model", None)
-        inner = get(model) if callable(get) else None
-        if not isinstance(inner, nn.Module) or inner is model:
-            break
-        model = inner
-    return model
-
-
 def _shifts(model: nn.Module) -> bool:
     """Does the model's loss shift its labels inside (Hugging Face causal LMs, also under
     peft), rather than take them shifted (slimact's ``targets``)?"""
-    return _hf_like(_hf_model_of(model))
+    return _hf_like(hf_model_of(model))
 
 
 def _label_arg(model: nn.Module) -> tuple[str, int] | None:
     """The forward's label parameter; a peft wrapper whose forward takes ``*args, **kwargs``
     (``PeftModel`` without a task type) passes them on: the wrapped model's."""
     arg = label_arg(model)
-    inner = _hf_model_of(model)
+    inner = hf_model_of(model)
     return arg if arg is not None or inner is model else label_arg(inner)
 
 
@@ -469,7 +458,7 @@ def find_chunked_ce(
     if head is None or arg is None:
         why = why or "the forward takes neither `labels` nor `targets`"
         return [AppliedChange(path, "chunked-ce", why, skipped=True)]
-    inner = _hf_model_of(model)
+    inner = hf_model_of(model)
     loss_type = getattr(inner, "loss_type", None) if _hf_like(inner) else None
     if loss_type not in (None, "ForCausalLM"):  # e.g. ForMaskedLM: labels are not shifted
         why = f"{type(inner).__name__} computes a {loss_type} loss; only causal-LM losses chunk"
