@@ -227,28 +227,10 @@ _NUMERIC = re.compile(r"\s*[-+]?[0-9.]")  # a budget's text (not a label such as
 
 
 def near_key(key: str, names: list[str]) -> list[str]:
-    """The field ``key`` most likely misspells: a close match (difflib) or one edit away, two
-    letters swapped counting as one (``lyaers``); [] for a key far from every field."""
-    near = difflib.get_close_matches(key, names, 1, 0.85)
-    if near or len(key) < 4:
-        return near
-    return [n for n in names if _edits(key, n) <= 1][:1]
-
-
-def _edits(a: str, b: str) -> int:
-    """Optimal string alignment distance: insertions, deletions, substitutions and swaps of
-    two neighbouring letters."""
-    prev2: list[int] = []
-    prev = list(range(len(b) + 1))
-    for i, ca in enumerate(a, 1):
-        row = [i]
-        for j, cb in enumerate(b, 1):
-            d = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + (ca != cb))
-            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
-                d = min(d, prev2[j - 2] + 1)
-            row.append(d)
-        prev2, prev = prev, row
-    return prev[-1]
+    """The field ``key`` most likely misspells (difflib, at a cutoff that takes two swapped
+    letters, ``lyaers``, and leaves keys carried beside a plan, ``timings``); [] for a key far
+    from every field."""
+    return difflib.get_close_matches(key, names, 1, 0.8)
 
 
 def _checked_codecs(codecs: Any, where: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
