@@ -304,8 +304,14 @@ def test_a_late_problem_is_reported_and_the_site_is_checked_on_the_host_again():
     with pytest.warns(RuntimeWarning, match=r"site m:linear#0: a row's norm.*after its step"):
         policy.reset()
     assert sum(policy.late["m:linear#0"].values()) == 1
-    again = policy("m:linear#0", wide.clone())  # checked on the host again: stored exactly
-    assert "dynamic range" in again.fallback and exact_value(again.packed) is not None
+    again = policy("m:linear#0", wide.clone())  # checked on the host again: the row exactly
+    assert again.fallback is None and again.packed.meta["n_rows"] == 1
+    assert torch.equal(again.unpack()[5], wide[5])
+    whole = torch.logspace(-2, 1.05, 64)[:, None] * torch.randn(32)  # a spread bulk: whole
+    policy.end()
+    policy.reset()
+    assert "dynamic range" in policy("m:linear#1", whole).fallback
+    assert exact_value(policy("m:linear#1", whole.clone()).packed) is not None
 
 
 def test_deferred_encodes_keep_nan_and_inf_exactly():

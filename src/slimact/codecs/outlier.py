@@ -64,12 +64,23 @@ from slimact.codecs.quant import (
     quantized_from,
     quantized_payload,
     quantized_problem,
-    range_limit,
     rounding_args,
     row_group,
-    row_stats,
     rows_view,
+    scale_problem,
     verdict,
+)
+from slimact.codecs.rows import (
+    DYNAMIC_RANGE,
+    calibrate_rows,
+    deferred_rows,
+    massive_rows,
+    range_limit,
+    restore_rows,
+    row_norms,
+    rows_explain,
+    split_rows,
+    stats_of,
 )
 from slimact.ops import compiled_ref
 from slimact.ops.quant import dequantize, quantize
@@ -164,14 +175,24 @@ class OutlierConfig(CodecConfig):
 class OutlierCodec(Codec):
     config: OutlierConfig
 
+    @property
+    def limit(self) -> float | None:
+        c = self.config
+        return range_limit(c.bits, c.symmetric, c.max_range)
+
+    def _quantize(self, x2d: torch.Tensor, keep: torch.Tensor | None, rounding: dict):
+        c = self.config
+        return quantize(
+            x2d, bits=c.bits, group_size=row_group(c.group_size, x2d.shape[1]), symmetric=c.symmetric,
+            paper_scale=c.paper_scale, keep_cols=keep, backend=c.backend, **rounding,
+        )  # fmt: skip
+
     def encode(self, x: torch.Tensor) -> Packed:
         check_input(self, x)
         if (exact := self.float64_exact(x)) is not None:
             return exact
-        c = self.config
-        limit = range_limit(c.bits, c.symmetric, c.max_range)
+        c, limit = self.config, self.limit
         x2d = rows_view(self, x, c.channels)
-        rows = row_stats(x2d, 0, limit)
         out_mask = outlier_mask(x2d, c.threshold) if x.numel() else x2d.new_zeros(1, dtype=bool)
         idx = out_mask.nonzero().view(-1)
         if c.nonfinite == "raise" and x.numel() and not bool(torch.isfinite(x2d).all()):
@@ -180,16 +201,23 @@ class OutlierCodec(Codec):
                 f"{tuple(x.shape)}; nonfinite='raise' (use 'exact' to keep them)"
             )
         keep = ~out_mask if idx.numel() else None
-        q = quantize(
-            x2d, bits=c.bits, group_size=row_group(c.group_size, x2d.shape[1]), symmetric=c.symmetric,
-            paper_scale=c.paper_scale, keep_cols=keep, backend=c.backend, **rounding_args(self),
-        )  # fmt: skip
-        reason = quantized_problem(x2d, 0, limit, rows, q)
-        if reason is not None:
-            return self.fallback(x, reason)
-        return self._packed(x, x2d, q, idx)
+        rn = row_norms(x2d, keep) if limit is not None and x.numel() else None
+        stats = None if rn is None else stats_of(rn)
+        rounding = rounding_args(self)
+        q = self._quantize(x2d, keep, rounding)
+        reason = quantized_problem(x2d, 0, limit, stats, q)
+        if reason is None:
+            return self._packed(x, x2d, q, idx)
+        if c.symmetric and reason.startswith(DYNAMIC_RANGE):
+            rows_idx = massive_rows(rn, stats, limit)
+            if rows_idx is not None:  # the same draws as the first quantize
+                zeroed, rows = split_rows(x2d, rows_idx)
+                q = self._quantize(zeroed, keep, rounding)
+                if scale_problem(q) is None:
+                    return self._packed(x, x2d, q, idx, rows)
+        return self.fallback(x, reason)
 
-    def _packed(self, x, x2d, q, idx) -> Packed:
+    def _packed(self, x, x2d, q, idx, rows: dict | None = None) -> Packed:
         c = self.config
         tensors = quantized_payload(q)
         if idx.numel():
@@ -202,20 +230,22 @@ class OutlierCodec(Codec):
             "channels": x2d.shape[1],
             "n_outliers": int(idx.numel()),
         }
+        if rows is not None:
+            tensors.update(rows)
+            meta["n_rows"] = rows["row_idx"].numel()
         return Packed(tensors, tuple(x.shape), x.dtype, x.device, meta)
 
     def calibrate(self, packed: Packed, state: dict) -> None:
         if "n_outliers" in packed.meta:
             state["capacity"] = max(state.get("capacity", 0), packed.meta["n_outliers"])
+        calibrate_rows(packed, state)
 
     def encode_deferred(self, x: torch.Tensor, state: dict) -> Deferred:
-        c = self.config
+        c, limit = self.config, self.limit
         if c.nonfinite == "raise" or x.numel() == 0 or x.dtype == torch.float64:
             return Deferred(self.encode(x))
         check_input(self, x)
-        limit = range_limit(c.bits, c.symmetric, c.max_range)
         x2d = rows_view(self, x, c.channels)
-        rows = row_stats(x2d, 0, limit)
         scores = outlier_scores(x2d)
         outlier = scores > c.threshold
         count = outlier.sum()
@@ -226,21 +256,27 @@ class OutlierCodec(Codec):
             idx = torch.topk(scores, k, sorted=False).indices.sort().values
             flags = outlier.index_select(0, idx)
             keep = torch.ones_like(outlier).index_copy_(0, idx, ~flags)  # the flagged zeroed
-        q = quantize(
-            x2d, bits=c.bits, group_size=row_group(c.group_size, x2d.shape[1]), symmetric=c.symmetric,
-            paper_scale=c.paper_scale, keep_cols=keep, backend=c.backend, **rounding_args(self),
-        )  # fmt: skip
-        packed = self._packed(x, x2d, q, idx)
+        rn = row_norms(x2d, keep) if limit is not None else None
+        stats = None if rn is None else stats_of(rn)
+        k_rows = min(state.get("rows", 0), x2d.shape[0]) if rn is not None and c.symmetric else 0
+        rows = None
+        if k_rows:
+            x2d_q, rows, stats, n_rows = deferred_rows(x2d, rn, stats, limit, k_rows)
+        q = self._quantize(x2d_q if k_rows else x2d, keep, rounding_args(self))
+        packed = self._packed(x, x2d, q, idx, rows)
         if flags is not None:
             packed.tensors["outlier_flag"] = flags  # which stored channels are outliers
-        stats, problem = verdict(rows, q, limit)
+        parts, problem = verdict(stats, q, limit)
+        if k_rows:
+            problem = rows_explain(state, problem, limit, x2d.shape[0], stats.numel())
+            parts = [n_rows.view(1), *parts]
 
         def explain(values: list[float]) -> str | None:
             if values[0] > state.get("capacity", 0):
                 state["capacity"] = int(values[0])  # outliers beyond it were quantized
             return problem(values[1:])
 
-        return Deferred(packed, [count.view(1), *stats], explain)
+        return Deferred(packed, [count.view(1), *parts], explain)
 
     def decode(self, packed: Packed) -> torch.Tensor:
         if (y := exact_value(packed)) is not None:
@@ -249,12 +285,13 @@ class OutlierCodec(Codec):
         q.channels = 0  # the codes are per group; ``channels`` only shapes the outlier view
         y = dequantize(q, dtype=packed.dtype, backend=self.config.backend)
         t = packed.tensors
+        y2d = y.view(-1, packed.meta["channels"])
         if "outlier_idx" in t:
-            y2d = y.view(-1, packed.meta["channels"])
             idx, val = t["outlier_idx"].long(), t["outlier_val"].to(y.dtype)
             if "outlier_flag" in t:  # a deferred encode's: the others stay as decoded
                 val = torch.where(t["outlier_flag"], val, y2d.index_select(1, idx))
             y2d.index_copy_(1, idx, val)
+        restore_rows(y2d, packed)
         return y.view(packed.shape)
 
 

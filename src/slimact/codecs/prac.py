@@ -87,6 +87,8 @@ from slimact.codecs.prac_ref import (  # noqa: F401  (re-exported: the public na
 from slimact.codecs.quant import (
     DEFAULT_MAX_RANGE,
     check_max_range,
+)
+from slimact.codecs.rows import (
     range_problem,
     row_stats,
     stats_bad,

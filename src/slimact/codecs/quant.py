@@ -54,16 +54,27 @@ read with the scale check below in one sync:
   ``max_range=None`` turns the check off.
 * massive activations under the symmetric per-group codecs (``int4``, ``int8``,
   ``int4-outlier*``): the limit is :data:`MASSIVE_RANGE` (8) instead (:func:`range_limit`). Rows of a normal activation differ by
-  less than 2x; a residual stream carrying massive activations (a few channels or directions
-  hundreds of times the rest, as trained LLMs have) has rows ~10x apart, and the norm reading it
-  (RMSNorm, LayerNorm) is scale invariant: its backward cancels the gradient along ``x`` almost
-  exactly, and the part of ``x`` that decides the cancellation is the small rest below the
-  massive component, which a group's 8 (INT4) or 128 (INT8) levels round away. The error is
-  then multiplied by whatever gain wrote the massive component (measured on llama-tiny with one
-  ``up_proj`` row scaled up: the final norm's input alone drops the gradient cosine to near 0
-  under INT4, and INT8 follows at a ten times larger gain). Such a tensor is stored exactly and
-  reported. The asymmetric codecs (softmax probabilities, whose rows legitimately differ by up
-  to the square root of the sequence length) and the channel-wise ones keep ``max_range``.
+  less than 2x; trained LLMs carry massive activations (a few tokens, such as the first, with a
+  few channels or directions hundreds of times the rest), and the norm reading the residual
+  stream (RMSNorm, LayerNorm) is scale invariant: its backward cancels the gradient along ``x``
+  almost exactly, and the part of ``x`` that decides the cancellation is the small rest below
+  the massive component, which a group's 8 (INT4) or 128 (INT8) levels round away. The error is
+  then multiplied by whatever gain wrote the massive component. Two cases:
+
+  - *a few massive rows above a tight bulk* (a massive token): a **row split** stores those
+    rows exactly (indices and values, ``row_idx``/``row_val``) and codes the rest, zeroed in
+    their place so that no group spanning two rows codes a normal one at a massive one's step
+    (:func:`massive_rows`). At most ``1 / SPLIT_SHARE`` of the rows; a deferred encode stores
+    its site's capacity of largest rows, flagged (:func:`deferred_rows`), as the outlier codec
+    does with channels.
+  - *a massive component in every row*, of varying size (the sampled rows' norms themselves
+    spread beyond the limit): no row's groups keep its rest, and the whole tensor is stored
+    exactly and reported.
+
+  The outlier codec measures rows without its exact channels (a massive channel is its own
+  business there). The asymmetric codecs (softmax probabilities, whose rows legitimately
+  differ by up to the square root of the sequence length) and the channel-wise ones keep
+  ``max_range``.
 
 After quantizing, a scale or offset that is not finite, or a nonzero scale below the kernels'
 floor (1e-30: such a group would decode to zeros, outside ``|x − x^| <= S/2``), also falls back.
@@ -81,7 +92,6 @@ save on.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -97,15 +107,33 @@ from slimact.codecs.base import (
     exact_value,
     register_codec,
 )
+from slimact.codecs.rows import (
+    DYNAMIC_RANGE,
+    _range_reason,
+    _rows,
+    calibrate_rows,
+    deferred_rows,
+    massive_rows,
+    range_limit,
+    range_problem,
+    restore_rows,
+    row_norms,
+    row_stats,
+    rows_explain,
+    split_rows,
+    stats_of,
+    stats_ok,
+    stats_ok_values,
+)
 from slimact.ops import compiled_ref
 from slimact.ops.quant import BACKENDS, Quantized, dequantize, quantize, quantize_channelwise
 
+__all__ = ["range_problem", "row_stats"]  # re-exported: the range checks live in codecs.rows
+
 NONFINITE_MODES = ("exact", "raise")
 DEFAULT_MAX_RANGE = 256.0
-MASSIVE_RANGE = 8.0  # symmetric per-group codecs: rows beyond it mark massive activations
 SCALE_FLOOR = 1e-30  # slimact.ops.quant._TINY: 1/scale is clamped there
 _F32_MAX = torch.finfo(torch.float32).max
-_MEDIAN_SAMPLE = 256
 
 
 def check_max_range(cfg: CodecConfig, max_range: float | None) -> None:
@@ -114,99 +142,6 @@ def check_max_range(cfg: CodecConfig, max_range: float | None) -> None:
     )
     if not ok:
         raise ValueError(f"{type(cfg).__name__}.max_range must be None or >= 1, got {max_range!r}")
-
-
-def range_limit(bits: int, symmetric: bool, max_range: float | None) -> float | None:
-    """The dynamic range a per-group codec codes: ``max_range``, and for a symmetric one at most
-    :data:`MASSIVE_RANGE` (module docstring, massive activations). ``None``: no check."""
-    if max_range is None or not symmetric:
-        return max_range
-    return min(max_range, MASSIVE_RANGE)
-
-
-def _row_norms(rows: torch.Tensor) -> torch.Tensor:
-    acc = torch.promote_types(rows.dtype, torch.float32)  # float64 rows: float64 norms
-    return torch.linalg.vector_norm(rows, dim=-1, dtype=acc)
-
-
-def row_stats(x: torch.Tensor, channels: int, max_range: float | None) -> torch.Tensor | None:
-    """Device fp32 ``[max row norm, norms of at most 256 evenly spaced rows]`` (no sync), or None
-    when there is nothing to check.
-
-    One pass computing the row norms of the ``[rows, C]`` view (``C = channels``, or the last
-    dimension; NaN/inf count as 0: the codecs keep them exactly on their own path);
-    :func:`stats_ok` reads them on the host, :func:`stats_bad` decides on the device. Sorting on
-    the device for the median is what made a first version slow (a full ``nanmedian`` over
-    every row); the sample is at most 257 values.
-    """
-    if max_range is None or x.numel() == 0 or not x.is_floating_point():
-        return None
-    with torch.no_grad():
-        return compiled_ref.run(row_stats_ref, _rows(x, channels))  # CPU: one fused pass
-
-
-def row_stats_ref(rows: torch.Tensor) -> torch.Tensor:
-    """:func:`row_stats` of an ``[R, C]`` view: ``[max row norm, every (R // 256)-th norm]``.
-    Non-finite values become 0 in one pass (``nan_to_num``: eager, ``where(isfinite(x), x, 0)``
-    is five)."""
-    rn = _row_norms(rows.nan_to_num(0.0, 0.0, 0.0))
-    return torch.cat([rn.max().view(1), rn[:: max(1, rn.numel() // _MEDIAN_SAMPLE)]])
-
-
-def stats_ok(stats: torch.Tensor, max_range: float) -> bool:
-    """Host side of :func:`row_stats`: False for overflowing norms and for a max beyond
-    ``max_range`` times the sampled rows' median nonzero norm. An all-zero tensor is fine."""
-    top, sample = stats[0], stats[1:]
-    sample = sample[sample > 0]
-    if not bool(torch.isfinite(top)):
-        return False
-    if sample.numel() == 0:
-        return True
-    return bool(top <= max_range * sample.median())
-
-
-def stats_bad(stats: torch.Tensor, max_range: float) -> torch.Tensor:
-    """Device side of :func:`stats_ok` (its negation, a 0-d bool), without a sync: the median of
-    the positive sampled norms is read from a sort with the others moved to the end (the lower
-    middle, as ``torch.median``)."""
-    top, sample = stats[0], stats[1:]
-    pos = sample > 0
-    n = pos.sum()
-    ordered = torch.where(pos, sample, float("inf")).sort().values
-    median = ordered.gather(0, ((n - 1).clamp_min(0) // 2).view(1))[0]
-    return ~torch.isfinite(top) | ((n > 0) & (top > max_range * median))
-
-
-def range_problem(x: torch.Tensor, channels: int, max_range: float | None) -> str | None:
-    """Why ``x`` is outside what the lossy codecs represent faithfully, or None (see module doc).
-
-    Non-finite values are ignored here (the codecs keep them exactly on their own path).
-    """
-    stats = row_stats(x, channels, max_range)
-    if stats is None or stats_ok(stats.cpu(), max_range):
-        return None
-    with torch.no_grad():
-        return _range_reason(_rows(x, channels), max_range)
-
-
-def _rows(x: torch.Tensor, channels: int) -> torch.Tensor:
-    return x.detach().reshape(-1, channels or (x.shape[-1] if x.dim() else 1))
-
-
-def _range_reason(rows: torch.Tensor, max_range: float) -> str | None:
-    finite = torch.isfinite(rows)
-    stats = row_stats_ref(rows).cpu()
-    if not bool(torch.isfinite(stats[0])):
-        amax = float(torch.where(finite, rows, 0.0).abs().amax())
-        return f"|x| up to {amax:.3g}: its squares overflow float32"
-    if stats_ok(stats, max_range):
-        return None
-    top, sample = stats[0], stats[1:]
-    med = sample[sample > 0].median()
-    return (
-        f"dynamic range: a row's norm is {float(top / med):.3g}x the median row's "
-        f"(max_range={max_range:g})"
-    )
 
 
 def scale_stats(q: Quantized) -> torch.Tensor | None:
@@ -269,7 +204,7 @@ def quantized_problem(
     n = 0 if rows is None else rows.numel()
     if rows is not None and not stats_ok(host[:n], max_range):
         with torch.no_grad():
-            reason = _range_reason(_rows(x, channels), max_range)
+            reason = _range_reason(_rows(x, channels), max_range, host[:n])
         if reason is not None:
             return reason
     if scales is not None and not scales_ok(host[n:]):
@@ -298,15 +233,6 @@ def verdict(
         return None
 
     return parts, explain
-
-
-def stats_ok_values(values: list[float], max_range: float) -> bool:
-    """:func:`stats_ok` on host values."""
-    top = values[0]
-    sample = sorted(v for v in values[1:] if v > 0)
-    if not math.isfinite(top):
-        return False
-    return not sample or top <= max_range * sample[(len(sample) - 1) // 2]
 
 
 def scales_ok_values(values: list[float]) -> bool:
@@ -416,41 +342,81 @@ class QuantConfig(CodecConfig):
 class QuantCodec(Codec):
     config: QuantConfig
 
-    def _quantize(self, x: torch.Tensor):
-        check_input(self, x)
+    def _quantize(self, x: torch.Tensor, group: int, rounding: dict) -> Quantized:
         c = self.config
-        rows = row_stats(x, 0, self.max_range)
-        group = row_group(c.group_size, x.shape[-1] if x.dim() else 0)
         q = quantize(
             x, bits=c.bits, group_size=group, symmetric=c.symmetric,
-            paper_scale=c.paper_scale, backend=c.backend, **rounding_args(self),
+            paper_scale=c.paper_scale, backend=c.backend, **rounding,
         )  # fmt: skip
         refuse_nonfinite(self, x, q.nonfinite, c.nonfinite)
-        meta = {"numel": q.numel, "bits": c.bits, "group_size": group}
-        return rows, q, Packed(quantized_payload(q), tuple(x.shape), x.dtype, x.device, meta)
+        return q
+
+    def _packed(self, x: torch.Tensor, q: Quantized, group: int, rows: dict | None) -> Packed:
+        meta = {"numel": q.numel, "bits": self.config.bits, "group_size": group}
+        tensors = quantized_payload(q)
+        if rows is not None:
+            tensors.update(rows)
+            meta["n_rows"] = rows["row_idx"].numel()
+        return Packed(tensors, tuple(x.shape), x.dtype, x.device, meta)
+
+    def _prepare(self, x: torch.Tensor):
+        """(group, [R, C] view, its row norms or None, their stats or None)."""
+        check_input(self, x)
+        x2d = _rows(x, 0)
+        rn = row_norms(x2d) if self.max_range is not None and x.numel() else None
+        group = row_group(self.config.group_size, x.shape[-1] if x.dim() else 0)
+        return group, x2d, rn, None if rn is None else stats_of(rn)
 
     def encode(self, x: torch.Tensor) -> Packed:
         if (exact := self.float64_exact(x)) is not None:
             return exact
-        rows, q, packed = self._quantize(x)
-        reason = quantized_problem(x, 0, self.max_range, rows, q)
-        return self.fallback(x, reason) if reason is not None else packed
+        group, x2d, rn, stats = self._prepare(x)
+        rounding = rounding_args(self)
+        q = self._quantize(x, group, rounding)
+        reason = quantized_problem(x, 0, self.max_range, stats, q)
+        if reason is None:
+            return self._packed(x, q, group, None)
+        if self.splits_rows and reason.startswith(DYNAMIC_RANGE):
+            idx = massive_rows(rn, stats, self.max_range)
+            if idx is not None:  # the same draws as the first quantize
+                zeroed, rows = split_rows(x2d, idx)
+                q = self._quantize(zeroed.view(x.shape), group, rounding)
+                if scale_problem(q) is None:
+                    return self._packed(x, q, group, rows)
+        return self.fallback(x, reason)
 
     @property
     def max_range(self) -> float | None:
         c = self.config
         return range_limit(c.bits, c.symmetric, c.max_range)
 
+    @property
+    def splits_rows(self) -> bool:
+        """Massive rows are stored exactly on their own (a row split) by the symmetric codecs."""
+        return self.config.symmetric and self.max_range is not None
+
+    def calibrate(self, packed: Packed, state: dict) -> None:
+        calibrate_rows(packed, state)
+
     def encode_deferred(self, x: torch.Tensor, state: dict) -> Deferred:
         if self.config.nonfinite == "raise" or x.dtype == torch.float64:
             return Deferred(self.encode(x))
-        rows, q, packed = self._quantize(x)
-        return Deferred(packed, *verdict(rows, q, self.max_range))
+        group, x2d, rn, stats = self._prepare(x)
+        k = min(state.get("rows", 0), x2d.shape[0]) if rn is not None and self.splits_rows else 0
+        if not k:
+            q = self._quantize(x, group, rounding_args(self))
+            return Deferred(self._packed(x, q, group, None), *verdict(stats, q, self.max_range))
+        zeroed, rows, rest, count = deferred_rows(x2d, rn, stats, self.max_range, k)
+        q = self._quantize(zeroed.view(x.shape), group, rounding_args(self))
+        parts, explain = verdict(rest, q, self.max_range)
+        explain = rows_explain(state, explain, self.max_range, x2d.shape[0], rest.numel())
+        return Deferred(self._packed(x, q, group, rows), [count.view(1), *parts], explain)
 
     def decode(self, packed: Packed) -> torch.Tensor:
         if (y := exact_value(packed)) is not None:
             return y
         y = dequantize(quantized_from(packed), dtype=packed.dtype, backend=self.config.backend)
+        restore_rows(y.view(-1, packed.shape[-1] if packed.shape else 1), packed)
         return y.view(packed.shape)
 
 

@@ -73,7 +73,7 @@ class CodecStored:
             y = self._decoded
         else:
             with exact(self.packed.device):
-                y = self.codec.decode(self.packed)
+                y = shared_back(self.codec.decode(self.packed), self.packed)
         self._served = (self._served + 1) % self.refs
         self._decoded = y if self._served else None
         return y
@@ -103,6 +103,48 @@ class CodecStored:
     def action(self) -> str:
         """``codec:<label>``, with ``:exact`` when the codec stored this tensor exactly."""
         return actions.codec(codec_label(self.codec.config), exact=self.fallback is not None)
+
+
+def outlier_columns(packed: Packed) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
+    """The channels a payload stores exactly as outliers (``codecs.outlier``): their indices,
+    the deferred encode's "is an outlier" flags (None: all are) and the channel count; None if
+    it stores none."""
+    t = packed.tensors
+    if "outlier_idx" not in t:
+        return None
+    return t["outlier_idx"], t.get("outlier_flag"), packed.meta["channels"]
+
+
+def share_columns(codec: Codec, packed: Packed, x: torch.Tensor, columns: tuple) -> None:
+    """Store the channels ``columns`` (:func:`outlier_columns` of the other operand of a
+    product) of ``x``, the tensor ``packed`` codes, exactly beside its payload (see
+    :class:`CodecPolicy`). Nothing to do for a lossless codec, a tensor stored exactly, or a
+    layout the other operand's channels do not divide."""
+    idx, flags, channels = columns
+    t = packed.tensors
+    if codec.codes_float64 or "fallback" in packed.meta or "shared_idx" in t:
+        return
+    if tuple(x.shape) != packed.shape or not x.is_contiguous() or x.numel() % channels:
+        return
+    t["shared_idx"] = idx.clone()  # its own storage: the meter's sites share none
+    t["shared_val"] = x.detach().view(-1, channels).index_select(1, idx.long())
+    if flags is not None:
+        t["shared_flag"] = flags.clone()
+    packed.meta["shared_channels"] = channels
+
+
+def shared_back(y: torch.Tensor, packed: Packed) -> torch.Tensor:
+    """A decoded tensor with the channels :func:`share_columns` stored written back (in place:
+    the codecs' decodes are fresh tensors)."""
+    t = packed.tensors
+    if "shared_idx" not in t:
+        return y
+    y2d = y.view(-1, packed.meta["shared_channels"])
+    idx, val = t["shared_idx"].long(), t["shared_val"].to(y.dtype)
+    if "shared_flag" in t:  # a deferred outlier encode's: only the flagged ones are outliers
+        val = torch.where(t["shared_flag"], val, y2d.index_select(1, idx))
+    y2d.index_copy_(1, idx, val)
+    return y
 
 
 class SharedStored:
@@ -199,6 +241,16 @@ class CodecPolicy:
     quantizing ``up`` beside it alone takes the gradient cosine from 0.996 to 0.990). The sibling
     that was encoded first has its payload replaced while the op still holds it; the meter has
     already counted that site's encoded bytes.
+
+    The operands of a product share their outlier channels: when one stores channels exactly
+    (``codecs.outlier``), the other stores the same channels exactly beside its payload
+    (:func:`share_columns`, written back on decode by :func:`shared_back`), whichever of the two
+    was saved first. In ``y = a * b`` the gradient of ``b`` is ``g * a``: a channel where ``b``
+    is massive was written by a large gain, which multiplies ``a``'s error in that channel on
+    its way back (llama-tiny with one ``up_proj`` row scaled up: ``up`` carries the massive
+    channel, and ``silu(gate)``, which looks normal, held the gradient's error). It costs
+    nothing on a product with no outlier channels, and no sync: a deferred encode shares its
+    flagged top-capacity channels.
     """
 
     def __init__(self, assign: Assign, carry: CodecPolicy | None = None) -> None:
@@ -321,6 +373,22 @@ class CodecPolicy:
             "_sites": sites_,
         }  # fmt: skip
 
+    @staticmethod
+    def _share_sibling_columns(prev: tuple | None, prefix: str, stored, x: torch.Tensor) -> None:
+        """``prev``, the save just before this one (``stored``, the encoded ``x``), if the same
+        op made it: each operand stores the other's outlier channels exactly too."""
+        if prev is None or prev[0] != prefix:
+            return
+        other, t = prev[2](), prev[3]()
+        if other is None or t is None or other.fallback is not None or other.perm != stored.perm:
+            return
+        if (cols := outlier_columns(other.packed)) is not None:
+            share_columns(stored.codec, stored.packed, x, cols)
+        if (cols := outlier_columns(stored.packed)) is not None:
+            share_columns(other.codec, other.packed, t.permute(prev[4]) if prev[4] else t, cols)
+            if "shared_val" in other.packed.tensors:  # counted with this save, made by it
+                stored.packed.tensors["partner_val"] = other.packed.tensors["shared_val"]
+
     def _exact_sibling(self, prev: tuple | None, prefix: str, site: str) -> None:
         """``prev``, the save just before ``site``, if the same op made it: store it exactly."""
         if prev is None or prev[0] != prefix:
@@ -411,6 +479,7 @@ class CodecPolicy:
                 self._exact_sibling(prev, prefix, site)
                 self._exact_next = (prefix, site)
         else:
+            self._share_sibling_columns(prev, prefix, stored, x)
             self._prev = (
                 prefix,
                 site,

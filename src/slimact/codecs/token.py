@@ -43,9 +43,11 @@ from slimact.codecs.quant import (
     quantized_problem,
     refuse_nonfinite,
     rounding_args,
-    row_stats,
     rows_view,
     verdict,
+)
+from slimact.codecs.rows import (
+    row_stats,
 )
 from slimact.ops.quant import dequantize_ref, quantize_ref
 

@@ -70,11 +70,31 @@ def _payload_bytes(stored: list[Any]) -> int:
     return storage_nbytes(tensors)
 
 
+def partnered_bytes(codec: Codec, views: list, partner: list) -> int:
+    """The payload bytes of ``views`` stored after ``partner`` (see :func:`codec_stat`), the
+    partner through a codec of its own (a stateful codec serves one site)."""
+    own = {id(t) for _, t in views}
+    other = type(codec)(codec.config)
+    policy = CodecPolicy(lambda site, t: codec if id(t) in own else other)
+    try:
+        stored = [policy(site, t) for site, t in [*partner, *views]]
+    except (TypeError, ValueError, RuntimeError, NotImplementedError):
+        return _payload_bytes(run_policy(codec, views))
+    return _payload_bytes(stored[len(partner) :])
+
+
 @torch.no_grad()
 def codec_stat(
-    name: str, views: list[tuple[str, torch.Tensor]], repeats: int, device: torch.device
+    name: str,
+    views: list[tuple[str, torch.Tensor]],
+    repeats: int,
+    device: torch.device,
+    partner: list[tuple[str, torch.Tensor]] = (),
 ) -> CodecStat | None:
-    """Measure codec ``name`` on a storage's views; None if it does not apply."""
+    """Measure codec ``name`` on a storage's views; None if it does not apply. ``partner``: the
+    save just before them by the same op (a product's other operand), encoded first through the
+    same policy so that the bytes include the outlier channels the two share
+    (``codecs.saving.CodecPolicy``): charged here, whether or not the plan codes the partner."""
     codec = build_codec(name, views[0][1])
     try:
         t0 = time.perf_counter()
@@ -88,7 +108,7 @@ def codec_stat(
     for (_, t), y in zip(views, decoded):
         num += float((y.double() - t.double()).pow(2).sum())
         den += float(t.double().pow(2).sum())
-    nbytes = _payload_bytes(stored)
+    nbytes = partnered_bytes(codec, views, partner) if partner else _payload_bytes(stored)
     enc = median_time(lambda: run_policy(codec, views), repeats, device, warmup=False)
     both = lambda: [st.unpack() for st in run_policy(codec, views)]  # noqa: E731
     dec = median_time(both, repeats, device, warmup=False)  # the first run above warmed both

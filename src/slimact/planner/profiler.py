@@ -25,6 +25,7 @@ from slimact.planner.codecstats import (
     _worth_trying,
     codec_stat,
     lossy_allowed,
+    partnered_bytes,
     run_policy,
 )
 from slimact.planner.gradstats import grad_errors, loss_of
@@ -160,7 +161,7 @@ class Profiler:
                 for c in self.codecs:
                     if not _worth_trying(c, vs, s.lossy_ok, self.device):
                         continue
-                    st = codec_stat(c, vs, self.repeats, self.device)
+                    st = codec_stat(c, vs, self.repeats, self.device, self._partner(vs))
                     if st is not None and (s.lossy_ok or st.rel_err == 0.0) and st.bytes < s.bytes:
                         s.codecs[c] = st
         if self.grads:
@@ -188,6 +189,12 @@ class Profiler:
                 for c, slope in self._slopes(s, rep).items():
                     kp.per_block.setdefault(rep, {}).setdefault(str(s.id), {})[c] = slope
         return kp
+
+    def _partner(self, vs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """The save just before a storage's first view by the same op (``<op>#k-1``), if any."""
+        prefix, _, k = vs[0][0].rpartition("#")
+        name = f"{prefix}#{int(k) - 1}" if k.isdigit() and int(k) > 0 else None
+        return [(name, self.views[name])] if name in self.views else []
 
     def _views(self, s: StorageProfile, block: str) -> list[tuple[str, torch.Tensor]]:
         names = [abs_site(x, block) for x in s.sites if x != "!extern"]
@@ -234,7 +241,8 @@ class Profiler:
         for c, st in s.codecs.items():
             codec = build_codec(c, t)
             stateful = bool(codec.state_dict())
-            row[c] = st.bytes if b == rep or stateful else _payload_bytes(run_policy(codec, vs))
+            own = b == rep or stateful
+            row[c] = st.bytes if own else partnered_bytes(codec, vs, self._partner(vs))
         return row
 
     def _storages(self, kp: KindProfile, rep: str) -> None:
