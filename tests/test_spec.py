@@ -128,6 +128,7 @@ def test_round_trip(text):
         ("compiled-int8@region=0.25", "compiled-int8@0.25"),  # region budget: bare
         ("chunked-ce@mode=precompute,chunk_size=128", "chunked-ce@precompute,128"),
         (" invact + int4 ", "invact+int4"),
+        ("chunked-ce@mode=fast", "chunked-ce@mode=fast"),  # not a bare mode: kept keyed
         ("auto@ 25% , repeats = 1", "auto@25%,repeats=1"),
     ],
 )

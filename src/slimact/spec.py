@@ -87,13 +87,15 @@ class Part:
         return dataclasses.replace(self, settings=(*self.settings, *extra))
 
     def __str__(self) -> str:
-        bare = {key for key, _, _ in bare_settings(self.name)}
+        bare = {key: test for key, test, _ in bare_settings(self.name)}
         items = [] if self.budget is None else [str(self.budget)]
         for key, value in self.settings:
             if key == "rounding" and value == "stochastic":
                 items.append(SR)
+            elif not key or (key in bare and bare[key](value)):
+                items.append(value)  # bare where it reads back as the same setting
             else:
-                items.append(value if key in bare or not key else f"{key}={value}")
+                items.append(f"{key}={value}")
         return f"{self.name}{AT}{','.join(items)}" if items else self.name
 
 
