@@ -23,7 +23,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (0, ("slimact.utils", "slimact.sites", "slimact.patching", "slimact.timing", "slimact.peak")),
     (0, ("slimact.envinfo", "slimact.registry", "slimact.budget", "slimact.state")),
-    (0, ("slimact.actions", "slimact.gradcheck")),
+    (0, ("slimact.actions", "slimact.gradcheck", "slimact.spec")),
     (1, ("slimact.meter",)),
     (2, ("slimact.ops", "slimact.codecs", "slimact.modules", "slimact.data", "slimact.classify")),
     (2, ("slimact.hf_inputs",)),

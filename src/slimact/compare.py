@@ -20,7 +20,7 @@ from slimact.gradcheck import grad_error
 from slimact.meter import MemoryReport, measure
 from slimact.models import build_model, count_params
 from slimact.peak import step_peak
-from slimact.registry import COMPILED_PREFIX
+from slimact.spec import compiles_blocks
 from slimact.strategies import apply, resolve
 from slimact.timing import interleaved
 from slimact.utils import seed_everything
@@ -204,7 +204,7 @@ def compare(cfg: CompareConfig) -> dict:
             steps[name] = step
         except Exception as e:
             rivals[name] = {"strategy": name, "error": f"{type(e).__name__}: {e}"}
-    if any(p.strip().startswith(COMPILED_PREFIX) for p in cfg.strategy.split("+")):
+    if compiles_blocks(cfg.strategy):
         steps["strategy"]()  # compiled blocks compile again without the meter: not in the peak
     peaks = {k: step_peak(fn, device) for k, fn in steps.items()}
     timing = interleaved(steps, rounds=cfg.steps, warmup=cfg.warmup)

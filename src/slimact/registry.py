@@ -2,8 +2,8 @@
 
 torchao-style: each strategy is a frozen dataclass config; ``register_strategy`` ties a name and a
 config class to ``transform(model, config, filter_fn) -> AppliedChange list``. ``apply`` accepts
-``"name"``, a config, ``"name@arg"`` for configs with a ``from_spec`` parser (``"auto@25%"``), or
-``"a+b"`` to compose several (applied left to right; a spec of presets alone is one merged
+``"name"``, a config, ``"name@settings"`` (``"auto@25%"``, read by ``slimact.spec``, the one
+grammar, into the config's ``spec_fields``), or ``"a+b"`` to compose several (applied left to right; a spec of presets alone is one merged
 plan, ``register_preset_path``). Every change is
 recorded on the model (``applied(model)``) and can be undone with ``revert(model)``. A wrapper
 (a peft ``PeftModel``, DDP, any ``.module`` wrapper) is seen through: all three act on the model
@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import contextvars
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -48,6 +49,8 @@ from typing import Any
 
 import torch.nn as nn
 
+from slimact import spec
+from slimact.spec import COMPILED_PREFIX
 from slimact.state import model_of, peek, prune, state_of
 
 logger = logging.getLogger("slimact")
@@ -240,14 +243,29 @@ def transform_of(config: StrategyConfig) -> Transform:
     return _entry_for(config).transform
 
 
-def _entry_named(label: str) -> _Entry | None:
-    return _REGISTRY.get(label) or _REGISTRY.get(label.split("@", 1)[0])
-
-
 def resolve(strategy: str | StrategyConfig) -> list[StrategyConfig]:
     """``"none"``, ``"invact+int4"`` or a config -> list of configs; a spec that breaks the
     composition rule (module docstring) is a ``ValueError`` naming the parts."""
     return [cfg for _, cfg in _resolve_named(strategy)]
+
+
+def _part(part: spec.Part) -> spec.Part:
+    """``part`` under its strategy's registered name (an earlier name read as today's)."""
+    return dataclasses.replace(part, name=_RENAMED[part.name]) if part.name in _RENAMED else part
+
+
+def _config_of(part: spec.Part, whole: str) -> StrategyConfig:
+    entry = _REGISTRY.get(part.name)
+    if entry is None:
+        raise ValueError(
+            f"unknown strategy {str(part)!r}; valid strategies: {', '.join(_REGISTRY)}"
+        )
+    return spec.configure(entry.default, part)
+
+
+def parse(strategy: str) -> list[spec.Part]:
+    """``strategy``'s parts (``slimact.spec``), each under its registered name."""
+    return [_part(p) for p in spec.parse(strategy, _REGISTRY)]
 
 
 def _resolve_named(strategy: str | StrategyConfig) -> list[tuple[str, StrategyConfig]]:
@@ -260,23 +278,7 @@ def _resolve_named(strategy: str | StrategyConfig) -> list[tuple[str, StrategyCo
             f"strategy must be a name or a StrategyConfig, got {strategy!r}; "
             f"valid names: {', '.join(_REGISTRY)}"
         )
-    out: list[tuple[str, StrategyConfig]] = []
-    for part in strategy.split("+"):
-        part = part.strip()
-        base = part.split("@", 1)[0]
-        if base in _RENAMED:  # an earlier name: read as today's
-            base, part = _RENAMED[base], _RENAMED[base] + part[len(base) :]
-        if not part:
-            raise ValueError(
-                f"strategy {strategy!r} has an empty part: join names with single '+' "
-                f"(e.g. 'invact+int4'); valid strategies: {', '.join(_REGISTRY)}"
-            )
-        if part in _REGISTRY:
-            out.append((part, _REGISTRY[part].default))
-        elif base in _REGISTRY and hasattr(_REGISTRY[base].config_cls, "from_spec"):
-            out.append((part, _REGISTRY[base].config_cls.from_spec(part)))  # e.g. "auto@30%"
-        else:
-            raise ValueError(f"unknown strategy {part!r}; valid strategies: {', '.join(_REGISTRY)}")
+    out = [(str(p), _config_of(p, strategy)) for p in parse(strategy)]
     _check_composition(out, strategy)
     return out
 
@@ -290,48 +292,47 @@ def _is_codec_policy(config: StrategyConfig) -> bool:
 
 def _label_is_policy(label: str) -> bool:
     """Is the strategy a spec ``label`` names (``"compiled-int8@0"``) a codec policy?"""
-    entry = _REGISTRY.get(label) or _REGISTRY.get(label.split("@", 1)[0])
+    part = _part(spec.parse_part(label))
+    entry = _REGISTRY.get(part.name)
     if entry is None:
         return False
-    if hasattr(entry.config_cls, "from_spec") and "@" in label:
-        return _is_codec_policy(entry.config_cls.from_spec(label))
-    return entry.codec_policy
+    return _is_codec_policy(spec.configure(entry.default, part))
 
 
 def _composable() -> str:
     return ", ".join(n for n, e in _REGISTRY.items() if not e.codec_policy and n != "none")
 
 
-def _check_composition(parts: list[tuple[str, StrategyConfig]], spec: object) -> None:
+def _check_composition(parts: list[tuple[str, StrategyConfig]], whole: object) -> None:
     """One spec: each strategy (config class) once, at most one codec policy."""
     seen: dict[type, str] = {}
     for label, cfg in parts:
         if type(cfg) in seen:
             raise ValueError(
-                f"strategy {spec!r} names {seen[type(cfg)]!r} and {label!r}, the same strategy "
+                f"strategy {whole!r} names {seen[type(cfg)]!r} and {label!r}, the same strategy "
                 f"({type(cfg).__name__}) twice; name each strategy once"
             )
         seen[type(cfg)] = label
     codecs = [label for label, cfg in parts if _is_codec_policy(cfg)]
     if len(codecs) > 1:
         raise ValueError(
-            f"strategy {spec!r} composes two codec-policy strategies, {codecs[0]!r} and "
+            f"strategy {whole!r} composes two codec-policy strategies, {codecs[0]!r} and "
             f"{codecs[1]!r}: {_ONE_POLICY}; use one of them, composed with any of: "
             f"{_composable()} (e.g. 'invact+recompute+int4')"
         )
 
 
-COMPILED_PREFIX = "compiled-"  # slimact.compiled: blocks compiled with traced codec hooks
-
-
-def _check_compiled(labels: list[str], spec: object) -> None:
+def _check_compiled(labels: list[str], whole: object) -> None:
     """Compiled blocks (``compiled-*``) and per-block checkpointing do not compose: compiling a
     checkpointed block fails inside inductor, and checkpointing a compiled one is untested."""
     compiled = [x for x in labels if x.startswith(COMPILED_PREFIX)]
-    ckpt = [x for x in labels if (e := _entry_named(x)) is not None and e.checkpointing]
+    ckpt = [
+        x for x in labels
+        if (e := _REGISTRY.get(_part(spec.parse_part(x)).name)) is not None and e.checkpointing
+    ]  # fmt: skip
     if compiled and ckpt:
         raise ValueError(
-            f"strategy {spec!r}: {compiled[0]!r} compiles each block with its codec inside, "
+            f"strategy {whole!r}: {compiled[0]!r} compiles each block with its codec inside, "
             f"and {ckpt[0]!r} checkpoints blocks; the two do not compose (apply one of them; "
             f"{compiled[0]!r} composes with invact and chunked-ce)"
         )
@@ -366,36 +367,38 @@ def compiled_spec(strategy: str) -> str:
     ``"invact@ops=none+compiled-none"``. A part with no compiled form is a ``ValueError``."""
     if not isinstance(strategy, str) or not strategy.strip():
         raise ValueError(f"compile=True needs a strategy name or spec, got {strategy!r}")
-    eager, blocks = [], []
-    for part in (p.strip() for p in strategy.split("+")):
-        base, at, arg = part.partition("@")
-        if base.startswith(COMPILED_PREFIX):
+    eager: list[spec.Part] = []
+    blocks: list[spec.Part] = []
+    for part in parse(strategy):
+        e = _REGISTRY.get(part.name)
+        if part.name.startswith(COMPILED_PREFIX):
             blocks.append(part)
-        elif compiled_form_of(base) is not None:
-            blocks.append(compiled_form_of(base) + at + arg)
-        elif (e := _REGISTRY.get(base)) is not None and e.compile_safe:
-            given = {item.split("=", 1)[0] for item in arg.split(",") if "=" in item}
-            extra = [a for a in e.compile_args.split(",") if a and a.split("=")[0] not in given]
-            eager.append(f"{base}@{','.join(filter(None, [arg, *extra]))}" if extra else part)
+        elif e is not None and e.compiled_form is not None:
+            blocks.append(dataclasses.replace(part, name=e.compiled_form))
+        elif e is not None and e.compile_safe:
+            args = (
+                spec.parse_part(f"{part.name}{spec.AT}{e.compile_args}") if e.compile_args else None
+            )
+            eager.append(part.with_settings(**dict(args.settings)) if args else part)
         else:
             forms = [n for n, e in _REGISTRY.items() if e.compiled_form]
             safe = sorted(n for n, e in _REGISTRY.items() if e.compile_safe)
             raise ValueError(
-                f"strategy {part!r} has no compiled form (compile=True); strategies that do: "
-                f"{', '.join([*forms, *safe])}, and the compiled-* ones"
+                f"strategy {str(part)!r} has no compiled form (compile=True); strategies that "
+                f"do: {', '.join([*forms, *safe])}, and the compiled-* ones"
             )
-    if "compiled-recompute" in blocks and len(blocks) == 2:
-        other = next(b for b in blocks if b != "compiled-recompute")
-        e = _REGISTRY.get(other)  # its config says whether its codec runs at region budget 0
+    if len(blocks) == 2 and "compiled-recompute" in (names := [str(b) for b in blocks]):
+        other = blocks[1 - names.index("compiled-recompute")]
+        e = _REGISTRY.get(str(other))  # its config says whether its codec runs at region budget 0
         if e is not None and getattr(e.default, "merges_with_recompute", False):
-            blocks = [f"{other}@0"]
+            blocks = [other.with_settings(region="0")]
     if len(blocks) > 1:
         raise ValueError(
             f"strategy {strategy!r} under compile=True gives each block {len(blocks)} compiled "
-            f"forms ({', '.join(blocks)}); a block is compiled once: keep one of them (a codec "
-            "and recompute merge: 'int8+recompute' is compiled-int8 at region budget 0)"
+            f"forms ({', '.join(map(str, blocks))}); a block is compiled once: keep one of them "
+            "(a codec and recompute merge: 'int8+recompute' is compiled-int8 at region budget 0)"
         )
-    return "+".join([*eager, *(blocks or ["compiled-none"])])
+    return spec.join([*eager, *(blocks or ["compiled-none"])])
 
 
 def add_compile_argument(parser: argparse.ArgumentParser) -> None:
@@ -419,10 +422,11 @@ def with_budget(strategy: str, budget: str | None) -> str:
     """``("auto", "25%") -> "auto@25%"``: the ``--budget`` flag of the CLIs, for every ``auto``."""
     if budget is None:
         return strategy
-    parts = [p.strip() for p in strategy.split("+")]
-    if "auto" not in parts:
+    parts = parse(strategy)
+    if not any(str(p) == "auto" for p in parts):
         raise ValueError(f"--budget {budget} applies to strategy 'auto', not to {strategy!r}")
-    return "+".join(f"auto@{budget}" if p == "auto" else p for p in parts)
+    given = spec.parse_budget(budget)
+    return spec.join(dataclasses.replace(p, budget=given) if str(p) == "auto" else p for p in parts)
 
 
 def _entry_for(config: StrategyConfig) -> _Entry:

@@ -43,7 +43,7 @@ import torch
 import torch._functorch.config as functorch_config
 import torch.nn as nn
 
-from slimact import sites
+from slimact import sites, spec
 from slimact.bench.cases import ANCHORS
 from slimact.checkpointing import checkpoint_module
 from slimact.compiled import compiled_saved_tensors, own_code
@@ -194,7 +194,8 @@ def prepare(
     """The anchor ``name`` (see module docstring) applied to ``model``; ``compile-budget@0.25``
     and ``compile-block@0.25`` name their budget (else the suite's ``compile_budget_fraction``);
     ``backend``: torch.compile's backend for the compiling anchors."""
-    name, _, arg = name.partition("@")
+    part = spec.parse_part(name)
+    name, arg = part.name, part.get("region")
     budget = float(arg) if arg else compile_budget_fraction
     if name == "torch-checkpoint":
         return torch_checkpoint(model, forward)

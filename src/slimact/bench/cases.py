@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from slimact import spec
 from slimact.bench.maxbatch import parse_cap
 from slimact.models import get_spec, model_names
 from slimact.registry import compiled_spec
@@ -50,13 +51,20 @@ class BenchPoint:
         if not isinstance(self.name, str) or not self.name.strip():
             raise ValueError(f"a bench point needs a non-empty name, got {self.name!r}")
         if self.is_anchor:
-            base, at, arg = self.anchor.partition("@")
+            part = spec.parse_part(self.anchor)
+            base, arg = part.name, part.get("region")
             if base not in ANCHORS:
                 raise ValueError(
                     f"unknown anchor {self.anchor!r}; valid anchors: "
                     + ", ".join(ANCHOR_PREFIX + a for a in ANCHORS)
                 )
-            if at and (base not in BUDGET_ANCHORS or not _fraction(arg, *BUDGET_ANCHORS[base])):
+            given = part.settings or part.budget is not None
+            if given and (
+                base not in BUDGET_ANCHORS
+                or arg is None
+                or len(part.settings) > 1
+                or not _fraction(arg, *BUDGET_ANCHORS[base])
+            ):
                 raise ValueError(
                     f"anchor {self.anchor!r}: only compile-budget and compile-block take "
                     "'@<budget>', a number in (0, 1] for compile-budget, [0, 1] for "

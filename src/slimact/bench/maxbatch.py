@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
-from slimact.budget import Budget
+from slimact import spec
 from slimact.envinfo import machine_info
 from slimact.models import build_model, model_names
 from slimact.peak import step_peak
@@ -57,7 +57,7 @@ ADAM_MOMENTS = 2
 def parse_cap(value: str | int) -> int:
     """A memory cap in bytes from ``"2GiB"``, ``"512MB"``, ``"123456B"`` or an int of bytes."""
     try:
-        budget = Budget.parse(value)
+        budget = spec.parse_budget(value)
     except ValueError as e:
         raise ValueError(
             f"cap {value!r} is not a memory size; use e.g. '2GiB', '512MiB', '123456B' ({e})"

@@ -52,6 +52,7 @@ measured (``meta.complete`` is false until the end); a suite with ``summary`` al
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -67,7 +68,7 @@ import torch
 import torch._dynamo
 import torch.nn as nn
 
-from slimact import sites
+from slimact import sites, spec
 from slimact.bench import anchors
 from slimact.bench.case_data import Data, build, loss_fn, train_point
 from slimact.bench.cases import BenchPoint, ModelCase, Suite
@@ -79,7 +80,7 @@ from slimact.compare import grad_cosine, grads_of, measured_step, train_step_fn
 from slimact.data import load_data
 from slimact.envinfo import machine_info
 from slimact.peak import step_peak
-from slimact.registry import COMPILED_PREFIX
+from slimact.spec import compiles_blocks
 from slimact.strategies import applied, apply
 from slimact.utils import seed_everything
 
@@ -151,7 +152,7 @@ def case_model(case: ModelCase, suite: Suite, device: torch.device) -> nn.Module
 
 def _compiles_blocks(spec: str) -> bool:
     """Whether strategy ``spec`` compiles the blocks (a ``compiled-*`` part)."""
-    return any(p.strip().startswith(COMPILED_PREFIX) for p in spec.split("+"))
+    return compiles_blocks(spec)
 
 
 def _graph_breaks() -> int:
@@ -326,8 +327,8 @@ def _train(rec: dict, model, fwd, data: Data, case: ModelCase, suite: Suite, log
 
 def _planner_key(point: str) -> str | None:
     """What a compiled-auto point's profile depends on besides its budget: its options."""
-    base, _, arg = point.partition("@")
-    return arg.partition(",")[2] if base == "compiled-auto" else None
+    part = spec.parse_part(point)
+    return str(dataclasses.replace(part, budget=None)) if part.name == "compiled-auto" else None
 
 
 def _why_not_run(point: str, limit: float | None, records: dict[str, dict]) -> str | None:

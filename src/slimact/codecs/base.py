@@ -52,6 +52,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from slimact.actions import THEN
+
 
 @dataclass
 class Packed:
@@ -326,7 +328,7 @@ def codec_config(label: str) -> CodecConfig:
     (``offload+int8``: INT8's payload offloaded)."""
     if not isinstance(label, str):
         raise ValueError(f"a codec label is a string like 'int4-outlier/g32', got {label!r}")
-    outer, plus, inner = label.partition("+")
+    outer, plus, inner = label.partition(THEN)
     if plus and "/" not in outer:  # <wrapper>+<inner label>: a codec around another (offload)
         cfg = codec_config(outer)
         if "inner" not in {f.name for f in fields(cfg)}:
@@ -385,6 +387,6 @@ def get_codec(spec: str | CodecConfig) -> Codec:
     """Build a codec from a registered name, a label (``int4-outlier/g32``) or a config."""
     if isinstance(spec, CodecConfig):
         return spec.build()
-    if spec.partition("/")[0].partition("+")[0] not in _CODECS:
+    if spec.partition("/")[0].partition(THEN)[0] not in _CODECS:
         raise ValueError(f"unknown codec {spec!r}; valid codecs: {', '.join(_CODECS)}")
     return codec_config(spec).build()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slimact.budget import Budget
+from slimact import spec
 from slimact.registry import COMPILED_PREFIX, codec_policy_names, compiled_form_of, compiled_spec
 from slimact.utils import fmt_bytes
 
@@ -52,12 +52,13 @@ CUDA_EVIDENCE = Evidence(
 )
 
 
-def _eager_codec_parts(strategy: str) -> list[str]:
-    parts = [p.strip() for p in strategy.split("+")]
+def _eager_codec_parts(strategy: str) -> list[spec.Part]:
     # offload's policy moves block inputs to the host: the evidence (codecs' time) is not its
     policies = codec_policy_names() - {"plan", "offload"}
     return [
-        p for p in parts if p.split("@", 1)[0] in policies and not p.startswith(COMPILED_PREFIX)
+        p
+        for p in spec.parse(strategy)
+        if p.name in policies and not p.name.startswith(COMPILED_PREFIX)
     ]
 
 
@@ -72,16 +73,13 @@ def documented_dominance(strategy: str, device_type: str) -> str | None:
     ev = CUDA_EVIDENCE
     kept = ev.rows[ev.faster][0]
     for p in parts:
-        base, _, arg = p.partition("@")
-        if base == "auto":
-            try:
-                budget = Budget.parse(arg.split(",", 1)[0]) if arg else None
-            except ValueError:
-                budget = None
-            if budget is None or budget.share is None or budget.share < kept:
-                return None  # fewer bytes than the evidence's point keeps: not covered
+        if p.name == "auto" and (
+            p.budget is None or p.budget.share is None or p.budget.share < kept
+        ):
+            return None  # fewer bytes than the evidence's point keeps: not covered
     eager = [k for k in ev.rows if not k.startswith(COMPILED_PREFIX)]
-    shown = [k for k in eager if k.split("@")[0] in {p.split("@")[0] for p in parts}] or eager
+    names = {p.name for p in parts}
+    shown = [k for k in eager if spec.parse_part(k).name in names] or eager
     measured = " and ".join(
         f"eager {k} took {ev.rows[k][2]:.2f}x (peak {ev.rows[k][1]:.3f})" for k in shown
     )

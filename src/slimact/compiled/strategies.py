@@ -16,12 +16,14 @@ block instead.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from slimact.compiled.blocks import BlockChoice
 from slimact.compiled.codec import RENAMED, SR_SUFFIX, canonical_codec, resolve_codec
 from slimact.registry import StrategyConfig
+from slimact.spec import AT, COMPILED_PREFIX, SR
 
-PREFIX = "compiled-"
+PREFIX = COMPILED_PREFIX
 # the strategies named after an earlier codec name: old -> the name in PRESETS (read in specs)
 RENAMED_STRATEGIES = {PREFIX + old: PREFIX + new for old, new in RENAMED.items()}
 
@@ -34,6 +36,9 @@ class CompiledCodecConfig(StrategyConfig):
     codec: str = "int8"
     budget: float = 1.0
     offload: bool = False
+
+    # a spec's settings (``slimact.spec``): compile's region budget, bare, and ``sr``
+    spec_fields: ClassVar = {"region": float, "rounding": str}
 
     def __post_init__(self) -> None:
         resolve_codec(self.codec)
@@ -57,9 +62,9 @@ class CompiledCodecConfig(StrategyConfig):
         recompute = base == "none" and self.budget == 0.0
         args = [] if recompute or self.budget == 1.0 else [f"{self.budget:g}"]
         if base != self.codec:
-            args.append("sr")
+            args.append(SR)
         head = f"{PREFIX}recompute" if recompute else f"{PREFIX}{base}"
-        return f"{head}@{','.join(args)}" if args else head
+        return f"{head}{AT}{','.join(args)}" if args else head
 
     @property
     def merges_with_recompute(self) -> bool:
@@ -73,35 +78,25 @@ class CompiledCodecConfig(StrategyConfig):
         return BlockChoice(self.budget, self.codec, self.offload)
 
     @classmethod
-    def from_spec(cls, spec: str) -> CompiledCodecConfig:
-        """``compiled-int8@0.25`` -> codec ``int8`` under region budget 0.25;
-        ``compiled-int4@sr`` (or ``@rounding=stochastic``, ``@0.25,sr``) -> codec ``int4-sr``."""
-        name, _, arg = spec.partition("@")
-        if name == f"{PREFIX}offload":
-            if arg.strip():
-                raise ValueError(
-                    f"{spec!r}: compiled-offload takes no arguments (every block keeps only its "
-                    "input, in host memory); for a mix of offload and other choices use "
-                    "'compiled-auto@<budget>,host_budget=<bytes>'"
-                )
-            return cls("none", 0.0, offload=True)
-        codec = "none" if name == f"{PREFIX}recompute" else name.removeprefix(PREFIX)
-        budget = 0.0 if name == f"{PREFIX}recompute" else 1.0
-        for item in filter(None, (part.strip() for part in arg.split(","))):
-            if item in ("sr", "rounding=stochastic"):
-                codec = codec.removesuffix(SR_SUFFIX) + SR_SUFFIX
-            elif item == "rounding=nearest":
-                codec = codec.removesuffix(SR_SUFFIX)
-            else:
-                try:
-                    budget = float(item)
-                except ValueError:
-                    raise ValueError(
-                        f"{spec!r}: the part after '@' is compile's region budget, a number in "
-                        f"[0, 1], and/or 'sr' (stochastic rounding), e.g. '{name}@0.25' or "
-                        f"'{name}@0.25,sr'; got {item!r}"
-                    ) from None
-        return cls(codec, budget)
+    def from_settings(cls, default: CompiledCodecConfig, values: dict) -> CompiledCodecConfig:
+        """``default`` (a registered one) with a spec's settings (``slimact.spec``):
+        ``compiled-int8@0.25`` -> codec ``int8`` under region budget 0.25;
+        ``compiled-int4@sr`` (or ``@0.25,sr``) -> codec ``int4-sr``."""
+        if default.offload:
+            raise ValueError(
+                f"{default.name!r} takes no settings, got {values} (every block keeps only its "
+                "input, in host memory); for a mix of offload and other choices use "
+                "'compiled-auto@<budget>,host_budget=<bytes>'"
+            )
+        codec = default.codec.removesuffix(SR_SUFFIX)
+        rounding = values.get("rounding", "nearest")
+        if rounding not in ("nearest", "stochastic"):
+            raise ValueError(
+                f"{default.name}: rounding must be one of nearest, stochastic (or '{SR}'), got "
+                f"{rounding!r}"
+            )
+        codec += SR_SUFFIX if rounding == "stochastic" else ""
+        return cls(codec, values.get("region", default.budget))
 
 
 # the fixed compiled strategies: name -> (its config, its description); registered by

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 
-from slimact import sites
+from slimact import sites, spec
 from slimact.budget import BudgetWarning
 from slimact.classify import call_batch
 from slimact.meter import Meter
@@ -38,7 +38,7 @@ from slimact.planner.evolve import (
     is_tracking_step,
     plan_diff,
 )
-from slimact.planner.plan import Plan, is_relative
+from slimact.planner.plan import Plan
 from slimact.planner.profile import autocast_state
 from slimact.state import peek, prune, state_of
 from slimact.utils import fmt_bytes
@@ -164,7 +164,7 @@ class BudgetCheck:
         gap = measured - limit
         over = measured > limit * (1 + self.tolerance)
         stale = self._stale(cond)
-        relative_stale = bool(stale) and is_relative(plan.budget)
+        relative_stale = bool(stale) and spec.parse_budget(plan.budget).relative
         event: dict[str, Any] = {
             "check": self.phase,
             "budget": plan.budget,

@@ -10,11 +10,14 @@ result; this module is their planner half, so the planner package never imports 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
 
+from slimact import spec
 from slimact.budget import Budget
 from slimact.codecs.base import codec_names
 from slimact.hf_inputs import random_token_batch
@@ -24,6 +27,7 @@ from slimact.planner.plan import Plan
 from slimact.planner.profile import cached_profile, profile_model
 from slimact.planner.solve import solve_plan
 from slimact.registry import StrategyConfig
+from slimact.spec import flag, listed, optional
 
 
 @dataclass(frozen=True)
@@ -57,9 +61,17 @@ class AutoConfig(StrategyConfig):
     seed: int = 0
     host_budget: str | int | None = None
 
+    # what a spec sets beside its budget (``auto@25%,codecs=int4/int8``: ``slimact.spec``)
+    spec_budget: ClassVar = True
+    spec_fields: ClassVar = {
+        "layers": str, "codecs": listed(), "repeats": int, "reform": flag, "recompute": flag,
+        "max_rel_err": optional(float), "max_grad_err": optional(float),
+        "max_quality": optional(float), "cache": optional(str), "host_budget": optional(str),
+    }  # fmt: skip
+
     def __post_init__(self) -> None:
         if self.budget is not None:  # parsed once, here: a malformed budget raises
-            object.__setattr__(self, "budget", Budget.parse(self.budget))
+            object.__setattr__(self, "budget", spec.parse_budget(self.budget))
         parse_host_budget(self.host_budget)  # a malformed or relative one raises here
         if self.layers not in LAYER_MODES:
             raise ValueError(f"AutoConfig.layers must be one of {LAYER_MODES}, got {self.layers!r}")
@@ -82,52 +94,10 @@ class AutoConfig(StrategyConfig):
                 raise ValueError(f"AutoConfig.{name} must be an int >= 1, got {v!r}")
 
     @classmethod
-    def from_spec(cls, spec: str, **overrides) -> AutoConfig:
-        """``"auto@25%"`` or ``"25%"`` -> ``AutoConfig(budget="25%", **overrides)``; options may
-        follow the budget: ``"auto@25%,codecs=int4/int8,repeats=1"`` (``slimact.strategies.auto``)."""
-        body = spec.split("@", 1)[1] if "@" in spec else spec
-        budget, *items = [part.strip() for part in body.split(",")]
-        kwargs: dict = {}
-        for item in filter(None, items):
-            key, sep, value = (x.strip() for x in item.partition("="))
-            conv = _SPEC_FIELDS.get(key)
-            if not sep or conv is None:
-                raise ValueError(
-                    f"strategy spec {spec!r}: {item!r} must be key=value with key one of "
-                    f"{', '.join(_SPEC_FIELDS)}"
-                )
-            try:
-                kwargs[key] = conv(value)
-            except ValueError:
-                raise ValueError(
-                    f"strategy spec {spec!r}: bad value for {key}: {value!r}"
-                ) from None
-        return cls(budget=budget, **{**kwargs, **overrides})
-
-
-def _flag(text: str) -> bool:
-    low = text.lower()
-    if low not in ("1", "0", "true", "false", "yes", "no"):
-        raise ValueError(text)
-    return low in ("1", "true", "yes")
-
-
-def _none_or(conv):  # type: ignore[no-untyped-def]
-    return lambda text: None if text.lower() == "none" else conv(text)
-
-
-_SPEC_FIELDS = {
-    "layers": str,
-    "codecs": lambda text: tuple(c.strip() for c in text.split("/") if c.strip()),
-    "repeats": int,
-    "reform": _flag,
-    "recompute": _flag,
-    "max_rel_err": _none_or(float),
-    "max_grad_err": _none_or(float),
-    "max_quality": _none_or(float),
-    "cache": _none_or(str),
-    "host_budget": _none_or(str),
-}
+    def from_spec(cls, text: str, **overrides) -> AutoConfig:
+        """``"auto@25%,codecs=int4/int8,repeats=1"`` -> its config (``slimact.spec``), with
+        ``overrides`` set."""
+        return dataclasses.replace(spec.configure(cls(), spec.parse_part(text)), **overrides)
 
 
 def solve_options(config: AutoConfig) -> dict:

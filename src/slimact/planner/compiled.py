@@ -72,7 +72,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from slimact import sites
+from slimact import sites, spec
 from slimact.budget import Budget, BudgetWarning
 from slimact.compiled.blocks import (
     BlockChoice,
@@ -436,7 +436,7 @@ def solve_compiled(
         raise ValueError(f"time_tolerance must be >= 0, got {time_tolerance!r}")
     if not tie_tolerance >= 0:
         raise ValueError(f"tie_tolerance must be >= 0, got {tie_tolerance!r}")
-    budget = Budget.parse(budget)
+    budget = spec.parse_budget(budget)
     allowed = _allowed(profile, budget)
     ok = lambda s: max_grad_err is None or s.grad_err <= max_grad_err  # noqa: E731
     admit = lambda s: ok(s) and (offload is not None or not s.choice.offload)  # noqa: E731

@@ -21,8 +21,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import fields
 from typing import Any
 
-from slimact import actions
-from slimact.budget import Budget
+from slimact import actions, spec
 from slimact.codecs.base import codec_config, codec_names
 
 
@@ -116,10 +115,10 @@ def checked_layer(lp: Any) -> dict[str, Any]:
 
 def check_budget_text(budget: Any) -> None:
     """A plan's ``budget`` that reads as a number (not a label such as a compiled root plan's)
-    is one ``Budget.parse`` takes: ``-5%`` or ``150%`` is refused here, not at the first step."""
+    is one ``slimact.spec.parse_budget`` takes: ``-5%`` or ``150%`` is refused here, not at the first step."""
     if isinstance(budget, str) and _NUMERIC.match(budget):
         try:
-            Budget.parse(budget)
+            spec.parse_budget(budget)
         except ValueError as e:
             raise ValueError(f"a plan's budget {budget!r} is not a budget: {e}") from None
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slimact.budget import Budget
+from slimact import actions, spec
 
 OFFLOAD = "offload"  # the option's name among a storage's codecs (the offload codec's)
 _BANDWIDTH: dict[str, float] = {}
@@ -45,7 +45,7 @@ def is_offload(option: str) -> bool:
 
 def inner_of(option: str) -> str:
     """What an offload option moves: ``raw`` (the tensor) or the codec whose payload it is."""
-    return option.partition("+")[2] or "raw"
+    return option.partition(actions.THEN)[2] or "raw"
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ def parse_host_budget(value: str | int | None) -> int | None:
     """``"8GiB"`` / an int of bytes -> bytes (None: no offload); a share is refused."""
     if value is None:
         return None
-    b = Budget.parse(value)
+    b = spec.parse_budget(value)
     if b.total is None:
         raise ValueError(
             f"host_budget is bytes of pinned host memory, like '8GiB' or an int; got {value!r}"

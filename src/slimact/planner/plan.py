@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from slimact import actions
+from slimact import actions, spec
 from slimact.budget import Budget
 from slimact.planner import settings as _settings
 from slimact.planner.jsonread import (
@@ -204,16 +204,7 @@ class Profile:
 
 def parse_budget(text: str | int | Budget, baseline_bytes: int, static_bytes: int = 0) -> int:
     """Activation bytes allowed by a budget (``slimact.budget.Budget``; text or int parsed)."""
-    return Budget.parse(text).allowed(baseline_bytes, static_bytes)
-
-
-def budget_text(budget: str | int | Budget) -> str:
-    """The budget as a string ``Budget.parse`` reads back the same (an int: ``"<n>B"``)."""
-    return str(Budget.parse(budget))
-
-
-def is_relative(budget: str | int | Budget) -> bool:
-    return Budget.parse(budget).relative
+    return spec.parse_budget(text).allowed(baseline_bytes, static_bytes)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slimact import actions
+from slimact import actions, spec
 from slimact.budget import Budget
 from slimact.planner.milp import DEFAULT_MAX_GRAD_ERR, TIE_TOLERANCE, Problem
 from slimact.planner.offload import inner_of, is_offload, option_for
@@ -52,7 +52,7 @@ def solve_plan(
         profile, layers, codecs, recompute, reform, max_rel_err, max_grad_err, offload
     )
     base = profile.baseline_bytes
-    budget = Budget.parse(budget)
+    budget = spec.parse_budget(budget)
     static = profile.static.get("total", 0) if include_static and not budget.relative else 0
     allowed = budget.allowed(base, static)
     smallest = problem.min_bytes(max_quality)

@@ -36,9 +36,9 @@ paths, state_dict unchanged; copies and pickles of the model carry their own swa
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -52,6 +52,7 @@ from slimact.ops.inv_act_approx import KINDS, MODES
 from slimact.ops.inv_norm import inv_layer_norm, inv_rms_norm, invertible
 from slimact.patching import override_forward, pop_attr, run_all
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig
+from slimact.spec import listed
 from slimact.utils import model_device
 
 
@@ -74,6 +75,11 @@ class InvActConfig(StrategyConfig):
     backend: str = "auto"
     bf16: str = "floor"
 
+    # what a spec sets (``ops``: activation kinds joined by ``/``, ``ops=none`` for norms only)
+    spec_fields: ClassVar = {
+        "bf16": str, "mode": str, "variant": str, "backend": str, "ops": listed(str, "none"),
+    }  # fmt: skip
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
@@ -88,31 +94,6 @@ class InvActConfig(StrategyConfig):
             raise ValueError(f"max_bias_ratio must be > 0, got {self.max_bias_ratio}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-
-    @classmethod
-    def from_spec(cls, spec: str) -> InvActConfig:
-        """``"invact@bf16=exact-near-branch"`` -> the registered default with that field set
-        (string fields: bf16, mode, variant, backend; ``ops``: activation kinds joined by ``/``,
-        ``ops=none`` for norms only)."""
-        name, _, body = spec.partition("@")
-        kwargs = {}
-        for item in filter(None, (part.strip() for part in body.split(","))):
-            key, sep, value = (x.strip() for x in item.partition("="))
-            if not sep or key not in _SPEC_FIELDS:
-                raise ValueError(
-                    f"strategy spec {spec!r}: {item!r} must be key=value with key one of "
-                    f"{', '.join(_SPEC_FIELDS)}"
-                )
-            if key == "ops":
-                kinds = [] if value.lower() == "none" else value.split("/")
-                kwargs[key] = tuple(k.strip() for k in kinds if k.strip())
-            else:
-                kwargs[key] = value
-        base = cls(norms=False) if name.strip() == "invact-act" else cls()
-        return dataclasses.replace(base, **kwargs)
-
-
-_SPEC_FIELDS = ("bf16", "mode", "variant", "backend", "ops")
 
 
 def _dummy_call(model: nn.Module):

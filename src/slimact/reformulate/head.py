@@ -54,6 +54,7 @@ import inspect
 import math
 import warnings
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -81,6 +82,8 @@ class ChunkedCEConfig(StrategyConfig):
     backend: str = "auto"
     probe: bool = True
 
+    spec_fields: ClassVar = {"chunk_size": int, "mode": str}  # bare in a spec: ``chunked-ce@256``
+
     def __post_init__(self) -> None:
         c = self.chunk_size
         if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
@@ -93,22 +96,6 @@ class ChunkedCEConfig(StrategyConfig):
             raise ValueError(
                 f"ChunkedCEConfig.backend must be one of {BACKENDS}, got {self.backend!r}"
             )
-
-    @classmethod
-    def from_spec(cls, spec: str) -> ChunkedCEConfig:
-        """``"chunked-ce@512"``, ``"chunked-ce@precompute"``, ``"chunked-ce@512,precompute"``."""
-        fields: dict = {}
-        for tok in spec.split("@", 1)[1].split(","):
-            tok = tok.strip()
-            if tok.isdigit():
-                fields["chunk_size"] = int(tok)
-            elif tok in MODES:
-                fields["mode"] = tok
-            else:
-                raise ValueError(
-                    f"chunked-ce spec {spec!r}: expected a chunk size or one of {MODES}"
-                )
-        return cls(**fields)
 
 
 class HeadState:

@@ -8,7 +8,7 @@ and ``seq`` it plans on the first training forward, on that very batch (see
 ``AutoConfig(budget="25%")`` budgets a fraction of the baseline activation bytes;
 ``AutoConfig(budget="6GiB")`` budgets device memory, static memory (parameters, gradients,
 AdamW states) included. Strategy names ``auto@10%``, ``auto@25%``, ``auto@50%`` are registered
-for command lines; ``AutoConfig.from_spec("auto@30%")`` parses any ``auto@<budget>``.
+for command lines; ``slimact.spec`` reads any ``auto@<budget>``.
 
 Specs take options after the budget: ``auto@25%,codecs=int4/int8,repeats=1,layers=uniform``
 (fields ``layers``, ``codecs`` (``/``-separated), ``repeats``, ``reform``, ``recompute``,

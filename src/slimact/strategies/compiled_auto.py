@@ -23,12 +23,12 @@ give it instead).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
 
-from slimact import sites
+from slimact import sites, spec
 from slimact.budget import Budget
 from slimact.classify import call_batch
 from slimact.codecs.offload import check_device, check_model
@@ -57,6 +57,7 @@ from slimact.registry import (
     applied,
     register_strategy,
 )
+from slimact.spec import listed, optional
 from slimact.state import reset_field, state_of
 from slimact.utils import in_worker_thread
 
@@ -90,9 +91,16 @@ class CompiledAutoConfig(StrategyConfig):
     link_bw: float | None = None
     compile_kwargs: dict = field(default_factory=dict, compare=False, hash=False)
 
+    spec_budget: ClassVar = True
+    spec_fields: ClassVar = {
+        "codecs": listed(), "budgets": listed(float), "rounds": int,
+        "max_grad_err": optional(float), "time_tolerance": float, "cache": optional(str),
+        "host_budget": str, "link_bw": float,
+    }  # fmt: skip
+
     def __post_init__(self) -> None:
         if self.budget is not None:
-            object.__setattr__(self, "budget", Budget.parse(self.budget))
+            object.__setattr__(self, "budget", spec.parse_budget(self.budget))
         if not self.budgets or any(not 0.0 <= float(b) <= 1.0 for b in self.budgets):
             raise ValueError(f"budgets must be numbers in [0, 1], got {self.budgets!r}")
         bad = [c for c in self.codecs if c not in TRACED_CODECS]
@@ -112,36 +120,10 @@ class CompiledAutoConfig(StrategyConfig):
             raise ValueError("give both batch and seq (plan at apply time) or neither")
 
     @classmethod
-    def from_spec(cls, spec: str) -> CompiledAutoConfig:
+    def from_spec(cls, text: str) -> CompiledAutoConfig:
         """``compiled-auto@25%[,codecs=none/int8][,budgets=1/0.5/0][,rounds=3][,max_grad_err=x]
-        [,time_tolerance=0.01]``."""
-        _, _, arg = spec.partition("@")
-        budget, *opts = [p.strip() for p in arg.split(",")] if arg else [None]
-        kw: dict = {}
-        for opt in opts:
-            key, _, value = opt.partition("=")
-            if key == "codecs":
-                kw["codecs"] = tuple(v for v in value.split("/") if v)
-            elif key == "budgets":
-                kw["budgets"] = tuple(float(v) for v in value.split("/") if v)
-            elif key == "rounds":
-                kw["rounds"] = int(value)
-            elif key == "max_grad_err":
-                kw["max_grad_err"] = None if value.lower() == "none" else float(value)
-            elif key == "time_tolerance":
-                kw["time_tolerance"] = float(value)
-            elif key == "cache":
-                kw["cache"] = None if value.lower() == "none" else value
-            elif key == "host_budget":
-                kw["host_budget"] = value
-            elif key == "link_bw":
-                kw["link_bw"] = float(value)
-            else:
-                raise ValueError(
-                    f"{spec!r}: unknown option {key!r}; valid: codecs, budgets, rounds, "
-                    "max_grad_err, time_tolerance, cache, host_budget, link_bw"
-                )
-        return cls(budget=budget or None, **kw)
+        [,time_tolerance=0.01]`` -> its config (``slimact.spec``)."""
+        return spec.configure(cls(), spec.parse_part(text))
 
 
 def plan_compiled(
@@ -173,10 +155,10 @@ def plan_compiled(
         if measured > plan.allowed_bytes and tighter > profile.root_bytes:
             _undo(changes)  # once: re-solve with the overshoot taken off the budget
             changes = []
-            retry = solve_compiled(profile, f"{tighter + profile.static_bytes}B"
-                                   if not config.budget.relative else
-                                   f"{100 * tighter / profile.baseline_bytes:.6f}%",
-                                   config.max_grad_err, offload=offload)  # fmt: skip
+            retry = solve_compiled(
+                profile, _tighter(config.budget, tighter, profile), config.max_grad_err,
+                offload=offload,
+            )  # fmt: skip
             retry.budget, retry.allowed_bytes = plan.budget, plan.allowed_bytes
             retry.meta["resolved_for"] = tighter
             changes = install_compiled(model, retry, runtime=runtime, **config.compile_kwargs)
@@ -188,6 +170,15 @@ def plan_compiled(
     plan.meta["profile"] = profile_summary(profile)
     state_of(model).compiled_plan = plan
     return changes
+
+
+def _tighter(budget: Budget, allowed: int, profile: CompiledProfile) -> Budget:
+    """``budget`` of the same kind (a share or a size) that allows ``allowed`` activation bytes."""
+    if not budget.relative:
+        total = allowed + profile.static_bytes
+        return Budget(f"{total}B", total=total)
+    pct = f"{100 * allowed / profile.baseline_bytes:.6f}"
+    return Budget(f"{pct}%", share=float(pct) / 100)
 
 
 def _refuse_another_runtime(model: nn.Module, own: PlanRuntime | None = None) -> None:

@@ -58,7 +58,6 @@ from slimact.planner.apply import runtime_of
 from slimact.planner.compiled import CompiledPlan
 from slimact.planner.plan import Plan
 from slimact.registry import (
-    COMPILED_PREFIX,
     AppliedChange,
     FilterFn,
     StrategyConfig,
@@ -72,6 +71,7 @@ from slimact.registry import (
     resolve,
     transform_of,
 )
+from slimact.spec import compiles_blocks
 from slimact.state import peek, state_of
 from slimact.strategies.compiled_auto import (
     CompiledAutoConfig,
@@ -145,7 +145,7 @@ def _compiled_config(strategy: object) -> tuple[list[StrategyConfig], StrategyCo
     spec = strategy
     if isinstance(strategy, str):
         rewritten = compiled_spec(strategy)  # (also refuses two compiled forms of the blocks)
-        written = any(p.strip().startswith(COMPILED_PREFIX) for p in strategy.split("+"))
+        written = compiles_blocks(strategy)
         spec = strategy if written else rewritten
     configs = resolve(spec)
     compiled = [c for c in configs if isinstance(c, _COMPILED_KINDS)]

@@ -140,7 +140,7 @@ def _eager_part(plan: Plan | CompiledPlan) -> tuple[Plan, dict[str, str]]:
 
 def _compiled_row(action: str, label: str) -> str:
     """A compiled region's save: the meter's ``codec:compiled`` named by the block's codec."""
-    codec = next((p for p in label.split("+") if p.startswith(actions.CODEC + ":")), None)
+    codec = next((p for p in label.split(actions.THEN) if p.startswith(actions.CODEC + ":")), None)
     if codec is not None and action == actions.codec("compiled"):
         return codec
     return action

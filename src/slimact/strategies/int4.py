@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch.nn as nn
 
@@ -96,10 +97,8 @@ from slimact.registry import (
     StrategyConfig,
     applied_strategies,
     register_strategy,
-    resolve,
 )
-
-_SPEC_FIELDS = {"rounding": str, "group_size": int, "threshold": float, "min_numel": int}
+from slimact.spec import AT, SR
 
 
 def exact_label(cfg: CodecConfig) -> str:
@@ -126,6 +125,14 @@ class Int4Config(StrategyConfig):
     sdpa_out: bool = False  # SDPA's output as an ``act`` tensor (else kept exactly)
     rounding: str = "nearest"  # or "stochastic": every quantizing role's codec, unbiased
 
+    # what a spec sets (``int4@sr,group_size=32``: ``slimact.spec``)
+    spec_fields: ClassVar = {
+        "rounding": str,
+        "group_size": int,
+        "threshold": float,
+        "min_numel": int,
+    }
+
     def __post_init__(self) -> None:
         for role in ROLES:
             name = getattr(self, role)
@@ -151,38 +158,7 @@ class Int4Config(StrategyConfig):
         """The registered name, ``@sr`` appended for stochastic rounding (``int8@sr``)."""
         if self.rounding == "nearest":
             return super().name
-        return f"{dataclasses.replace(self, rounding='nearest').name}@sr"
-
-    @classmethod
-    def from_spec(cls, spec: str) -> Int4Config:
-        """``"int4@sr"`` / ``"int4@rounding=stochastic,group_size=32"`` -> the registered
-        default of the name before ``@`` (``int4``, ``int8``, ``int4-plain``, ``int4-paper``)
-        with those fields replaced; ``sr`` is ``rounding=stochastic``."""
-        name, _, body = spec.partition("@")
-        base = resolve(name.strip())[0]
-        if not isinstance(base, cls):
-            raise ValueError(f"strategy spec {spec!r}: {name!r} is not an Int4Config strategy")
-        kwargs: dict[str, object] = {}
-        for item in filter(None, (part.strip() for part in body.split(","))):
-            key, sep, value = (x.strip() for x in item.partition("="))
-            if not sep and key == "sr":
-                key, sep, value = "rounding", "=", "stochastic"
-            conv = _SPEC_FIELDS.get(key)
-            if not sep or conv is None:
-                raise ValueError(
-                    f"strategy spec {spec!r}: {item!r} must be 'sr' or key=value with key one "
-                    f"of {', '.join(_SPEC_FIELDS)} (e.g. '{name}@sr', "
-                    f"'{name}@rounding=stochastic,group_size=32')"
-                )
-            if key in kwargs:
-                raise ValueError(f"strategy spec {spec!r}: {key} is given twice")
-            try:
-                kwargs[key] = conv(value)
-            except ValueError:
-                raise ValueError(
-                    f"strategy spec {spec!r}: {key} must be {conv.__name__}, got {value!r}"
-                ) from None
-        return dataclasses.replace(base, **kwargs)
+        return f"{dataclasses.replace(self, rounding='nearest').name}{AT}{SR}"
 
     def role_codec(self, role: str) -> CodecConfig:
         """The codec config of ``role``: its registered codec with this config's

@@ -1,14 +1,14 @@
 """Typed configs of the PRAC-family strategies (``prac``, ``pac``, ``rac``; prac.txt §4–5).
 
 Ranks per site role, lazy-update intervals, SVD method, overrides and keep patterns, validated in
-``__post_init__``; ``from_spec`` reads ``prac@t1=5,svd=exact``. ``strategies/prac.py`` applies them.
+``__post_init__``; a spec sets ``spec_fields`` (``prac@t1=5,svd=exact``, ``slimact.spec``). ``strategies/prac.py`` applies them.
 """
 
 from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from slimact.codecs.base import codec_label
 from slimact.codecs.prac import (
@@ -21,17 +21,7 @@ from slimact.codecs.prac import (
 from slimact.planner.plan import SiteRule
 from slimact.planner.prac_sites import ROLES
 from slimact.registry import StrategyConfig
-
-
-def _flag(value: str) -> bool:
-    if value.lower() not in ("true", "false", "1", "0"):
-        raise ValueError(value)
-    return value.lower() in ("true", "1")
-
-
-_flag.__name__ = "true or false"
-_SPEC_FIELDS = {"t1": int, "t2": int, "svd": str, "q2": str, "niter": int, "seed": int,
-                "only_if_smaller": _flag, "fuse_norms": _flag}  # fmt: skip
+from slimact.spec import flag
 
 
 @dataclass(frozen=True)
@@ -63,6 +53,8 @@ class PracConfig(StrategyConfig):
     k_scale: tuple[float, float] = (1.0, 1.0)
 
     codec_cls: ClassVar[type[PracCodecConfig]] = PracCodecConfig
+    spec_fields: ClassVar = {"t1": int, "t2": int, "svd": str, "q2": str, "niter": int, "seed": int,
+                             "only_if_smaller": flag, "fuse_norms": flag}  # fmt: skip
 
     def __post_init__(self) -> None:
         k_scale = tuple(self.k_scale)
@@ -92,34 +84,13 @@ class PracConfig(StrategyConfig):
             object.__setattr__(self, name, v)
         if self.svd not in SVD_METHODS:
             raise ValueError(f"svd must be one of {SVD_METHODS}, got {self.svd!r}")
-        for flag in ("only_if_smaller", "fuse_norms"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+        for name in ("only_if_smaller", "fuse_norms"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.min_features, int) or self.min_features < 2:
             raise ValueError(f"min_features must be an int >= 2, got {self.min_features!r}")
         for r1, r2 in (self.linear, self.nonlinear, *[(r[1], r[2]) for r in self.overrides]):
             self.codec_config(r1, r2)  # t1, t2, niter, seed and the variant's invariants
-
-    @classmethod
-    def from_spec(cls, spec: str) -> PracConfig:
-        """``"prac@t1=20,t2=1,svd=randomized"`` -> ``PracConfig(t1=20, t2=1, svd="randomized")``."""
-        body = spec.split("@", 1)[1] if "@" in spec else spec
-        kwargs: dict[str, Any] = {}
-        for item in filter(None, (part.strip() for part in body.split(","))):
-            key, sep, value = item.partition("=")
-            conv = _SPEC_FIELDS.get(key.strip())
-            if not sep or conv is None:
-                raise ValueError(
-                    f"strategy spec {spec!r}: {item!r} must be key=value with key one of "
-                    f"{', '.join(_SPEC_FIELDS)}"
-                )
-            try:
-                kwargs[key.strip()] = conv(value.strip())
-            except ValueError:
-                raise ValueError(
-                    f"strategy spec {spec!r}: {key} must be {conv.__name__}, got {value!r}"
-                ) from None
-        return cls(**kwargs)
 
     def codec_config(
         self, r1: int | float, r2: int | float, role: str = "linear"
