@@ -310,7 +310,9 @@ def test_an_eager_codec_on_compiled_codec_blocks_blames_the_installed_policy():
         slimact.apply(model, "int8")
 
 
-@pytest.mark.parametrize("spec", ["none", "recompute", "invact"])
+@pytest.mark.parametrize(
+    "spec", ["compiled-none", "compiled-recompute", "invact@ops=none+compiled-none"]
+)
 def test_the_same_compiled_spec_twice_compiles_each_block_once(spec):
     """Applying the same spec with ``compile=True`` again used to stack a second compile
     layer around each block; the repeat is skipped block by block, as ``recompute``'s is."""
@@ -325,9 +327,9 @@ def test_the_same_compiled_spec_twice_compiles_each_block_once(spec):
 
 
 def test_another_compiled_spec_on_compiled_blocks_is_refused():
-    model = slimact.apply(build_model("llama-tiny"), "none", compile=True)
+    model = slimact.apply(build_model("llama-tiny"), "compiled-none")
     with pytest.raises(ValueError, match=r"already compiled by 'compiled-none'.*compiled once"):
-        slimact.apply(model, "recompute", compile=True)
+        slimact.apply(model, "compiled-recompute")
     model = slimact.apply(build_model("llama-tiny"), "int8", compile=True)
     with pytest.raises(ValueError, match=r"codec-policy strategy 'compiled-int8'"):
         slimact.apply(model, "int8", compile=True)

@@ -158,7 +158,7 @@ def test_invact_under_compile_inverts_the_norms_and_saves_less():
     torch.manual_seed(0)
     base = build_model("llama-tiny", n_layers=1)
     eager = _step(copy.deepcopy(base))
-    model = slimact.apply(copy.deepcopy(base), "invact", compile=True)
+    model = slimact.apply(copy.deepcopy(base), compiled_spec("invact"))
     assert applied_strategies(model) == ["invact@ops=none", "compiled-none"]
     both = slimact.apply(copy.deepcopy(base), "invact@ops=silu+compiled-none")
     plain = slimact.apply(copy.deepcopy(base), "compiled-none")
@@ -188,7 +188,7 @@ def test_more_patched_blocks_than_dynamos_recompile_limit_stay_compiled():
     profiler."""
     torch.manual_seed(0)
     with dynamo_config.patch(recompile_limit=1):
-        model = slimact.apply(build_model("llama-tiny"), "invact", compile=True)
+        model = slimact.apply(build_model("llama-tiny"), compiled_spec("invact"))
         n, metered, live = _fallbacks_and_bytes(model)
     assert n == 0 and abs(live - metered) <= 2048
 
@@ -208,7 +208,7 @@ def test_meter_counts_a_block_that_fell_back_to_eager(base):
 def test_region_budget_zero_is_exact_and_saves_less(base, eager):
     """compile=True of 'recompute': compile's partitioner at region budget 0. Gradients equal
     exact autograd's; bytes below compile's default partition."""
-    model = slimact.apply(copy.deepcopy(base), "recompute", compile=True)
+    model = slimact.apply(copy.deepcopy(base), compiled_spec("recompute"))
     assert slimact.applied(model)[0].detail == "recompute/budget=0"
     default = slimact.apply(copy.deepcopy(base), "compiled-none")
     _step(model), _step(default)

@@ -88,7 +88,8 @@ def test_a_compiled_plan_applies_like_its_strategy(name, request):
     assert plan.root is None  # a fixed strategy keeps the root eager as it is
     assert CompiledPlan.from_dict(json.loads(plan.to_json())) == plan
     with streams:
-        by_name = slimact.apply(copy.deepcopy(base), name, compile=eager)
+        per_block = compiled_spec(name) if eager else name  # (compile=True: one graph, exact)
+        by_name = slimact.apply(copy.deepcopy(base), per_block)
         by_plan = slimact.apply(copy.deepcopy(base), plan, compile=eager)
         assert applied_strategies(by_plan) == ["compiled-plan"]
         mods = [dict(m.named_modules()) for m in (by_name, by_plan)]
@@ -246,7 +247,7 @@ def test_an_eager_part_is_part_of_the_one_compiled_plan(spec):
     assert plan.choices == compiled_plan_of(base, blocks_spec).choices and plan.root is None
     assert CompiledPlan.from_dict(json.loads(plan.to_json())) == plan
     assert "; eager " in plan.summary() and "reformulate:" in plan.table()
-    by_name = slimact.apply(copy.deepcopy(base), spec, compile=True)
+    by_name = slimact.apply(copy.deepcopy(base), compiled_spec(spec))  # per block, as written
     by_plan = slimact.apply(copy.deepcopy(base), plan)
     assert applied_strategies(by_plan) == ["compiled-plan"]
     blocks = sites.block_paths(base)

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
 import torch
 import torch.nn as nn
@@ -216,6 +216,8 @@ def _tensors(value: object) -> list[torch.Tensor]:
         return [t for v in value for t in _tensors(v)]
     if isinstance(value, dict):
         return [t for v in value.values() for t in _tensors(v)]
+    if is_dataclass(value) and not isinstance(value, type):
+        return [t for f in fields(value) for t in _tensors(getattr(value, f.name))]
     return []
 
 
@@ -254,7 +256,10 @@ def _compiled_regions(meter: Meter, model: nn.Module | None) -> Iterator[None]:
         if ours():
             meter.compiled_saves(path, out, params, stop)
 
-    handles = []
+    handles = [  # the root too: a graph compiled whole saves behind its output (``:compiled#k``)
+        model.register_forward_pre_hook(pre, with_kwargs=True),
+        model.register_forward_hook(lambda m, a, k, o: post(m, a, k, o, ""), with_kwargs=True),
+    ]
     for path in sites.block_paths(model):
         hook = lambda m, a, k, o, p=path: post(m, a, k, o, p)  # noqa: E731
         handles.append(mods[path].register_forward_pre_hook(pre, with_kwargs=True))

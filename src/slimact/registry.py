@@ -401,6 +401,17 @@ def compiled_spec(strategy: str) -> str:
     return spec.join([*eager, *(blocks or ["compiled-none"])])
 
 
+_GRAPH_FORM: list[Callable[[str], str | None]] = []  # the one-graph rule (``planner/graph.py``)
+register_graph_form = _GRAPH_FORM.append
+
+
+def compile_form(strategy: str) -> str:
+    """The spec ``compile=True`` applies: the one-graph form where the registered rule gives one
+    (``"recompute"`` -> ``"recompute+graph"``), else :func:`compiled_spec`'s per-block form."""
+    graph = _GRAPH_FORM[-1](strategy) if _GRAPH_FORM else None
+    return graph if graph is not None else compiled_spec(strategy)
+
+
 def add_compile_argument(parser: argparse.ArgumentParser) -> None:
     """The ``--compile`` flag of the command lines (``apply(..., compile=True)``)."""
     parser.add_argument(
@@ -415,7 +426,7 @@ def add_compile_argument(parser: argparse.ArgumentParser) -> None:
 def cli_spec(strategy: str, budget: object = None, compile: bool = False) -> str:
     """The spec a command line applies: ``--budget`` into ``auto``, then ``--compile``."""
     spec = with_budget(strategy, None if budget is None else str(budget))
-    return compiled_spec(spec) if compile else spec
+    return compile_form(spec) if compile else spec
 
 
 def with_budget(strategy: str, budget: str | None) -> str:
@@ -474,7 +485,7 @@ def apply(
                     f"compiled-* config, not {type(strategy).__name__}"
                 )
         else:
-            strategy = compiled_spec(strategy)
+            strategy = compile_form(strategy)
     parts = _resolve_named(strategy)
     before = applied_strategies(model)
     for label, cfg in parts:  # first: a second policy is the error, whatever else clashes

@@ -355,7 +355,7 @@ def tracking(model: nn.Module | None = None) -> Iterator[None]:
         _state.tracked = frozenset(id(m) for m in model.modules())
         sealed: list[str] = []  # inside a compiled block, hooks would only cost recompiles
         for path, m in model.named_modules():
-            if any(path.startswith(f"{b}.") for b in sealed):
+            if any(path.startswith(f"{b}.") or not b for b in sealed):
                 continue
             if m in _COMPILED:
                 sealed.append(path)
@@ -405,6 +405,11 @@ def seal(module: nn.Module, compiled: bool = True) -> None:
         _COMPILED.add(module)
     else:
         _COMPILED.discard(module)
+
+
+def sealed(module: nn.Module) -> bool:
+    """Does ``module``'s forward run compiled (:func:`seal`)?"""
+    return module in _COMPILED
 
 
 def _param_storages(model: nn.Module) -> set[int]:

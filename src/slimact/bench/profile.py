@@ -12,7 +12,9 @@ CUDA activity on a GPU). Per step it reports:
 * ``kernels`` (device kernels run), ``launches`` (kernel-launch calls of the CUDA runtime and
   driver) and ``device_ms`` (the kernels' summed time; far below ``step_ms``, the device waits
   for the host: launch overhead or syncs), on CUDA;
-* ``aten_ops``: ``aten::`` ops dispatched (nested ones too);
+* ``aten_ops``: ``aten::`` ops dispatched (nested ones too); ``outside_ops``: the top-level
+  ones outside compiled graphs, and ``graphs``: compiled forward + backward graph calls
+  (``compiled.outside``: all of a step's ops are outside for an eager point);
 * ``syncs``: the host waits for the device: on CUDA the runtime's ``cudaStreamSynchronize`` /
   ``cudaDeviceSynchronize`` / ``cudaEventSynchronize`` / blocking ``cudaMemcpy`` calls; on a CPU,
   which has no queue, the ops that would sync there (``aten::_local_scalar_dense``: ``.item()``,
@@ -50,6 +52,7 @@ from slimact.bench.case_data import Data, build, loss_fn
 from slimact.bench.cases import BenchPoint, Suite
 from slimact.bench.deadline import Deadline, PointTimeout, time_limit
 from slimact.compare import train_step_fn
+from slimact.compiled.outside import outside_figures
 from slimact.data import load_data
 from slimact.envinfo import machine_info
 from slimact.ops import compiled_ref
@@ -150,10 +153,13 @@ def step_figures(events, top: int = 12) -> dict[str, Any]:
             {"name": k[:120], "count": c / n, "ms": us / n / 1e3} for k, (c, us) in rows if us > 0
         ]
 
+    outside = outside_figures(events, STEP_RANGE)
     return {
         "steps": n,
         "profiled_ms": statistics.median((b - a) / 1e3 for a, b in ranges),
         "aten_ops": sum(v for k, v in names.items() if k.startswith("aten::")) / n,
+        "outside_ops": outside.eager_ops,
+        "graphs": outside.graphs,
         "kernels": len(kernels) / n if cuda else None,
         "launches": (
             sum(v for k, v in names.items() if k.startswith(_LAUNCH_PREFIXES)) / n if cuda else None
@@ -339,19 +345,21 @@ def markdown(result: dict, top: int = 12) -> str:
         "the rest from profiled steps.",
         "",
         "| point | step ms | / none | profiled ms | device ms | kernels | launches | aten ops "
-        "| syncs | sync events |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| outside graphs | graphs | syncs | sync events |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in result["points"]:
         if "skipped" in r:
-            lines.append(f"| `{r['point']}` | | | | | | | | | not run: {r['skipped'][:100]} |")
+            lines.append(f"| `{r['point']}` | | | | | | | | | | | not run: {r['skipped'][:100]} |")
             continue
         events = ", ".join(f"{k} {v:g}" for k, v in r["sync_events"].items()) or "-"
         lines.append(
             f"| `{r['point']}` | {_num(r.get('step_ms'), '.1f')} | "
             f"{_num(r.get('step_ratio'), '.2f')} | {r['profiled_ms']:.1f} | "
             f"{_num(r['device_ms'], '.1f')} | {_num(r['kernels'], '.0f')} | "
-            f"{_num(r['launches'], '.0f')} | {r['aten_ops']:.0f} | {r['syncs']:g} | {events} |"
+            f"{_num(r['launches'], '.0f')} | {r['aten_ops']:.0f} | "
+            f"{_num(r.get('outside_ops'), '.0f')} | {_num(r.get('graphs'), 'g')} | "
+            f"{r['syncs']:g} | {events} |"
         )
     for r in result["points"]:
         if "skipped" in r:

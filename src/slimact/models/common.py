@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from slimact import sites
 from slimact.ops.rms_norm import rsqrt
 
 
@@ -74,12 +75,16 @@ def check_input_ids(
                 f"targets must have input_ids' shape {tuple(input_ids.shape)}, "
                 f"got {tuple(targets.shape)}"
             )
-    if not values or torch.compiler.is_compiling() or input_ids.device.type == "meta":
+    if not values or input_ids.device.type == "meta":
         return
     checks = [("input_ids", input_ids, (input_ids < 0) | (input_ids >= vocab_size), "")]
     if targets is not None:
         bad = ((targets < 0) & (targets != IGNORE_INDEX)) | (targets >= vocab_size)
         checks.append(("targets", targets, bad, f", or {IGNORE_INDEX} (ignored by the loss)"))
+    if torch.compiler.is_compiling():  # in a graph: an assert of its own, no host sync
+        ok = torch.stack([bad.any() for _, _, bad, _ in checks]).any().logical_not()
+        torch._assert_async(ok, f"token ids outside 0..{vocab_size - 1} (or {IGNORE_INDEX})")
+        return
     if not bool(torch.stack([bad.any() for _, _, bad, _ in checks]).any()):  # the one sync
         return
     for name, t, bad, extra in checks:
@@ -118,7 +123,9 @@ class CheckedLM(nn.Module):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         ids = args[0] if args else kwargs.get("input_ids")
         tgt = args[1] if len(args) > 1 else kwargs.get("targets")
-        check_input_ids(ids, self.config.max_seq_len, self.config.vocab_size, tgt)
+        # a root compiled whole (``sites.sealed``) checks the token ids inside its graph
+        cfg, whole = self.config, sites.sealed(self)
+        check_input_ids(ids, cfg.max_seq_len, cfg.vocab_size, tgt, values=not whole)
         return super().__call__(*args, **kwargs)
 
 

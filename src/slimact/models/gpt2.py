@@ -110,8 +110,10 @@ class GPT2Model(CheckedLM):
                     nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * cfg.n_layers))
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None):
-        c = self.config  # token id ranges: checked by CheckedLM.__call__, before any hook
-        check_input_ids(input_ids, c.max_seq_len, c.vocab_size, targets, values=False)
+        c = self.config  # token id ranges: by CheckedLM.__call__ (in a graph: here)
+        check_input_ids(
+            input_ids, c.max_seq_len, c.vocab_size, targets, values=torch.compiler.is_compiling()
+        )
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.drop(self.wte(input_ids) + self.wpe(pos))
         for block in self.h:

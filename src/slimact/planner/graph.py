@@ -1,0 +1,218 @@
+"""One graph for the whole step: the root forward and its loss compiled together from a ``Plan``.
+
+``compile=True`` of an exact spec (:data:`EXACT`: ``none``, ``recompute``, ``invact``,
+``invact-act``, ``chunked-ce`` and their ``+`` compositions) compiles the model's root forward,
+the loss included, as one ``torch.compile`` frame: one forward graph and one backward graph per
+training step, nothing eager between them but the optimizer. :func:`graph_form` is the one place
+that decides it; any other spec (a codec: ``int8``, ``int4``, ``auto@<b>``, ``prac``, ``offload``)
+keeps the per-block compiled path (``compiled.blocks``), whose traced codecs are not lowered into
+the one graph yet.
+
+The same per-site ``Plan`` eager uses is lowered (:func:`lower`):
+
+- **reformulations** (inverted activations and norms, the chunked loss head) are patched as the
+  plan runtime patches them (``planner.apply.patch_plan``); their ops are ``torch.library``
+  custom ops or traceable autograd Functions, so they trace into the graph;
+- **recompute and keep** become per-op selective-checkpoint tags: each block (or root module)
+  the plan recomputes in runs inside one non-reentrant ``torch.utils.checkpoint`` region with a
+  ``create_selective_checkpoint_contexts`` policy (:class:`SitePolicy`), which the compiler honours
+  per op. An op inside a module the plan recomputes is ``PREFER_RECOMPUTE``; any other op in the
+  region is kept: ``MUST_SAVE`` for the ops a recomputation would pay for (matmuls, attention,
+  slimact's custom ops), ``PREFER_SAVE`` for the rest, which the partitioner may still rebuild
+  from a saved neighbour by fusion. The op's module is read from the node's ``nn_module_stack``
+  (dynamo's metadata, preserved while AOTAutograd traces the region). Ops of modules the plan
+  keeps whole, outside any region, are the compiler's default partition: what backward reads,
+  pointwise ops fused away where cheaper. What the compiler fuses away differs from eager's saves
+  in that way only: decomposed norms save their fp32 statistics, not the eager op's inputs.
+
+The meter reads the graph's saves off its ``CompiledFunctionBackward`` node behind the root's
+output (``:compiled#k``, the root's sites).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+import torch.nn as nn
+from torch._dynamo import config as dynamo_config
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from slimact import sites, spec
+from slimact.compiled.blocks import BACKEND_VARIABLE, RECOMPILE_LIMIT, own_code
+from slimact.patching import NotCopyable, override_forward, run_all
+from slimact.planner.apply import patch_plan
+from slimact.planner.plan import Plan, abs_path
+from slimact.registry import AppliedChange
+
+NAME = "graph"  # the strategy that compiles the root as one graph (``strategies/graph.py``)
+# the strategies whose actions the one graph lowers (exact: keep, recompute, reformulate)
+EXACT = ("none", "recompute", "invact", "invact-act", "chunked-ce")
+
+
+def graph_form(strategy: str) -> str | None:
+    """The spec ``compile=True`` applies as one graph (``"invact+recompute"`` ->
+    ``"invact+recompute+graph"``, ``"none"`` -> ``"graph"``), or None where the spec keeps the
+    per-block compiled path (a part not in :data:`EXACT`: codecs, ``auto``, offload, or a
+    ``compiled-*`` spec written as such). The one place that decides the fallback."""
+    try:
+        parts = spec.parse(strategy)
+    except ValueError:
+        return None
+    if any(p.name not in EXACT for p in parts):
+        return None
+    return spec.join([*(p for p in parts if p.name != "none"), NAME])
+
+
+# ops a recomputation pays for: kept ones are saved whatever the partitioner would rebuild
+_HEAVY = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.baddbmm.default,
+    torch.ops.aten.convolution.default,
+}
+
+
+def _heavy(op: Any) -> bool:
+    name = getattr(op, "name", lambda: "")()
+    return op in _HEAVY or "scaled_dot_product" in name or name.startswith("slimact::")
+
+
+def _module_path(region: str) -> str | None:
+    """The path, relative to ``region``, of the module the op being traced belongs to (its
+    node's ``nn_module_stack``), or None where the trace carries no module (eager)."""
+    stack = (fx_traceback.get_current_meta() or {}).get("nn_module_stack") or {}
+    if not stack:
+        return None
+    last = str(next(reversed(stack.values()))[0])
+    tokens = re.sub(r"\[['\"]?([^\]'\"]*)['\"]?\]", r".\1", last).split(".")
+    want = region.split(".") if region else []
+    for i in range(len(tokens) - len(want), -1, -1):
+        if tokens[i : i + len(want)] == want:
+            return ".".join(tokens[i + len(want) :])
+    return None
+
+
+def _inside(path: str, module: str) -> bool:
+    return module == "" or path == module or path.startswith(module + ".")
+
+
+@dataclasses.dataclass(frozen=True)
+class SitePolicy:
+    """The selective-checkpoint policy of one region: ``recompute`` are the modules (relative to
+    ``region``) the plan recomputes; every other op is kept (module docstring)."""
+
+    region: str
+    recompute: tuple[str, ...]
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        path = _module_path(self.region)
+        if path is None:  # eager (dynamo fell back): recompute only what is surely planned so
+            return CheckpointPolicy.PREFER_RECOMPUTE if "" in self.recompute else _keep(op)
+        if any(_inside(path, m) for m in self.recompute):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return _keep(op)
+
+
+def _keep(op: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if _heavy(op) else CheckpointPolicy.PREFER_SAVE
+
+
+def _region_forward(inner: Callable[..., Any], policy: SitePolicy, *args: Any, **kwargs: Any):
+    if not torch.is_grad_enabled():
+        return inner(*args, **kwargs)
+    context = functools.partial(create_selective_checkpoint_contexts, policy)
+    return checkpoint(inner, *args, use_reentrant=False, context_fn=context, **kwargs)
+
+
+def _call(inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return inner(*args, **kwargs)
+
+
+_codes = itertools.count()
+
+
+def _graph_forward(inner: Callable[..., Any], compiled: NotCopyable, *args: Any, **kwargs: Any):
+    limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+    with dynamo_config.patch(recompile_limit=limit):
+        return compiled(inner, *args, **kwargs)
+
+
+def regions(model: nn.Module, plan: Plan) -> dict[str, tuple[str, ...]]:
+    """Region -> the modules it recomputes (relative): each block the plan recomputes in, and
+    each root module it recomputes outside the blocks."""
+    blocks = sites.block_paths(model)
+    out: dict[str, list[str]] = {}
+    for lp in plan.layers:
+        for rel in lp.recompute:
+            full = abs_path(rel, lp.block)
+            region = next((b for b in blocks if _inside(full, b) and b), full)
+            sub = full[len(region) + 1 :] if full != region else ""
+            out.setdefault(region, []).append(sub)
+    return {r: tuple(sorted(set(m))) for r, m in out.items()}
+
+
+def lower(model: nn.Module, plan: Plan, **compile_kwargs: Any) -> list[AppliedChange]:
+    """Lower ``plan`` onto ``model`` and compile its root forward as one graph (module
+    docstring). Returns the changes; the first one's undo takes everything back off. A plan
+    with codecs (a site table or rules) is refused: they are not lowered into the graph yet."""
+    if plan.rules or any(lp.codecs for lp in plan.layers):
+        raise ValueError(
+            "the one compiled graph lowers keep, recompute and reformulations; a plan with "
+            "codecs compiles per block (compile=True of a codec spec)"
+        )
+    undos: list[Callable[[], None]] = []
+    rows: list[AppliedChange] = []
+    try:
+        reforms = dataclasses.replace(
+            plan, layers=tuple(dataclasses.replace(lp, recompute=()) for lp in plan.layers)
+        )
+        patched, undo = patch_plan(model, reforms)
+        undos.append(undo)
+        rows += [AppliedChange(c.path, c.action, c.detail) for c in patched]
+        modules = dict(model.named_modules())
+        for region, recompute in regions(model, plan).items():
+            if region not in modules:
+                raise ValueError(f"plan recomputes {region!r}, which is not a module of the model")
+            _, undo = override_forward(
+                modules[region], _region_forward, SitePolicy(region, recompute)
+            )
+            undos.append(undo)
+            what = ", ".join(m or "(all)" for m in recompute)
+            rows.append(AppliedChange(region, "recompute", f"selective checkpoint: {what}"))
+        compile_kwargs.setdefault("dynamic", None)
+        compile_kwargs.setdefault("backend", os.environ.get(BACKEND_VARIABLE) or "inductor")
+        fn = own_code(_call, f"graph_{type(model).__name__}_{next(_codes)}")
+        compiled = NotCopyable(torch.compile(fn, **compile_kwargs), "a compiled graph")
+        _, undo = override_forward(model, _graph_forward, compiled)
+        undos.append(undo)
+        sites.seal(model)  # the router hooks nothing inside; the model checks its ids in-graph
+        undos.append(functools.partial(sites.seal, model, False))
+    except BaseException:
+        run_all(*reversed(undos))
+        raise
+    head = AppliedChange(
+        "",
+        "compile-graph",
+        "root forward and loss as one graph (one forward, one backward per step)",
+        undo=functools.partial(run_all, *reversed(undos)),
+    )
+    return [head, *rows]
+
+
+def is_graph(model: nn.Module) -> bool:
+    """Does ``model``'s forward run as one compiled graph (:func:`lower`)?"""
+    f = model.__dict__.get("forward")
+    return getattr(f, "wrapper", None) is _graph_forward
