@@ -358,13 +358,19 @@ MASSIVE = {"int8": 0.99, "int4": 0.98, "int4-plain": 0.98}  # normal inputs: 0.9
 
 
 def _check_massive(
-    kind: str, ratio: float, strategy: str, filter_fn=None, bound: float | None = None
+    kind: str,
+    ratio: float,
+    strategy: str,
+    filter_fn=None,
+    bound: float | None = None,
+    compile: bool = False,
 ) -> None:
     """Every gradient's cosine against float64 autograd >= ``bound`` (``MASSIVE[strategy]``)."""
     truth = _massive_grads(_massive(kind, ratio, torch.float64))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a range fallback may be reported
-        got = _massive_grads(slimact.apply(_massive(kind, ratio), strategy, filter_fn))
+        model = _massive(kind, ratio)
+        got = _massive_grads(slimact.apply(model, strategy, filter_fn, compile=compile))
     bound = MASSIVE[strategy] if bound is None else bound
     for n, g in got.items():
         if float(truth[n].norm()) == 0.0:
@@ -402,6 +408,15 @@ def test_massive_up_proj_int4():
     other's outlier channels exactly (``codecs.saving.CodecPolicy``)."""
     for ratio in (3e4, 3e5):
         _check_massive("up_proj", ratio, "int4")
+
+
+@pytest.mark.slow  # two compiles of ~5 s
+@pytest.mark.parametrize("strategy", ["int8", "int4"])
+def test_massive_compiled(strategy):
+    """``compile=True``'s traced codecs on the repro and a massive token (per-row INT8 scales,
+    INT4 groups along the row): within the eager bounds."""
+    for kind, ratio in (("up_proj", 3e4), ("token", 1e3)):
+        _check_massive(kind, ratio, strategy, compile=True)
 
 
 def _massive_rows(rows: int = 64, every: int = 16, ratio: float = 20.0) -> torch.Tensor:
