@@ -57,8 +57,15 @@ def _model(name: str, **overrides) -> torch.nn.Module:
     return slimact.build_model(name, **overrides)
 
 
+# compile=True's one-graph lowering of the parts before it (``planner.graph``): no plan of its
+# own, described by the spec it compiles (test_graph_is_described_by_what_it_compiles)
+NO_PLAN = {"graph"}
+
+
 def _params():
     for s in strategy_names():
+        if s in NO_PLAN:
+            continue
         marks = [pytest.mark.slow] if s in SLOW else []
         yield pytest.param(s, marks=marks, id=s)
 
@@ -335,3 +342,8 @@ def test_plan_cli_refuses_a_strategy_without_a_plan(capsys):
 def test_plan_cli_needs_a_budget_or_a_strategy(capsys):
     assert main(["plan", "--model", "llama-tiny", "--batch", "2", "--seq", "16"]) != 0
     assert "exactly one of --budget" in capsys.readouterr().err
+
+
+def test_graph_is_described_by_what_it_compiles(ids):
+    with pytest.raises(ValueError, match="'graph' has no plan form"):
+        describe(_model("llama-tiny"), "graph", ids)

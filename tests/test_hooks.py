@@ -38,6 +38,7 @@ RUNTIME = {
     "slimact.reformulate.head": "the chunked loss head and its root part",
     "slimact.reformulate.norms": "PRAC's fused RMSNorms",
     "slimact.compiled.blocks": "compiled block forwards (slimact's and hf.compile_blocks')",
+    "slimact.planner.graph": "compile=True's one-graph root forward (the plan lowered)",
     "slimact.cola.colam": "CoLA-M's rank-r checkpoints, the runtime's block reformulation",
 }
 MEASUREMENT = {
