@@ -37,7 +37,14 @@ SECTIONS: list[tuple[str, list[str]]] = [
     ("2. Inverted activations (invact.txt)", ["inv_act.md"]),
     (
         "3. Codecs and Adacc's layer-specific INT4 (adacc.txt §3.2)",
-        ["quant.md", "int4_divergence.md", "int4_cause.md", "quality.md", "stochastic_rounding.md"],
+        [
+            "quant.md",
+            "massive.md",
+            "int4_divergence.md",
+            "int4_cause.md",
+            "quality.md",
+            "stochastic_rounding.md",
+        ],
     ),
     ("4. PRAC (prac.txt)", ["prac.md", "prac_kscale.md"]),
     ("5. CoLA and CoLA-M (cola.txt)", ["cola.md"]),
