@@ -401,14 +401,14 @@ def compiled_spec(strategy: str) -> str:
     return spec.join([*eager, *(blocks or ["compiled-none"])])
 
 
-_GRAPH_FORM: list[Callable[[str], str | None]] = []  # the one-graph rule (``planner/graph.py``)
+_GRAPH_FORM: list[Callable[..., str | None]] = []  # the one-graph rule (``planner/graph.py``)
 register_graph_form = _GRAPH_FORM.append
 
 
-def compile_form(strategy: str) -> str:
-    """The spec ``compile=True`` applies: the one-graph form where the registered rule gives one
-    (``"recompute"`` -> ``"recompute+graph"``), else :func:`compiled_spec`'s per-block form."""
-    graph = _GRAPH_FORM[-1](strategy) if _GRAPH_FORM else None
+def compile_form(strategy: str, model: nn.Module | None = None) -> str:
+    """The spec ``compile=True`` applies to ``model``: the one-graph form where the registered
+    rule gives one (``"recompute"`` -> ``"recompute+graph"``), else :func:`compiled_spec`'s."""
+    graph = _GRAPH_FORM[-1](strategy, model) if _GRAPH_FORM else None
     return graph if graph is not None else compiled_spec(strategy)
 
 
@@ -485,7 +485,7 @@ def apply(
                     f"compiled-* config, not {type(strategy).__name__}"
                 )
         else:
-            strategy = compile_form(strategy)
+            strategy = compile_form(strategy, model)
     parts = _resolve_named(strategy)
     before = applied_strategies(model)
     for label, cfg in parts:  # first: a second policy is the error, whatever else clashes

@@ -51,6 +51,7 @@ from torch.utils.checkpoint import (
 
 from slimact import sites, spec
 from slimact.compiled.blocks import BACKEND_VARIABLE, RECOMPILE_LIMIT, own_code
+from slimact.hf_inputs import hf_model_of, is_hf_model
 from slimact.patching import NotCopyable, override_forward, run_all
 from slimact.planner.apply import patch_plan
 from slimact.planner.plan import Plan, abs_path
@@ -61,11 +62,14 @@ NAME = "graph"  # the strategy that compiles the root as one graph (``strategies
 EXACT = ("none", "recompute", "invact", "invact-act", "chunked-ce")
 
 
-def graph_form(strategy: str) -> str | None:
+def graph_form(strategy: str, model: nn.Module | None = None) -> str | None:
     """The spec ``compile=True`` applies as one graph (``"invact+recompute"`` ->
     ``"invact+recompute+graph"``, ``"none"`` -> ``"graph"``), or None where the spec keeps the
     per-block compiled path (a part not in :data:`EXACT`: codecs, ``auto``, offload, or a
-    ``compiled-*`` spec written as such). The one place that decides the fallback."""
+    ``compiled-*`` spec written as such; or a model :func:`one_graph_ok` refuses). The one
+    place that decides the fallback."""
+    if model is not None and not one_graph_ok(model):
+        return None
     try:
         parts = spec.parse(strategy)
     except ValueError:
@@ -73,6 +77,13 @@ def graph_form(strategy: str) -> str | None:
     if any(p.name not in EXACT for p in parts):
         return None
     return spec.join([*(p for p in parts if p.name != "none"), NAME])
+
+
+def one_graph_ok(model: nn.Module) -> bool:
+    """Does ``model`` run as one graph? slimact's own models do; a Hugging Face model does not
+    yet (its forward graph-breaks inside the selective-checkpoint regions, and an eagerly run
+    region's recomputation does not replay its ops in order): it keeps the per-block path."""
+    return not is_hf_model(hf_model_of(model))
 
 
 # ops a recomputation pays for: kept ones are saved whatever the partitioner would rebuild

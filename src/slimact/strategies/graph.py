@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from slimact import spec
-from slimact.planner.graph import EXACT, NAME, graph_form, is_graph, lower
+from slimact.planner.graph import EXACT, NAME, graph_form, is_graph, lower, one_graph_ok
 from slimact.planner.plan import Plan
 from slimact.registry import (
     AppliedChange,
@@ -58,6 +58,8 @@ def apply_graph_spec(
     eager = configs[:-1]
     if any(c.name not in EXACT for c in eager) or any(isinstance(c, GraphConfig) for c in eager):
         return None
+    if not one_graph_ok(model):
+        raise _refused("a Hugging Face model does not run as one graph yet")
     if is_graph(model):  # compiled once: the same spec again is a repeat, another one refused
         before = applied_strategies(model)
         if spec.names(spec.join(before)) != [c.name for c in configs]:
