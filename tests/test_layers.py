@@ -39,6 +39,7 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
     ),
     (3, ("slimact.planner.plan", "slimact.planner.milp", "slimact.planner.highs")),
     (3, ("slimact.planner.rules", "slimact.planner.settings", "slimact.planner.jsonread")),
+    (3, ("slimact.planner.conflicts",)),
     (3, ("slimact.planner.solve", "slimact.planner.offload")),
     (3, ("slimact.reformulate", "slimact.checkpointing")),
     (4, ("slimact.planner.apply", "slimact.planner.prac_sites")),

@@ -477,8 +477,9 @@ def test_offload_and_colam_plans_say_what_they_do():
     assert set(first.site_actions()) == {"layers.0:", "layers.0:checkpoint_input#0"}
     with pytest.raises(ValueError, match="in host memory already"):
         slimact.apply(build_model("llama-tiny"), slimact.plan_of(model, "offload"))
-    with pytest.raises(ValueError, match="composes two codec-policy strategies, 'offload' and"):
-        slimact.plan_of(model, "offload+int8")  # the strategies do not compose either
+    with_int8 = slimact.plan_of(model, "offload+int8")  # the block inputs offloaded, the rest int8
+    assert with_int8.site_actions() == slimact.plan_of(model, "offload").site_actions()
+    assert with_int8.rules == slimact.plan_of(model, "int8").rules
     no_rng = slimact.plan_of(model, OffloadStrategyConfig(preserve_rng_state=False))
     assert no_rng.settings == (("recompute", RecomputeSettings(preserve_rng_state=False)),)
     assert no_rng.site_actions() == slimact.plan_of(model, "offload").site_actions()

@@ -149,10 +149,10 @@ def test_invact_and_prac_are_one_plan_with_both_strategies_rows():
 
 
 def test_a_prac_family_strategy_is_applied_once():
-    """One PRAC state per model: ``slimact.apply`` refuses a second codec policy, and the
+    """One PRAC state per model: ``slimact.apply`` refuses a second PRAC rule, and the
     strategy's own transform (``apply_prac``, the preset's handler) a second PRAC state."""
     model = slimact.apply(build_model("llama-tiny"), "prac+recompute")
-    with pytest.raises(ValueError, match="already has codec-policy strategy 'prac'"):
+    with pytest.raises(ValueError, match=r"\(prac\) is already .* sites of every module"):
         slimact.apply(model, "pac")
     for first in ("prac", slimact.plan_of(build_model("llama-tiny"), "prac")):
         model = slimact.apply(build_model("llama-tiny"), first)

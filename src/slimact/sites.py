@@ -407,6 +407,11 @@ def seal(module: nn.Module, compiled: bool = True) -> None:
         _COMPILED.discard(module)
 
 
+def sealed(module: nn.Module) -> bool:
+    """Does ``module`` run compiled (:func:`seal`)?"""
+    return module in _COMPILED
+
+
 def _param_storages(model: nn.Module) -> set[int]:
     """Storage keys of parameters and buffers (an FSDP2 DTensor: its local shard)."""
     keys = set()

@@ -56,6 +56,7 @@ from slimact.codecs.build import build_codec
 from slimact.codecs.offload import check_model
 from slimact.codecs.saving import CodecPolicy, hidden_channels
 from slimact.patching import run_all
+from slimact.planner.conflicts import check_modules, scope
 from slimact.planner.plan import Plan, abs_path, abs_site, site_module
 from slimact.planner.prac_sites import PracPolicy, PracState
 from slimact.reformulate import (
@@ -74,8 +75,7 @@ from slimact.utils import PLANNER_THREAD, in_worker_thread, refuse_compiled_call
 _tls = threading.local()
 
 # reformulation kind -> fn(block, preserve_rng_state) -> undo, for kinds that rewrite a whole
-# block's forward; the layers above register theirs (``strategies/cola.py``: ``cola-m``), this
-# one cannot import them
+# block's forward, registered from above (``strategies/cola.py``: ``cola-m``)
 BlockReform = Callable[[nn.Module, bool], Callable[[], None]]
 _BLOCK_REFORMS: dict[str, BlockReform] = {}
 
@@ -399,12 +399,13 @@ class PlanRuntime:
         return parked
 
     def merge_plan(self, plan: Plan) -> tuple[list[AppliedChange], Callable[[], None]]:
-        """Install the current plan merged with ``plan`` (``Plan.merge``); on failure the current
-        plan stays. Returns the changes and an undo that puts the current plan (and the count of
-        preset rows) back."""
+        """Install the current plan merged with ``plan`` (``Plan.merge``: a conflict is refused
+        before anything changes; another failure puts the current plan back). Returns the changes
+        and an undo that puts the current plan (and the count of preset rows) back."""
         old, rows = self.plan, self.preset_rows
+        merged = old + plan
         try:
-            changes = self.set_plan(old + plan)
+            changes = self.set_plan(merged)
         except BaseException:
             self.set_plan(old)
             raise
@@ -452,15 +453,11 @@ def _patched(
     targets: set[str] = set()
     kinds: dict[str, str] = {}
     rng = plan.setting("recompute").preserve_rng_state
+    check_modules(plan, modules, set(_BLOCK_REFORMS))
     try:
         for lp in plan.layers:
             for path in lp.recompute:
-                full = abs_path(path, lp.block)
-                if full not in modules:
-                    raise ValueError(
-                        f"plan recomputes {full!r}, which is not a module of the model"
-                    )
-                undos.append(checkpoint_module(modules[full], rng))
+                undos.append(checkpoint_module(modules[full := abs_path(path, lp.block)], rng))
                 changes.append(AppliedChange(full, "recompute"))
             targets.update(abs_path(p, lp.block) for p in lp.reform)
             kinds.update((abs_path(p, lp.block), k) for p, k in lp.reform_kinds)
@@ -537,8 +534,7 @@ def _reform_blocks(
 
 
 def runtime_of(model: nn.Module) -> PlanRuntime | None:
-    st = peek(model)
-    return st.runtime if st is not None else None
+    return st.runtime if (st := peek(model)) is not None else None
 
 
 def install_policy(model: nn.Module, policy: CodecPolicy) -> AppliedChange:
@@ -576,7 +572,11 @@ def install(
     if own and (existing is not runtime or runtime.plan is not None or planner):
         raise ValueError("install(runtime=...) takes the model's runtime, still without a plan")
     if not own and existing is not None:
-        raise ValueError("model already carries a slimact plan; slimact.revert(model) first")
+        raise ValueError(
+            f"model already carries a slimact plan ({scope(existing.plan, not existing.bare)}), "
+            f"and another ({scope(plan, planner)}) is installed whole, not beside it: "
+            "slimact.revert(model) first, or merge the two plans into one (plan_a + plan_b)"
+        )
     rt = runtime if own else PlanRuntime(model, planner)
     rt.profile, rt.solve_options = profile, dict(solve_options or {})
     changes: list[AppliedChange] = []

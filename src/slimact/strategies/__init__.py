@@ -42,7 +42,6 @@ def _register_all() -> None:
             RecomputeConfig(),
             apply_recompute,
             "non-reentrant checkpointing of every block",
-            checkpointing=True,
             compiled_form="compiled-recompute",  # compile's partitioner at region budget 0
         )
         for mod in pkgutil.iter_modules(__path__):

@@ -124,5 +124,4 @@ register_strategy(
     CoLAMConfig(),
     apply_colam,
     "CoLA-M: keep x, h and rank-r A·x per block, recompute up-projections + attention",
-    checkpointing=True,
 )

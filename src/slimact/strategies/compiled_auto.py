@@ -49,6 +49,7 @@ from slimact.planner.compiled import (
     verify,
 )
 from slimact.planner.compiled_root import install_root
+from slimact.planner.conflicts import scope
 from slimact.planner.offload import OffloadOption, link_bandwidth, parse_host_budget
 from slimact.registry import (
     AppliedChange,
@@ -187,8 +188,9 @@ def _refuse_another_runtime(model: nn.Module, own: PlanRuntime | None = None) ->
     rt = runtime_of(model)
     if rt is not None and (rt is not own or rt.plan is not None):
         raise ValueError(
-            "compiled-auto plans a model that carries no other slimact plan (one plan runtime "
-            "per model: it plans the root's codec too); slimact.revert(model) first"
+            f"compiled-auto plans a model that carries no other slimact plan (this one: "
+            f"{scope(rt.plan, rt.planner)}; it plans the root's codec too): "
+            "slimact.revert(model) first"
         )
 
 

@@ -13,8 +13,7 @@ compute when ``bytes / bandwidth`` is below it (large blocks, short links), else
 for them. The planner (``auto`` with a ``host_budget``) weighs that per storage instead.
 
 CUDA only: on a CPU model the saved tensors are in host memory already, so ``apply`` refuses
-with a ``ValueError`` saying so. The policy is a codec policy (one per model: ``offload`` does not
-compose with ``int4``, ``prac`` or a plan). The strategy is a plan (``offload_part``, also
+with a ``ValueError`` saying so. The strategy is a plan (``offload_part``, also
 ``slimact.plan_of(model, "offload")``): ``recompute``'s blocks, each one's
 ``:checkpoint_input#0`` through the codec ``offload``, on the plan runtime (``strategies/parts.py``).
 """
@@ -74,6 +73,5 @@ register_strategy(
     apply_offload,
     "recompute every block, its input offloaded to pinned host memory (CUDA only)",
     codec_policy=True,
-    checkpointing=True,  # it recomputes every block: no compiled blocks beside it
     compiled_form="compiled-offload",  # block inputs in host memory, an eager wrapper per block
 )

@@ -199,9 +199,12 @@ def prac_part(model: nn.Module, config: PracConfig, filter_fn: FilterFn | None) 
     The runtime's rows (fused norms, codec policy) go after the head row (``apply_presets``)."""
     st = peek(model)
     if st is not None and "prac" in st.stateful:
+        rule = st.stateful["prac"].rule
+        where = "every module" if rule.modules is None else ", ".join(rule.modules[:3])
         raise ValueError(
             f"a PRAC-family strategy ({st.stateful['prac'].name}) is already applied to this "
-            f"model; revert it before applying {config.name}"
+            f"model (its rule codes the sites of {where}; one PRAC state per model): "
+            f"slimact.revert(model) before applying {config.name}"
         )
     return prac_plan(model, config, filter_fn), _prac_rows(model, config, filter_fn)
 

@@ -55,7 +55,7 @@ def find_recompute(model: nn.Module, filter_fn: FilterFn | None = None) -> list[
             changes.append(AppliedChange(path, "recompute", "filtered out", skipped=True))
         elif any(o.wrapper is checkpointed for o in overrides(block)):
             changes.append(AppliedChange(path, "recompute", "already checkpointed", skipped=True))
-        elif "forward" in block.__dict__:
+        elif "forward" in block.__dict__ and not sites.sealed(block):  # compiled: the plan's
             why = "forward already patched (e.g. by cola-m)"
             changes.append(AppliedChange(path, "recompute", why, skipped=True))
         else:
