@@ -1,7 +1,9 @@
-"""Strategy registry: a name or a typed config maps to a transform of the model.
+"""Strategy registry: a name or a typed config maps to a preset (its plan) or a transform.
 
 torchao-style: each strategy is a frozen dataclass config; ``register_strategy`` ties a name and a
-config class to ``transform(model, config, filter_fn) -> AppliedChange list``. ``apply`` accepts
+config class to its *preset*, ``preset(model, config, filter_fn) -> (Plan, rows)``, which one
+installer puts on the plan runtime (``register_part_install``), or to a
+``transform(model, config, filter_fn) -> AppliedChange list`` of its own. ``apply`` accepts
 ``"name"``, a config, ``"name@settings"`` (``"auto@25%"``, read by ``slimact.spec``, the one
 grammar, into the config's ``spec_fields``), or ``"a+b"`` to compose several (applied left to right; a spec of presets alone is one merged
 plan, ``register_preset_path``). Every change is
@@ -28,6 +30,7 @@ import argparse
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -71,18 +74,21 @@ class AppliedChange:
 
 
 Transform = Callable[[nn.Module, StrategyConfig, FilterFn | None], list[AppliedChange]]
+# a strategy as a plan: (model, config, filter_fn) -> (the Plan, the rows the strategy reports)
+Preset = Callable[[nn.Module, StrategyConfig, FilterFn | None], tuple[Any, list[AppliedChange]]]
 
 
 @dataclass(frozen=True)
 class _Entry:
     config_cls: type
     default: StrategyConfig
-    transform: Transform
+    transform: Transform | None  # None: a preset's, installed by the one part installer
     description: str
     codec_policy: bool = False  # its transform installs a codec policy (its plan decides codecs)
     compiled_form: str | None = None  # what ``apply(..., compile=True)`` applies instead
     compile_safe: bool = False  # applied as it is under ``compile=True`` (its ops compile)
     compile_args: str = ""  # ``key=value,...`` its spec takes under ``compile=True`` (unless given)
+    preset: Preset | None = None  # the strategy as a plan
 
 
 _REGISTRY: dict[str, _Entry] = {}
@@ -147,33 +153,57 @@ def as_config(strategy: object) -> object:
 def register_strategy(
     name: str,
     default: StrategyConfig,
-    transform: Transform,
+    transform: Transform | None = None,
     description: str = "",
     codec_policy: bool = False,
     *,
+    preset: Preset | None = None,
     compiled_form: str | None = None,
     compile_safe: bool = False,
     compile_args: str = "",
 ) -> None:
-    """Register ``name``. Registering the same name again from the same transform (a module that
-    is imported a second time, e.g. after an earlier import of the package failed half-way)
-    replaces the entry; a different transform under a taken name is an error.
+    """Register ``name`` with its ``preset`` (the strategy as a plan, installed by the one part
+    installer) or a ``transform`` of its own, one of the two. Registering the same name again
+    from the same function (a module that is imported a second time, e.g. after an earlier
+    import of the package failed half-way) replaces the entry; another under a taken name is an
+    error.
 
     What the strategy is, said by itself: ``codec_policy``, its transform installs a codec
     policy (its plan decides codecs); ``compiled_form``, the strategy
     ``apply(..., compile=True)`` applies in its place (``"compiled-int8"``); ``compile_safe``,
     it is applied as it is under ``compile=True``, with ``compile_args`` (``"ops=none"``: each
     ``key=value`` its spec does not set) added to its spec there."""
+    if (transform is None) == (preset is None):
+        raise ValueError(f"strategy {name!r} takes a preset or a transform (one of the two)")
+    fn = transform or preset
     old = _REGISTRY.get(name)
-    if old is not None and _qualname(old.transform) != _qualname(transform):
+    if old is not None and _qualname(old.transform or old.preset) != _qualname(fn):
         raise ValueError(
-            f"strategy {name!r} is already registered by {_qualname(old.transform)}; "
-            f"cannot register it again for {_qualname(transform)}"
+            f"strategy {name!r} is already registered by {_qualname(old.transform or old.preset)}"
+            f"; cannot register it again for {_qualname(fn)}"
         )
     _REGISTRY[name] = _Entry(
         type(default), default, transform, description, codec_policy, compiled_form,
-        compile_safe, compile_args,
+        compile_safe, compile_args, preset,
     )  # fmt: skip
+
+
+# (model, plan, rows) -> changes: the one installer of a preset's part (``strategies/parts.py``)
+_PART_INSTALL: list[Callable[[nn.Module, Any, list[AppliedChange]], list[AppliedChange]]] = []
+
+
+def register_part_install(
+    fn: Callable[[nn.Module, Any, list[AppliedChange]], list[AppliedChange]],
+) -> None:
+    """Let ``fn(model, plan, rows)`` install one preset part (a spec applied part by part)."""
+    _PART_INSTALL[:] = [fn]
+
+
+def _install_preset(
+    preset: Preset, model: nn.Module, config: StrategyConfig, filter_fn: FilterFn | None
+) -> list[AppliedChange]:
+    plan, rows = preset(model, config, filter_fn)
+    return _PART_INSTALL[0](model, plan, rows)
 
 
 _RENAMED: dict[str, str] = {}  # an earlier strategy name -> its registered name
@@ -222,8 +252,15 @@ def compile_safe(config: StrategyConfig) -> bool:
 
 
 def transform_of(config: StrategyConfig) -> Transform:
-    """The transform ``apply`` runs for one part ``config`` (its strategy's own)."""
-    return _entry_for(config).transform
+    """What ``apply`` runs for one part ``config``: its preset installed by the one part
+    installer, or its strategy's own transform."""
+    entry = _entry_for(config)
+    return entry.transform or functools.partial(_install_preset, entry.preset)
+
+
+def preset_of(config: StrategyConfig) -> Preset | None:
+    """``config``'s strategy as a plan (None: a strategy with a transform of its own)."""
+    return _entry_for(config).preset
 
 
 def resolve(strategy: str | StrategyConfig) -> list[StrategyConfig]:
@@ -396,7 +433,7 @@ def apply(
             logger.info("slimact.apply %s: one preset plan, %d change(s)", strategy, len(preset))
         for _, cfg in parts if preset is None else ():
             with parts_one_by_one():
-                changes = _entry_for(cfg).transform(model, cfg, filter_fn)
+                changes = transform_of(cfg)(model, cfg, filter_fn)
             done.extend(changes)
             n_skip = sum(c.skipped for c in changes)
             logger.info(

@@ -4,7 +4,7 @@ A rule maps a saved tensor's role (``slimact.classify.site_role``: act / qk / qk
 read from the site name and the tensor; or PRAC's roles, ``roles="prac"``) to a codec label; the
 plan runtime (``slimact.planner.apply``) builds the codec on the first save of each role and
 channel count. ``modules`` restricts a rule to the sites of some modules (absolute module paths,
-a ``filter_fn``'s choice written into the plan: ``slimact.planner.apply.restrict_rules``); the
+a ``filter_fn``'s choice written into the plan: ``slimact.planner.scope.restrict_rules``); the
 others are kept, and a PRAC rule reports them as filtered out. ``slimact.planner.plan`` carries
 the rules in a ``Plan`` (and re-exports ``SiteRule``).
 """

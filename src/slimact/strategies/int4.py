@@ -89,8 +89,10 @@ from slimact.codecs.base import (
     codec_names,
 )
 from slimact.codecs.token import TokenQuantConfig
-from slimact.planner.apply import PlanAssign, install, restrict_rules, runtime_of
+from slimact.planner.apply import install, runtime_of
+from slimact.planner.assign import PlanAssign
 from slimact.planner.plan import Plan, SiteRule
+from slimact.planner.scope import restrict_rules
 from slimact.registry import (
     AppliedChange,
     FilterFn,

@@ -28,9 +28,9 @@ import torch.nn as nn
 
 from slimact import sites
 from slimact.checkpointing import guard_cache
-from slimact.planner.apply import PlanRuntime, patch_plan, runtime_of
+from slimact.planner.apply import PlanRuntime, patch_plan, put_plan, runtime_of
 from slimact.planner.plan import LayerPlan, Plan
-from slimact.registry import AppliedChange, part_by_part
+from slimact.registry import AppliedChange, part_by_part, register_part_install
 from slimact.state import peek
 
 Part = tuple[Plan, list[AppliedChange]]  # a part's plan and the rows the strategy reports
@@ -92,26 +92,6 @@ def _codecs(plan: Plan) -> bool:
     return bool(plan.rules) or any(lp.codecs for lp in plan.layers)
 
 
-def on_runtime(
-    model: nn.Module, plan: Plan, preset_rows: int | None
-) -> tuple[PlanRuntime, list[AppliedChange], Callable[[], object]]:
-    """``plan`` on the model's one runtime: a new one (``preset_rows``: 0 for a presets'
-    runtime, None for another), or merged into the one it carries. Returns the runtime, its
-    rows for the plan and the undo (the runtime removed, or its old plan put back)."""
-    rt = runtime_of(model)
-    if rt is not None:
-        changes, undo = rt.merge_plan(plan)
-        return rt, changes, undo
-    rt = PlanRuntime(model)
-    rt.preset_rows = preset_rows
-    try:
-        changes = rt.set_plan(plan)
-    except BaseException:
-        rt.remove()
-        raise
-    return rt, changes, rt.remove
-
-
 def finish_rows(
     model: nn.Module,
     plan: Plan,
@@ -150,7 +130,7 @@ def install_part(
         _, undo = patch_plan(model, plan)
         rt = None  # beside the runtime: not one of its parts
     elif rt is None or ours is not None:
-        rt, _, undo = on_runtime(model, plan, None if part_by_part() else 0)
+        rt, _, undo = put_plan(model, plan, None if part_by_part() else 0)
         if part_by_part():  # no longer a presets' runtime: the spec's other parts are not
             rt.preset_rows = None
     else:
@@ -159,3 +139,6 @@ def install_part(
         )
     out = [dataclasses.replace(c, undo=None) for c in rows]
     return finish_rows(model, plan, out, undo, rt, tail)
+
+
+register_part_install(install_part)

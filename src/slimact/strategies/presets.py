@@ -70,9 +70,10 @@ from slimact.actions import FUSED_RMS
 from slimact.classify import is_norm
 from slimact.codecs.prac import resolve_rank
 from slimact.hf_inputs import random_token_batch
-from slimact.planner.apply import restrict_rules, runtime_of
+from slimact.planner.apply import put_plan, runtime_of
 from slimact.planner.auto import AutoConfig, plan_model
 from slimact.planner.plan import Plan
+from slimact.planner.scope import restrict_rules
 from slimact.reformulate import ChunkedCEConfig, InvActConfig, fusable_rms_norms
 from slimact.registry import (
     AppliedChange,
@@ -84,31 +85,20 @@ from slimact.registry import (
 from slimact.state import peek
 from slimact.strategies.auto import auto_refusal, refuse_unless_lm
 from slimact.strategies.chunked_ce import chunked_ce_part
-from slimact.strategies.cola import CoLAConfigMarker, CoLAMConfig, apply_cola, colam_part
+from slimact.strategies.cola import CoLAConfigMarker, CoLAMConfig, cola_part, colam_part
 from slimact.strategies.int4 import Int4Config, NaiveInt4Config
 from slimact.strategies.invact import invact_part
-from slimact.strategies.none import NoneConfig
+from slimact.strategies.none import NoneConfig, none_part
 from slimact.strategies.offload import OffloadStrategyConfig, offload_part
 from slimact.strategies.parts import (
     Part,
     finish_rows,
     is_empty,
     layers_of,
-    on_runtime,
     presets_runtime,
 )
 from slimact.strategies.prac_config import PacConfig, PracConfig, RacConfig
 from slimact.strategies.recompute import RecomputeConfig, recompute_part
-
-
-def _none(model: nn.Module, config: NoneConfig, filter_fn: FilterFn | None) -> Part:
-    return Plan(meta=(("strategy", "none"),)), []
-
-
-def _cola(model: nn.Module, config: CoLAConfigMarker, filter_fn: FilterFn | None) -> Part:
-    """``cola`` changes nothing: the empty plan, on a model the strategy accepts (CoLA), and its
-    rows (one per ``CoLALinear``)."""
-    return Plan(meta=(("strategy", "cola"),)), apply_cola(model, config, filter_fn)
 
 
 def _rule(model: nn.Module, config: Int4Config | NaiveInt4Config, filter_fn) -> Part:
@@ -215,8 +205,8 @@ _CODEC_PARTS = (Int4Config, NaiveInt4Config, PracConfig)  # the runtime's rows a
 
 # config type -> handler (model, config, filter_fn) -> (Plan, changes)
 PRESETS: dict[type, Callable[..., Part]] = {
-    NoneConfig: _none,
-    CoLAConfigMarker: _cola,
+    NoneConfig: none_part,
+    CoLAConfigMarker: cola_part,
     RecomputeConfig: recompute_part,
     Int4Config: _rule,
     NaiveInt4Config: _rule,
@@ -328,7 +318,7 @@ def apply_presets(
         if rt is not None:
             rt.preset_rows += len(rows)
         return rows
-    rt, changes, undo = on_runtime(model, new, 0)
+    rt, changes, undo = put_plan(model, new, 0)
     policy = changes[-1]  # the runtime's codec-policy row, after a codec rule's head row
     fused = [c for c in changes if c.action == FUSED_RMS]  # PRAC's norms, as the runtime did them
     out: list[AppliedChange] = []

@@ -33,7 +33,7 @@ from slimact.patching import overrides
 from slimact.planner.plan import Plan
 from slimact.planner.settings import RecomputeSettings
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig
-from slimact.strategies.parts import Part, install_part, layers_of
+from slimact.strategies.parts import Part, layers_of
 
 
 @dataclass(frozen=True)
@@ -78,10 +78,3 @@ def recompute_part(model: nn.Module, config: RecomputeConfig, filter_fn: FilterF
         settings={"recompute": RecomputeSettings(config.preserve_rng_state)},
     )
     return plan, rows
-
-
-def apply_recompute(
-    model: nn.Module, config: RecomputeConfig, filter_fn: FilterFn | None = None
-) -> list[AppliedChange]:
-    """The strategy's transform: its plan installed (``parts.install_part``)."""
-    return install_part(model, *recompute_part(model, config, filter_fn))

@@ -1,9 +1,13 @@
-"""What keeps a plan from holding on a model as it is, beyond what ``Plan.merge`` sees between
-two plans: a plan that recomputes inside a block slimact compiled (``check_modules``), and
-``scope``, what a plan acts on in one line (the runtime's error for a second plan names it).
+"""Which modules a plan acts on: a ``filter_fn`` written into its rules (``restrict_rules``),
+what it acts on in one line (``scope``: the runtime's error for a second plan names it), and
+what keeps it from holding on a model as it is beyond what ``Plan.merge`` sees between two
+plans (``check_modules``: a module it recomputes inside a block slimact compiled).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
 
 import torch.nn as nn
 
@@ -49,3 +53,15 @@ def check_modules(plan: Plan, modules: dict[str, nn.Module], whole_kinds: set[st
                     "slimact.revert(model) first (a compiled block recomputes at region budget "
                     "0, e.g. 'compiled-int8@0')"
                 )
+
+
+def restrict_rules(
+    plan: Plan, model: nn.Module, filter_fn: Callable[[nn.Module, str], bool] | None
+) -> Plan:
+    """``plan`` with each lazy rule restricted to the modules of ``model`` that ``filter_fn``
+    accepts (``SiteRule.within``: a rule with ``modules`` keeps those of them it accepts);
+    ``plan`` itself without a ``filter_fn`` or without rules."""
+    if filter_fn is None or not plan.rules:
+        return plan
+    paths = [p for p, m in model.named_modules() if filter_fn(m, p)]
+    return dataclasses.replace(plan, rules=tuple(r.within(paths) for r in plan.rules))
