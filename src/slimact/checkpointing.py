@@ -113,8 +113,7 @@ def checkpointed(orig: Any, preserve_rng_state: bool, *args: Any, **kwargs: Any)
 
 def checkpoint_module(module: nn.Module, preserve_rng_state: bool = True) -> Callable[[], None]:
     """Patch ``module``'s forward (on the instance) to run under :func:`checkpointed`; returns
-    the undo. The one place a module is made to recompute: the plan runtime and ``recompute``'s
-    own transform both call it."""
+    the undo. The one place a module is made to recompute (the plan runtime's patchers call it)."""
     _, undo = override_forward(module, checkpointed, preserve_rng_state)
     return undo
 

@@ -105,7 +105,7 @@ def register_preset_path(fn: PresetPath) -> None:
     """Let ``apply`` try ``fn`` first for a whole spec: it applies every part at once (one merged
     plan on the plan runtime, or one compiled plan) and returns the changes, or returns None and
     changes nothing, and ``apply`` tries the next path, then applies the parts one after another
-    (each strategy's own transform). Paths are tried in the order registered, each once."""
+    (``transform_of``). Paths are tried in the order registered, each once."""
     key = _qualname(fn)
     _PRESET_PATH[:] = [f for f in _PRESET_PATH if _qualname(f) != key] + [fn]
 

@@ -465,6 +465,16 @@ def runtime_of(model: nn.Module) -> PlanRuntime | None:
     return st.runtime if (st := peek(model)) is not None else None
 
 
+def refuse_second(rt: PlanRuntime, plan: Plan | None, planner: object = None) -> None:
+    """A plan installed whole (``plan``, or a ``planner``'s) beside ``rt``'s: refused, naming
+    what each acts on."""
+    raise ValueError(
+        f"model already carries a slimact plan ({scope(rt.plan, not rt.bare)}), and another "
+        f"({scope(plan, planner)}) is installed whole, not beside it: slimact.revert(model) "
+        "first, or merge the two plans into one (plan_a + plan_b)"
+    )
+
+
 def put_plan(
     model: nn.Module, plan: Plan, preset_rows: int | None = None
 ) -> tuple[PlanRuntime, list[AppliedChange], Callable[[], object]]:
@@ -526,11 +536,7 @@ def install(
     if own and (existing is not runtime or runtime.plan is not None or planner):
         raise ValueError("install(runtime=...) takes the model's runtime, still without a plan")
     if not own and existing is not None:
-        raise ValueError(
-            f"model already carries a slimact plan ({scope(existing.plan, not existing.bare)}), "
-            f"and another ({scope(plan, planner)}) is installed whole, not beside it: "
-            "slimact.revert(model) first, or merge the two plans into one (plan_a + plan_b)"
-        )
+        refuse_second(existing, plan, planner)
     rt = runtime if own else PlanRuntime(model, planner)
     rt.profile, rt.solve_options = profile, dict(solve_options or {})
     changes: list[AppliedChange] = []

@@ -27,8 +27,9 @@ from collections.abc import Callable
 import torch.nn as nn
 
 from slimact import sites
+from slimact.actions import FUSED_RMS
 from slimact.checkpointing import guard_cache
-from slimact.planner.apply import PlanRuntime, patch_plan, put_plan, runtime_of
+from slimact.planner.apply import PlanRuntime, patch_plan, put_plan, refuse_second, runtime_of
 from slimact.planner.plan import LayerPlan, Plan
 from slimact.registry import AppliedChange, part_by_part, register_part_install
 from slimact.state import peek
@@ -117,27 +118,31 @@ def finish_rows(
 def install_part(
     model: nn.Module, plan: Plan, rows: list[AppliedChange], tail: tuple[AppliedChange, ...] = ()
 ) -> list[AppliedChange]:
-    """A strategy's transform: its part (``plan``, ``rows``) installed (module docstring). The
-    rows come back with the undo on the first one that changes something, then the cache guard
-    where the plan recomputes, then ``tail`` (rows the strategy adds when it changes
-    something); a plan that changes nothing gives the rows alone."""
+    """A preset's part (``plan``, ``rows``) installed (module docstring): the one installer of
+    a strategy applied part by part. The rows come back with the undo on the first one that
+    changes something, the runtime's rows for a codec rule after the head row (PRAC's fused
+    norms, the codec policy), then the cache guard where the plan recomputes, then ``tail``
+    (rows added where it changes something); a plan that changes nothing gives the rows alone."""
     if is_empty(plan):
         return rows
     st, rt = peek(model), runtime_of(model)
     clean = rt is None and (st is None or not st.applied)
     ours = presets_runtime(model)
+    ran: list[AppliedChange] = []
     if not _codecs(plan) and (part_by_part() or not (clean or ours is not None)):
         _, undo = patch_plan(model, plan)
         rt = None  # beside the runtime: not one of its parts
     elif rt is None or ours is not None:
-        rt, _, undo = put_plan(model, plan, None if part_by_part() else 0)
+        rt, changes, undo = put_plan(model, plan, None if part_by_part() else 0)
         if part_by_part():  # no longer a presets' runtime: the spec's other parts are not
             rt.preset_rows = None
+        if plan.rules:  # the runtime's rows for the rule, as on the preset path
+            ran = [*(c for c in changes if c.action == FUSED_RMS), changes[-1]]
     else:
-        raise ValueError(
-            "model already carries a slimact runtime: add to its plan, or slimact.revert first"
-        )
+        refuse_second(rt, plan)
     out = [dataclasses.replace(c, undo=None) for c in rows]
+    if ran:
+        out[1:1] = [AppliedChange(c.path, c.action, c.detail) for c in ran]
     return finish_rows(model, plan, out, undo, rt, tail)
 
 

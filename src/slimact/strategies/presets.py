@@ -48,11 +48,10 @@ spec whose every part is a preset installs ``plan_of``'s one merged plan on the 
 and a later spec of presets on such a model is merged into its plan. The changes it records are
 the strategies' own (``int4``'s and ``prac``'s head rows, the per-module rows with their skips:
 PRAC's ranks per linear and norm module). Any other spec (one part not a preset, or a model
-carrying a change that is not a preset's: a solved plan) is applied part by part, each strategy
-by its registered transform, which installs its own part the same way (``parts.install_part``;
-beside a planner's runtime, a plan that only recomputes and reformulates is patched by the
-runtime's patchers, ``planner.apply.patch_plan``); the PRAC family's (``strategies/prac.py``)
-installs the plan and rows of its preset (``prac_part``). ``auto`` always takes the part-by-part
+carrying a change that is not a preset's: a solved plan) is applied part by part, each preset's
+part installed by the one part installer (``parts.install_part``, with the same rows; beside a
+planner's runtime, a plan that only recomputes and reformulates is patched by the runtime's
+patchers, ``planner.apply.patch_plan``). ``auto`` always takes the part-by-part
 path (its lazy planning on the first batch and its re-planning budget check), shown to store
 and train as its plan does.
 """
@@ -86,7 +85,7 @@ from slimact.state import peek
 from slimact.strategies.auto import auto_refusal, refuse_unless_lm
 from slimact.strategies.chunked_ce import chunked_ce_part
 from slimact.strategies.cola import CoLAConfigMarker, CoLAMConfig, cola_part, colam_part
-from slimact.strategies.int4 import Int4Config, NaiveInt4Config
+from slimact.strategies.int4 import Int4Config, NaiveInt4Config, int4_part
 from slimact.strategies.invact import invact_part
 from slimact.strategies.none import NoneConfig, none_part
 from slimact.strategies.offload import OffloadStrategyConfig, offload_part
@@ -99,12 +98,6 @@ from slimact.strategies.parts import (
 )
 from slimact.strategies.prac_config import PacConfig, PracConfig, RacConfig
 from slimact.strategies.recompute import RecomputeConfig, recompute_part
-
-
-def _rule(model: nn.Module, config: Int4Config | NaiveInt4Config, filter_fn) -> Part:
-    # its rows: the strategy's name and roles, then the runtime's codec-policy row (filled in)
-    plan = restrict_rules(config.plan(), model, filter_fn)
-    return plan, [AppliedChange("", config.name, config.describe())]
 
 
 def _auto(
@@ -208,8 +201,8 @@ PRESETS: dict[type, Callable[..., Part]] = {
     NoneConfig: none_part,
     CoLAConfigMarker: cola_part,
     RecomputeConfig: recompute_part,
-    Int4Config: _rule,
-    NaiveInt4Config: _rule,
+    Int4Config: int4_part,
+    NaiveInt4Config: int4_part,
     InvActConfig: invact_part,
     ChunkedCEConfig: chunked_ce_part,
     PracConfig: prac_part,
