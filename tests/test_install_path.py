@@ -15,14 +15,13 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "slimact"
 
 # strategy module -> why its registered strategies still keep a transform of their own
 OWN_TRANSFORM: dict[str, str] = {
-    "offload.py": "its CUDA check and its codec-policy row before the plan is installed",
     "auto.py": "a planner (auto: lazy planning, its budget check) and a solved Plan",
     "compiled_presets.py": "the compiled path (CompiledPlan install), redesigned on its own",
     "compiled_auto.py": "the compiled planner, redesigned with the compiled path",
 }
 FIXED = (
     *("none", "recompute", "invact", "invact-act", "chunked-ce", "cola", "cola-m"),
-    *("int4", "int4-plain", "int4-paper", "int4-naive", "int8", "prac", "pac", "rac"),
+    *("int4", "int4-plain", "int4-paper", "int4-naive", "int8", "prac", "pac", "rac", "offload"),
 )
 
 

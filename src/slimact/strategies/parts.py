@@ -138,6 +138,8 @@ def install_part(
             rt.preset_rows = None
         if plan.rules:  # the runtime's rows for the rule, as on the preset path
             ran = [*(c for c in changes if c.action == FUSED_RMS), changes[-1]]
+        elif _codecs(plan):  # a site table (offload's block inputs): the policy's row last
+            tail = (*tail, AppliedChange("", "codec-policy", changes[-1].detail))
     else:
         refuse_second(rt, plan)
     out = [dataclasses.replace(c, undo=None) for c in rows]
