@@ -1,14 +1,14 @@
-"""``slimact.apply`` is all-or-nothing, and the composition rule (issue 14.7).
+"""``slimact.apply`` is all-or-nothing, and composition is ``Plan.merge`` (issue 14.7).
 
 A composite apply that fails part-way leaves the model exactly as it was (module attributes,
-hooks, state_dict, forward output, ``applied``); two codec policies, or one strategy named twice
-in a spec, are rejected before anything changes (see ``slimact.registry``'s docstring).
+hooks, state_dict, forward output, ``applied``); parts whose plans conflict (two codec rules on
+the same modules, a compiled block and recompute) are refused, naming the modules or sites,
+with nothing changed (see ``slimact.registry``'s docstring).
 """
 
 from __future__ import annotations
 
 import copy
-import re
 from dataclasses import dataclass
 
 import pytest
@@ -17,6 +17,7 @@ import torch.nn as nn
 
 import slimact
 from slimact import build_model
+from slimact.codecs.offload import using_streams
 from slimact.patching import overrides
 from slimact.planner.apply import runtime_of
 from slimact.registry import (
@@ -175,47 +176,97 @@ def test_failing_undo_is_noted_not_raised():
     assert _LOG[-1] == "undo _MarkA"  # the roll-back went on past the failing undo
 
 
+_ROLES = "two rules decide the sites of every module by different roles"
+_PLANNED = r"already carries a slimact plan \(rule .* for every module\)"
+
+
 @pytest.mark.parametrize(
-    "spec, names",
+    "spec, match",
     [
-        ("int4+prac", ("int4", "prac")),
-        ("prac+int4", ("prac", "int4")),
-        ("invact+int8+pac", ("int8", "pac")),
-        ("int4+auto@25%", ("int4", "auto@25%")),
-        ("rac+recompute+int4-plain", ("rac", "int4-plain")),
+        ("int4+prac", _ROLES),
+        ("prac+int4", _ROLES),
+        ("invact+int8+pac", _ROLES),
+        ("int4+auto@25%", _PLANNED),
+        ("rac+recompute+int4-plain", _ROLES),
     ],
 )
-def test_two_codec_policies_rejected(spec, names):
+def test_two_codec_policies_rejected(spec, match):
+    """Two codec rules on the same modules conflict in the merged plan (or, beside a planner
+    that solves every module, at install), named by modules; nothing changes."""
     model = build_model("llama-tiny")
     before = _snapshot(model)
-    pattern = rf"two codec-policy strategies, '{re.escape(names[0])}' and '{re.escape(names[1])}'"
-    with pytest.raises(ValueError, match=pattern) as info:
+    with pytest.raises(ValueError, match=match) as info:
         slimact.apply(model, spec)
-    assert "invact" in str(info.value) and "recompute" in str(info.value)  # what composes
+    assert "slimact.revert(model) first" in str(info.value)  # what to do
     _assert_same(before, _snapshot(model))
 
 
 @pytest.mark.parametrize(
-    "spec, a, b",
+    "spec, match",
     [
-        ("int4+int4", "int4", "int4"),
-        ("recompute+recompute", "recompute", "recompute"),
-        ("invact+invact-act", "invact", "invact-act"),
-        ("int4+int8", "int4", "int8"),
-        ("auto@10%+auto@25%", "auto@10%", "auto@25%"),
+        ("int4+int4", "two rules code the sites of every module"),
+        ("int4+int8", "the rules give role 'act' two codecs in every module"),
+        ("auto@10%+auto@25%", r"already carries a slimact plan \(a planner's"),
     ],
 )
-def test_duplicates_in_a_spec_rejected(spec, a, b):
-    with pytest.raises(ValueError, match=rf"names {re.escape(repr(a))} and {re.escape(repr(b))}"):
-        resolve(spec)
+def test_duplicates_in_a_spec_rejected(spec, match):
+    """Resolving a spec checks its form only; at ``apply`` the parts' plans say whether they
+    hold together (two codec rules on one module do not, even the same rule twice)."""
+    assert len(resolve(spec)) == 2
+    model = build_model("llama-tiny")
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match=match):
+        slimact.apply(model, spec)
+    _assert_same(before, _snapshot(model))
 
 
-@pytest.mark.parametrize("first, second", [("int4", "prac"), ("int4", "int4"), ("prac", "int8")])
-def test_second_apply_follows_the_codec_rule(first, second):
+@pytest.mark.parametrize("spec", ["recompute+recompute", "invact+invact-act"])
+def test_parts_that_agree_merge(spec):
+    """Parts whose plans hold together merge: one recompute, the inverted modules' union."""
+    one = slimact.apply(build_model("llama-tiny"), spec.split("+")[0])
+    both = slimact.apply(build_model("llama-tiny"), spec)
+    assert runtime_of(both).plan.layers == runtime_of(one).plan.layers
+
+
+def _in_block(block: str):
+    return lambda m, path: path == block or path.startswith(block + ".")
+
+
+def test_codec_parts_on_disjoint_modules_merge():
+    """``int4`` on block 0, ``int8`` on block 1 (a ``filter_fn`` each): one plan with both rules,
+    each coding its own block; on the same block the second is refused naming the module."""
+    model = slimact.apply(build_model("llama-tiny"), "int4", _in_block("layers.0"))
+    slimact.apply(model, "int8", _in_block("layers.1"))
+    assert len(runtime_of(model).plan.rules) == 2
+    assert applied_strategies(model) == ["int4", "int8"]
+    x = torch.randint(0, 257, (2, 16))
+    with slimact.measure(model) as meter:
+        model(x, targets=x).loss.backward()
+    acts = {s.site: s.action for s in meter.report.sites}
+    assert any(a.startswith("codec:int4") for s, a in acts.items() if s.startswith("layers.0."))
+    assert not any("int4" in a for s, a in acts.items() if s.startswith("layers.1."))
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match=r"role 'act' two codecs in modules layers\.1"):
+        slimact.apply(model, "int4", _in_block("layers.1"))
+    _assert_same(before, _snapshot(model))
+
+
+@pytest.mark.parametrize(
+    "first, second, match",
+    [
+        ("int4", "prac", "by different roles"),
+        ("int4", "int4", "two rules code the sites of every module"),
+        ("prac", "int8", "by different roles"),
+    ],
+)
+def test_second_apply_follows_the_codec_rule(first, second, match):
+    """A second codec rule on the model's modules conflicts with its plan, even the same one
+    again: refused, naming the modules and what to do, and nothing changes."""
     model = slimact.apply(build_model("llama-tiny"), f"invact+{first}")
     before = _snapshot(model)
-    with pytest.raises(ValueError, match=rf"already has codec-policy strategy '{first}'"):
+    with pytest.raises(ValueError, match=match) as info:
         slimact.apply(model, f"recompute+{second}")
+    assert "every module" in str(info.value) and "slimact.revert(model)" in str(info.value)
     _assert_same(before, _snapshot(model))
     slimact.revert(model)
     slimact.apply(model, second)  # after a revert the other policy applies
@@ -284,25 +335,32 @@ def test_codec_policy_names_match_what_the_transforms_do():
     assert checked >= 15
 
 
+_CLASH = r"(recomputes layers\.0, in block layers\.0, which slimact compiled|block 'layers\.0' is recomputed by the model's plan).*slimact\.revert\(model\) first"
+
+
 @pytest.mark.parametrize(
     "first, second", [("compiled-int8", "recompute"), ("recompute", "compiled-int4")]
 )
 def test_compiled_blocks_and_checkpointing_are_refused_together(first, second):
+    """A compiled block is not recomputed by a plan, nor a recomputed one compiled: refused,
+    naming the block, in one spec or across calls, with nothing changed."""
     model = build_model("llama-tiny")
-    with pytest.raises(ValueError, match="do not compose"):
+    with pytest.raises(ValueError, match=_CLASH):
         slimact.apply(model, f"{first}+{second}")
     assert applied_strategies(model) == []
     slimact.apply(model, first)
-    with pytest.raises(ValueError, match="do not compose"):
+    with pytest.raises(ValueError, match=_CLASH):
         slimact.apply(model, second)  # across calls too
     assert applied_strategies(model) == [first]
 
 
 @pytest.mark.parametrize("spec", ["offload+compiled-none", "compiled-recompute+offload"])
-def test_offload_checkpoints_its_blocks_so_compiled_blocks_are_refused_beside_it(spec):
-    """``offload`` recomputes every block (its registration says ``checkpointing``), so a
-    compiled strategy beside it is refused by name, on any device, before anything changes."""
+def test_offload_checkpoints_its_blocks_so_compiled_blocks_are_refused_beside_it(
+    spec, fake_streams
+):
+    """``offload`` recomputes every block, so a compiled strategy beside it is refused naming
+    the block (offload on a CPU model through the tests' stand-in streams), nothing changed."""
     model = build_model("llama-tiny")
-    with pytest.raises(ValueError, match="'offload' checkpoints blocks; the two do not compose"):
+    with using_streams(fake_streams), pytest.raises(ValueError, match=_CLASH):
         slimact.apply(model, spec)
     assert applied_strategies(model) == []

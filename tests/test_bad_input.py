@@ -61,16 +61,25 @@ SPECS = [
     ("prac@t1=abc", "'abc'"),
     ("chunked-ce@abc", "'chunked-ce@abc'"),
     ("recompute@1", "'recompute@1'"),
-    ("int4+int4", "'int4' and 'int4'"),
-    ("invact+invact-act", "'invact' and 'invact-act'"),
-    ("int4+prac", "'int4' and 'prac'"),
-    ("auto@25%+int8", "'auto@25%' and 'int8'"),
 ]
 
 
 @pytest.mark.parametrize("spec, named", SPECS, ids=[s for s, _ in SPECS])
 def test_strategy_spec(spec, named):
     _raises(ValueError, named, resolve, spec)
+
+
+# parts whose plans conflict: refused at apply (``Plan.merge``), naming the modules
+CONFLICTS = [
+    ("int4+int4", "two rules code the sites of every module"),
+    ("int4+prac", "decide the sites of every module by different roles"),
+    ("auto@25%+int8", "(rule act=int8, qkv=int8-channel, scores=int8-asym, mask=bits for every"),
+]
+
+
+@pytest.mark.parametrize("spec, named", CONFLICTS, ids=[s for s, _ in CONFLICTS])
+def test_conflicting_parts(spec, named):
+    _raises(ValueError, named, slimact.apply, build_model("llama-tiny"), spec)
 
 
 @pytest.mark.parametrize("spec", [5, None, 2.5])
@@ -220,7 +229,7 @@ CONFIGS = [
     ({"device": "tpu"}, "'tpu'"),
     ({"dist": "horovod"}, "'horovod'"),
     ({"model": "nope"}, "'nope'"),
-    ({"strategy": "int4+prac"}, "'int4' and 'prac'"),
+    ({"strategy": "int4+nope"}, "'nope'"),  # (int4+prac: its plans conflict, at apply)
 ]
 
 
@@ -256,7 +265,7 @@ TRAIN_FLAGS = [
     (["--lr", "nan"], "nan"),
     (["--seq", "99999"], "99999"),
     (["--model", "nope"], "'nope'"),
-    (["--strategy", "int4+prac"], "'int4' and 'prac'"),
+    (["--strategy", "int4+prac"], "decide the sites of every module by different roles"),
     (["--strategy", "auto", "--budget", "25"], "'25'"),
     (["--strategy", "auto", "--budget", "-5%"], "'-5%'"),
     (["--budget", "25%"], "--budget 25%"),
@@ -301,7 +310,7 @@ MEMORY_FLAGS = [
     (["--seq", "100000"], "100000"),
     (["--model", "nope"], "'nope'"),
     (["--strategy", "auto@-5%"], "'-5%'"),
-    (["--strategy", "int4+prac"], "'int4' and 'prac'"),
+    (["--strategy", "int4+prac"], "decide the sites of every module by different roles"),
     (["--dtype", "float64"], "'float64'"),
     (["--vocab", "0"], "got 0"),
 ]

@@ -174,14 +174,15 @@ def test_bad_specs_and_plans_are_refused_in_one_line():
 
 def test_a_plan_does_not_stack_on_other_compiled_blocks():
     """A block is compiled once: a plan on a model whose blocks a ``compiled-*`` strategy already
-    compiled is refused, and one codec policy decides a site (a plan's root may take one)."""
+    compiled is refused, and a compiled block is not recomputed by an eager plan (each naming
+    the block)."""
     torch.manual_seed(0)
     model = slimact.apply(build_model("llama-tiny"), "compiled-none")
-    with pytest.raises(ValueError, match="already compiled by 'compiled-none'"):
+    with pytest.raises(ValueError, match=r"'layers\.0' is already compiled by slimact \(keep\)"):
         slimact.apply(model, compiled_plan_of(model, "int8"))
-    plan = slimact.apply(build_model("llama-tiny"), compiled_plan_of(model, "none"))
-    with pytest.raises(ValueError, match="codec-policy strategy 'compiled-plan'"):
-        slimact.apply(plan, "int4")
+    plan = slimact.apply(build_model("llama-tiny"), compiled_plan_of(model, "int8+recompute"))
+    with pytest.raises(ValueError, match=r"recomputes layers\.0, in block layers\.0"):
+        slimact.apply(plan, "int4+recompute")
     assert state_of(plan).compiled_plan is None  # compiled-auto's solved plan only
 
 

@@ -209,8 +209,8 @@ def test_naive_bytes_measured():
 
 
 def test_composition_and_revert():
-    with pytest.raises(ValueError, match="int4-naive"):
-        resolve("int4-naive+int4")
+    with pytest.raises(ValueError, match="role 'act' two codecs in every module: int4-token"):
+        slimact.apply(build_model("llama-tiny"), "int4-naive+int4")
     assert isinstance(resolve("int4-naive")[0], NaiveInt4Config)
     model = build_model("llama-tiny")
     slimact.apply(model, "invact+int4-naive")

@@ -287,8 +287,9 @@ def test_root_int8_alone_when_reformulation_is_off():
 
 
 def test_does_not_compose_with_another_codec_policy():
-    """compiled-auto may give the eager root a codec (a plan on the plan runtime), so it is a
-    codec policy: int4 (a rule plan) beside it is refused at apply, in either order."""
+    """compiled-auto may give the eager root a codec (a plan on the plan runtime, solved for the
+    whole root): int4 (a rule plan for every module) beside it is refused at apply, in either
+    order, naming the rule's modules and the pending plan."""
     for spec in (f"int4+compiled-auto@12%,{SMALL}", f"compiled-auto@12%,{SMALL}+int8"):
-        with pytest.raises(ValueError, match="two codec-policy strategies"):
+        with pytest.raises(ValueError, match=r"(?s)slimact plan.*for every module.*revert"):
             slimact.apply(build_model("llama-tiny"), spec)

@@ -20,7 +20,7 @@ from slimact.patching import overrides
 from slimact.planner.apply import runtime_of
 from slimact.planner.plan import Plan
 from slimact.planner.settings import ChunkedCESettings, InvActSettings, RecomputeSettings
-from slimact.registry import _entry_for, applied_strategies, resolve
+from slimact.registry import applied_strategies, resolve, transform_of
 from slimact.sites import block_paths
 from slimact.state import state_of
 from slimact.strategies.cola import CoLAMConfig
@@ -101,9 +101,10 @@ def test_a_preset_plan_applies_like_its_strategy(name, model_name):
 
 
 def _own(model, spec):
-    """``spec`` applied by each strategy's own transform (not the preset path), part by part."""
+    """``spec`` applied part by part (not the preset path): each part as ``apply``'s part path
+    runs it (``transform_of``: a preset's part installed, or a strategy's own transform)."""
     for config in resolve(spec):
-        _entry_for(config).transform(model, config, None)
+        transform_of(config)(model, config, None)
     return model
 
 
@@ -477,8 +478,9 @@ def test_offload_and_colam_plans_say_what_they_do():
     assert set(first.site_actions()) == {"layers.0:", "layers.0:checkpoint_input#0"}
     with pytest.raises(ValueError, match="in host memory already"):
         slimact.apply(build_model("llama-tiny"), slimact.plan_of(model, "offload"))
-    with pytest.raises(ValueError, match="composes two codec-policy strategies, 'offload' and"):
-        slimact.plan_of(model, "offload+int8")  # the strategies do not compose either
+    with_int8 = slimact.plan_of(model, "offload+int8")  # the block inputs offloaded, the rest int8
+    assert with_int8.site_actions() == slimact.plan_of(model, "offload").site_actions()
+    assert with_int8.rules == slimact.plan_of(model, "int8").rules
     no_rng = slimact.plan_of(model, OffloadStrategyConfig(preserve_rng_state=False))
     assert no_rng.settings == (("recompute", RecomputeSettings(preserve_rng_state=False)),)
     assert no_rng.site_actions() == slimact.plan_of(model, "offload").site_actions()

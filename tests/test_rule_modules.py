@@ -15,10 +15,9 @@ import slimact
 from slimact.models import build_model
 from slimact.planner.apply import runtime_of
 from slimact.planner.plan import Plan, SiteRule
-from slimact.registry import resolve
+from slimact.registry import parts_one_by_one, resolve, transform_of
 from slimact.state import state_of
-from slimact.strategies.int4 import apply_int4
-from slimact.strategies.prac import PracConfig, apply_prac, prac_report
+from slimact.strategies.prac import PracConfig, prac_report
 
 
 def first_block(module, path: str) -> bool:
@@ -84,7 +83,8 @@ def test_a_filter_fn_is_part_of_the_plan(name, model_name):
     (config, *rest) = resolve(name)
     if not rest:  # the strategy's own transform (a spec with a part that is no preset)
         own = copy.deepcopy(base)
-        (apply_int4 if "int" in name else apply_prac)(own, config, first_block)
+        with parts_one_by_one():
+            transform_of(config)(own, config, first_block)
         assert runtime_of(own).plan == plan and runtime_of(own).preset_rows is None
         models.append(own)
     gen = torch.Generator().manual_seed(0)
@@ -149,15 +149,15 @@ def test_invact_and_prac_are_one_plan_with_both_strategies_rows():
 
 
 def test_a_prac_family_strategy_is_applied_once():
-    """One PRAC state per model: ``slimact.apply`` refuses a second codec policy, and the
-    strategy's own transform (``apply_prac``, the preset's handler) a second PRAC state."""
+    """One PRAC state per model: ``slimact.apply`` refuses a second PRAC rule, and the
+    strategy applied part by part (its preset's part installed) a second PRAC state."""
     model = slimact.apply(build_model("llama-tiny"), "prac+recompute")
-    with pytest.raises(ValueError, match="already has codec-policy strategy 'prac'"):
+    with pytest.raises(ValueError, match=r"\(prac\) is already .* sites of every module"):
         slimact.apply(model, "pac")
     for first in ("prac", slimact.plan_of(build_model("llama-tiny"), "prac")):
         model = slimact.apply(build_model("llama-tiny"), first)
         with pytest.raises(ValueError, match=r"a PRAC-family strategy \(prac\) is already"):
-            apply_prac(model, resolve("rac")[0])
+            transform_of(resolve("rac")[0])(model, resolve("rac")[0], None)
         assert [r.roles for r in runtime_of(model).plan.rules] == ["prac"]
 
 

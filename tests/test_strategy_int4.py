@@ -249,7 +249,7 @@ def test_rule_plans_compose_and_refuse_a_second_runtime():
     model(x, targets=x).loss.backward()
     with pytest.raises(ValueError, match="already carries a slimact plan"):
         install(model, Int4Config().plan())  # below the registry: still one runtime per model
-    with pytest.raises(ValueError, match="already has codec-policy strategy 'int4'"):
-        slimact.apply(model, "int8")
+    with pytest.raises(ValueError, match="the rules give role 'act' two codecs in every module"):
+        slimact.apply(model, "int8")  # the model's plan and int8's conflict (Plan.merge)
     slimact.revert(model)
     assert runtime_of(model) is None and not [m for m in model.modules() if "forward" in m.__dict__]

@@ -46,7 +46,7 @@ from torch.utils.checkpoint import checkpoint
 
 from slimact import sites
 from slimact.hf_inputs import is_hf_model
-from slimact.patching import override_forward, run_all
+from slimact.patching import override_forward, overrides, run_all
 from slimact.registry import AppliedChange
 
 # keyword names HF layers receive their KV cache (or a legacy per-layer past) under
@@ -113,10 +113,18 @@ def checkpointed(orig: Any, preserve_rng_state: bool, *args: Any, **kwargs: Any)
 
 def checkpoint_module(module: nn.Module, preserve_rng_state: bool = True) -> Callable[[], None]:
     """Patch ``module``'s forward (on the instance) to run under :func:`checkpointed`; returns
-    the undo. The one place a module is made to recompute: the plan runtime and ``recompute``'s
-    own transform both call it."""
+    the undo. The one place a module is made to recompute (the plan runtime's patchers call it)."""
     _, undo = override_forward(module, checkpointed, preserve_rng_state)
     return undo
+
+
+def checkpointed_modules(module: nn.Module) -> list[str]:
+    """The modules in ``module`` (itself: ``""``) that run under :func:`checkpointed`."""
+    return [
+        path
+        for path, m in module.named_modules()
+        if any(o.wrapper is checkpointed for o in overrides(m))
+    ]
 
 
 def use_cache_position(model: nn.Module) -> int | None | bool:

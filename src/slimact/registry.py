@@ -1,7 +1,9 @@
-"""Strategy registry: a name or a typed config maps to a transform of the model.
+"""Strategy registry: a name or a typed config maps to a preset (its plan) or a transform.
 
 torchao-style: each strategy is a frozen dataclass config; ``register_strategy`` ties a name and a
-config class to ``transform(model, config, filter_fn) -> AppliedChange list``. ``apply`` accepts
+config class to its *preset*, ``preset(model, config, filter_fn) -> (Plan, rows)``, which one
+installer puts on the plan runtime (``register_part_install``), or to a
+``transform(model, config, filter_fn) -> AppliedChange list`` of its own. ``apply`` accepts
 ``"name"``, a config, ``"name@settings"`` (``"auto@25%"``, read by ``slimact.spec``, the one
 grammar, into the config's ``spec_fields``), or ``"a+b"`` to compose several (applied left to right; a spec of presets alone is one merged
 plan, ``register_preset_path``). Every change is
@@ -12,28 +14,14 @@ it wraps (``state.model_of``), so apply before or after wrapping and revert thro
 ``apply`` is all-or-nothing: if any part of a composition raises, the parts already applied are
 undone newest first and the original error propagates; the model is left as it was.
 
-Composition rule (checked before anything is applied, in one spec and across ``apply`` calls):
-
-* A *codec policy* decides, per saved tensor, how it is stored: ``int4``, ``int4-plain``,
-  ``int4-paper``, ``int4-naive``, ``int8`` (plans of lazy rules), ``prac``, ``pac``, ``rac`` (a
-  PRAC rule), ``offload`` (block inputs through the offload codec), ``auto`` (``auto@...``) and
-  ``plan`` install one through the plan runtime (``slimact.planner.apply``, one per model). Only
-  one policy can decide a site, so a model carries at most one of them: ``int4+prac`` and
-  ``apply(m, "int4"); apply(m, "prac")`` are errors (whose policy won would otherwise depend on
-  the order). ``slimact.revert(model)`` first to switch.
-* Everything else is a site transform (``invact``, ``invact-act``, ``recompute``,
-  ``chunked-ce``, ``cola``, ``cola-m``, ``none``) and composes with the others and with one codec
-  policy in any order: ``invact+int4``, ``invact+recompute+prac``, ``invact+int4+chunked-ce``.
-* Compiled blocks (``compiled-none``, ``compiled-int8``, ``compiled-int4``) do not compose with
-  per-block checkpointing (``recompute``, ``cola-m``): an error, whatever the order. The traced
-  codecs (``compiled-int8``, ``-int6``, ``-int4``, ``-int4-outlier``, ``-prac``) and
-  ``compiled-auto`` are codec policies. A block is compiled once: a second ``compiled-*``
-  strategy is an error, the same one again is skipped block by block.
-* A model compiled whole by the user (``torch.compile(model)``) is refused: ``compile=True``.
-* A spec names each strategy once: ``int4+int4`` or ``invact+invact-act`` (one config class
-  twice) is an error. A site transform may be applied again by a later ``apply`` call (e.g. to
-  other modules through ``filter_fn``): sites it already changed are skipped and reported as
-  such, so repeating it is idempotent.
+Composition is ``Plan.merge`` alone: the parts of a spec, and a later ``apply`` on a model that
+carries a plan, are merged into one plan, which refuses what cannot hold together, naming the
+sites or modules (two codec rules on the same modules, a codec inside a recomputed module, ...);
+the plan runtime refuses to recompute a block compiled by slimact and a second compiler refuses
+a checkpointed block. Rules for disjoint modules merge: ``apply(m, "int4", in_block0)`` then
+``apply(m, "int8", in_block1)`` codes each block by its own rule. A part that changes nothing
+again (``recompute`` on blocks it already checkpoints) is reported as skipped.
+A model compiled whole by the user (``torch.compile(model)``) is refused: ``compile=True``.
 """
 
 from __future__ import annotations
@@ -42,6 +30,7 @@ import argparse
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -85,19 +74,21 @@ class AppliedChange:
 
 
 Transform = Callable[[nn.Module, StrategyConfig, FilterFn | None], list[AppliedChange]]
+# a strategy as a plan: (model, config, filter_fn) -> (the Plan, the rows the strategy reports)
+Preset = Callable[[nn.Module, StrategyConfig, FilterFn | None], tuple[Any, list[AppliedChange]]]
 
 
 @dataclass(frozen=True)
 class _Entry:
     config_cls: type
     default: StrategyConfig
-    transform: Transform
+    transform: Transform | None  # None: a preset's, installed by the one part installer
     description: str
-    codec_policy: bool = False  # its transform installs a codec policy (module docstring)
-    checkpointing: bool = False  # it checkpoints blocks (does not compose with compiled blocks)
+    codec_policy: bool = False  # its transform installs a codec policy (its plan decides codecs)
     compiled_form: str | None = None  # what ``apply(..., compile=True)`` applies instead
     compile_safe: bool = False  # applied as it is under ``compile=True`` (its ops compile)
     compile_args: str = ""  # ``key=value,...`` its spec takes under ``compile=True`` (unless given)
+    preset: Preset | None = None  # the strategy as a plan
 
 
 _REGISTRY: dict[str, _Entry] = {}
@@ -114,7 +105,7 @@ def register_preset_path(fn: PresetPath) -> None:
     """Let ``apply`` try ``fn`` first for a whole spec: it applies every part at once (one merged
     plan on the plan runtime, or one compiled plan) and returns the changes, or returns None and
     changes nothing, and ``apply`` tries the next path, then applies the parts one after another
-    (each strategy's own transform). Paths are tried in the order registered, each once."""
+    (``transform_of``). Paths are tried in the order registered, each once."""
     key = _qualname(fn)
     _PRESET_PATH[:] = [f for f in _PRESET_PATH if _qualname(f) != key] + [fn]
 
@@ -162,35 +153,57 @@ def as_config(strategy: object) -> object:
 def register_strategy(
     name: str,
     default: StrategyConfig,
-    transform: Transform,
+    transform: Transform | None = None,
     description: str = "",
     codec_policy: bool = False,
     *,
-    checkpointing: bool = False,
+    preset: Preset | None = None,
     compiled_form: str | None = None,
     compile_safe: bool = False,
     compile_args: str = "",
 ) -> None:
-    """Register ``name``. Registering the same name again from the same transform (a module that
-    is imported a second time, e.g. after an earlier import of the package failed half-way)
-    replaces the entry; a different transform under a taken name is an error.
+    """Register ``name`` with its ``preset`` (the strategy as a plan, installed by the one part
+    installer) or a ``transform`` of its own, one of the two. Registering the same name again
+    from the same function (a module that is imported a second time, e.g. after an earlier
+    import of the package failed half-way) replaces the entry; another under a taken name is an
+    error.
 
-    What decides how it composes is said here, by the strategy itself: ``codec_policy``, its
-    transform installs a codec policy (at most one per model); ``checkpointing``, it checkpoints
-    blocks (which compiled blocks do not compose with); ``compiled_form``, the strategy
+    What the strategy is, said by itself: ``codec_policy``, its transform installs a codec
+    policy (its plan decides codecs); ``compiled_form``, the strategy
     ``apply(..., compile=True)`` applies in its place (``"compiled-int8"``); ``compile_safe``,
     it is applied as it is under ``compile=True``, with ``compile_args`` (``"ops=none"``: each
     ``key=value`` its spec does not set) added to its spec there."""
+    if (transform is None) == (preset is None):
+        raise ValueError(f"strategy {name!r} takes a preset or a transform (one of the two)")
+    fn = transform or preset
     old = _REGISTRY.get(name)
-    if old is not None and _qualname(old.transform) != _qualname(transform):
+    if old is not None and _qualname(old.transform or old.preset) != _qualname(fn):
         raise ValueError(
-            f"strategy {name!r} is already registered by {_qualname(old.transform)}; "
-            f"cannot register it again for {_qualname(transform)}"
+            f"strategy {name!r} is already registered by {_qualname(old.transform or old.preset)}"
+            f"; cannot register it again for {_qualname(fn)}"
         )
     _REGISTRY[name] = _Entry(
-        type(default), default, transform, description, codec_policy, checkpointing,
-        compiled_form, compile_safe, compile_args,
+        type(default), default, transform, description, codec_policy, compiled_form,
+        compile_safe, compile_args, preset,
     )  # fmt: skip
+
+
+# (model, plan, rows) -> changes: the one installer of a preset's part (``strategies/parts.py``)
+_PART_INSTALL: list[Callable[[nn.Module, Any, list[AppliedChange]], list[AppliedChange]]] = []
+
+
+def register_part_install(
+    fn: Callable[[nn.Module, Any, list[AppliedChange]], list[AppliedChange]],
+) -> None:
+    """Let ``fn(model, plan, rows)`` install one preset part (a spec applied part by part)."""
+    _PART_INSTALL[:] = [fn]
+
+
+def _install_preset(
+    preset: Preset, model: nn.Module, config: StrategyConfig, filter_fn: FilterFn | None
+) -> list[AppliedChange]:
+    plan, rows = preset(model, config, filter_fn)
+    return _PART_INSTALL[0](model, plan, rows)
 
 
 _RENAMED: dict[str, str] = {}  # an earlier strategy name -> its registered name
@@ -239,13 +252,20 @@ def compile_safe(config: StrategyConfig) -> bool:
 
 
 def transform_of(config: StrategyConfig) -> Transform:
-    """The transform ``apply`` runs for one part ``config`` (its strategy's own)."""
-    return _entry_for(config).transform
+    """What ``apply`` runs for one part ``config``: its preset installed by the one part
+    installer, or its strategy's own transform."""
+    entry = _entry_for(config)
+    return entry.transform or functools.partial(_install_preset, entry.preset)
+
+
+def preset_of(config: StrategyConfig) -> Preset | None:
+    """``config``'s strategy as a plan (None: a strategy with a transform of its own)."""
+    return _entry_for(config).preset
 
 
 def resolve(strategy: str | StrategyConfig) -> list[StrategyConfig]:
-    """``"none"``, ``"invact+int4"`` or a config -> list of configs; a spec that breaks the
-    composition rule (module docstring) is a ``ValueError`` naming the parts."""
+    """``"none"``, ``"invact+int4"`` or a config -> list of configs (how they compose is their
+    plans' to say, at ``apply``: ``Plan.merge``)."""
     return [cfg for _, cfg in _resolve_named(strategy)]
 
 
@@ -278,82 +298,7 @@ def _resolve_named(strategy: str | StrategyConfig) -> list[tuple[str, StrategyCo
             f"strategy must be a name or a StrategyConfig, got {strategy!r}; "
             f"valid names: {', '.join(_REGISTRY)}"
         )
-    out = [(str(p), _config_of(p, strategy)) for p in parse(strategy)]
-    _check_composition(out, strategy)
-    return out
-
-
-def _is_codec_policy(config: StrategyConfig) -> bool:
-    """A config may say so itself (``is_codec_policy``: several strategies share one config
-    class, e.g. ``compiled-none`` and ``compiled-int8``), else its strategy's entry does."""
-    own = getattr(config, "is_codec_policy", None)
-    return bool(own) if own is not None else _entry_for(config).codec_policy
-
-
-def _label_is_policy(label: str) -> bool:
-    """Is the strategy a spec ``label`` names (``"compiled-int8@0"``) a codec policy?"""
-    part = _part(spec.parse_part(label))
-    entry = _REGISTRY.get(part.name)
-    if entry is None:
-        return False
-    return _is_codec_policy(spec.configure(entry.default, part))
-
-
-def _composable() -> str:
-    return ", ".join(n for n, e in _REGISTRY.items() if not e.codec_policy and n != "none")
-
-
-def _check_composition(parts: list[tuple[str, StrategyConfig]], whole: object) -> None:
-    """One spec: each strategy (config class) once, at most one codec policy."""
-    seen: dict[type, str] = {}
-    for label, cfg in parts:
-        if type(cfg) in seen:
-            raise ValueError(
-                f"strategy {whole!r} names {seen[type(cfg)]!r} and {label!r}, the same strategy "
-                f"({type(cfg).__name__}) twice; name each strategy once"
-            )
-        seen[type(cfg)] = label
-    codecs = [label for label, cfg in parts if _is_codec_policy(cfg)]
-    if len(codecs) > 1:
-        raise ValueError(
-            f"strategy {whole!r} composes two codec-policy strategies, {codecs[0]!r} and "
-            f"{codecs[1]!r}: {_ONE_POLICY}; use one of them, composed with any of: "
-            f"{_composable()} (e.g. 'invact+recompute+int4')"
-        )
-
-
-def _check_compiled(labels: list[str], whole: object) -> None:
-    """Compiled blocks (``compiled-*``) and per-block checkpointing do not compose: compiling a
-    checkpointed block fails inside inductor, and checkpointing a compiled one is untested."""
-    compiled = [x for x in labels if x.startswith(COMPILED_PREFIX)]
-    ckpt = [
-        x for x in labels
-        if (e := _REGISTRY.get(_part(spec.parse_part(x)).name)) is not None and e.checkpointing
-    ]  # fmt: skip
-    if compiled and ckpt:
-        raise ValueError(
-            f"strategy {whole!r}: {compiled[0]!r} compiles each block with its codec inside, "
-            f"and {ckpt[0]!r} checkpoints blocks; the two do not compose (apply one of them; "
-            f"{compiled[0]!r} composes with invact and chunked-ce)"
-        )
-
-
-def _check_compiled_again(before: list[str], labels: list[str]) -> None:
-    """A block is compiled once: a ``compiled-*`` strategy on a model whose blocks another one
-    already compiles is an error; the same one again is a repeat, which its transform skips
-    block by block (as ``recompute`` skips the blocks it already checkpoints)."""
-    old = [x for x in before if x.startswith(COMPILED_PREFIX)]
-    new = [x for x in labels if x.startswith(COMPILED_PREFIX)]
-    clash = [x for x in new if any(x != o for o in old)]
-    if old and clash:
-        raise ValueError(
-            f"cannot apply {clash[0]!r}: the model's blocks are already compiled by {old[-1]!r}, "
-            "and a block is compiled once (a second compile layer around the first); call "
-            "slimact.revert(model) first to compile them another way"
-        )
-
-
-_ONE_POLICY = "only one codec policy can decide how each saved tensor is stored"
+    return [(str(p), _config_of(p, strategy)) for p in parse(strategy)]
 
 
 def compiled_spec(strategy: str) -> str:
@@ -487,27 +432,6 @@ def apply(
         else:
             strategy = compile_form(strategy, model)
     parts = _resolve_named(strategy)
-    before = applied_strategies(model)
-    for label, cfg in parts:  # first: a second policy is the error, whatever else clashes
-        if not _is_codec_policy(cfg):
-            continue
-        for prev in before:
-            if prev == label:
-                raise ValueError(
-                    f"cannot apply {label!r}: the model already has codec-policy strategy "
-                    f"{prev!r} applied, and one codec policy decides how each saved tensor is "
-                    f"stored, so it is not applied twice. To apply it again or change it, call "
-                    f"slimact.revert(model) first, then apply what you want"
-                    + (" (two plans merge into one: plan_a + plan_b)" if label == "plan" else "")
-                )
-            if _label_is_policy(prev):
-                raise ValueError(
-                    f"cannot apply {label!r}: the model already has codec-policy strategy "
-                    f"{prev!r} and {label!r} is another one; {_ONE_POLICY}. Call "
-                    f"slimact.revert(model) first to switch; what still composes: {_composable()}"
-                )
-    _check_compiled([*before, *(label for label, _ in parts)], strategy)
-    _check_compiled_again(before, [label for label, _ in parts])
     done: list[AppliedChange] = []
     try:
         preset = None
@@ -520,7 +444,7 @@ def apply(
             logger.info("slimact.apply %s: one preset plan, %d change(s)", strategy, len(preset))
         for _, cfg in parts if preset is None else ():
             with parts_one_by_one():
-                changes = _entry_for(cfg).transform(model, cfg, filter_fn)
+                changes = transform_of(cfg)(model, cfg, filter_fn)
             done.extend(changes)
             n_skip = sum(c.skipped for c in changes)
             logger.info(

@@ -58,6 +58,7 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch.profiler import ProfilerActivity, profile
 
 from slimact import actions, sites
+from slimact.checkpointing import checkpointed_modules
 from slimact.compiled.codec import canonical_codec, codec_hooks, codec_names
 from slimact.compiled.devices import check_device
 from slimact.compiled.offload import OffloadedCall
@@ -336,6 +337,14 @@ def compile_blocks_with(
                 raise ValueError(
                     f"block {path!r} is already compiled by slimact ({done.label}); a block is "
                     f"compiled once, not under {choice.label} around it: slimact.revert(model) first"
+                )
+            if ckpt := checkpointed_modules(block):  # compile's partitioner recomputes instead
+                inner = ".".join(p for p in (path, ckpt[0]) if p)
+                raise ValueError(
+                    f"block {path!r} is recomputed by the model's plan ({inner} runs under a "
+                    f"checkpoint), so it is not compiled under {choice.label}: slimact.revert("
+                    "model) first (a compiled block recomputes at region budget 0, e.g. "
+                    "'compiled-int8@0')"
                 )
             fwd = compile_block(block, choice, prev or block.forward, **compile_kwargs)
             block.forward = NotCopyable(fwd, f"compiled block ({choice.label})")

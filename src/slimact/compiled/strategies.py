@@ -47,8 +47,8 @@ class CompiledCodecConfig(StrategyConfig):
 
     @property
     def is_codec_policy(self) -> bool:
-        """A traced codec decides how each saved tensor of the blocks is stored, so no eager
-        codec policy may sit beside it (``slimact.registry``'s composition rule)."""
+        """A traced codec decides how each saved tensor of the blocks is stored (the registry's
+        ``codec_policy`` fact)."""
         return self.codec != "none"
 
     @property

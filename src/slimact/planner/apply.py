@@ -23,7 +23,7 @@ between steps (adaptive evolution) and ``slimact.revert`` undoes it all:
   channel count, so stateful codecs (PRAC) keep one state per storage and block. Other sites go
   to the plan's lazy rules (``SiteRule``): role (``classify.site_role``) -> the rule's codec, one
   instance per (rule, role, channel count), for the rule's ``modules`` only (``filter_fn`` at
-  install written into the rules: ``restrict_rules``). A PRAC rule (``roles="prac"``) goes to the
+  install written into the rules: ``planner.scope.restrict_rules``). A PRAC rule (``roles="prac"``) goes to the
   runtime's PRAC state (``planner.prac_sites``): per-site decisions, a codec per compressed
   storage, the step clock (advanced per training forward), as ``stateful["prac"]``.
 
@@ -50,14 +50,14 @@ import torch.nn as nn
 
 from slimact import sites
 from slimact.checkpointing import checkpoint_module, guard_cache
-from slimact.classify import call_batch, site_role
-from slimact.codecs.base import Codec
-from slimact.codecs.build import build_codec
+from slimact.classify import call_batch
 from slimact.codecs.offload import check_model
-from slimact.codecs.saving import CodecPolicy, hidden_channels
+from slimact.codecs.saving import CodecPolicy
 from slimact.patching import run_all
-from slimact.planner.plan import Plan, abs_path, abs_site, site_module
+from slimact.planner.assign import PlanAssign
+from slimact.planner.plan import Plan, abs_path
 from slimact.planner.prac_sites import PracPolicy, PracState
+from slimact.planner.scope import check_modules, restrict_rules, scope
 from slimact.reformulate import (
     FUSED_RMS,
     apply_fused_rms,
@@ -74,8 +74,7 @@ from slimact.utils import PLANNER_THREAD, in_worker_thread, refuse_compiled_call
 _tls = threading.local()
 
 # reformulation kind -> fn(block, preserve_rng_state) -> undo, for kinds that rewrite a whole
-# block's forward; the layers above register theirs (``strategies/cola.py``: ``cola-m``), this
-# one cannot import them
+# block's forward, registered from above (``strategies/cola.py``: ``cola-m``)
 BlockReform = Callable[[nn.Module, bool], Callable[[], None]]
 _BLOCK_REFORMS: dict[str, BlockReform] = {}
 
@@ -86,77 +85,6 @@ def register_block_reform(kind: str, fn: BlockReform) -> None:
     settings say (raising ``ValueError`` with the reason where it cannot), and returns the
     function that undoes it."""
     _BLOCK_REFORMS[kind] = fn
-
-
-def restrict_rules(
-    plan: Plan, model: nn.Module, filter_fn: Callable[[nn.Module, str], bool] | None
-) -> Plan:
-    """``plan`` with each lazy rule restricted to the modules of ``model`` that ``filter_fn``
-    accepts (``SiteRule.within``: a rule with ``modules`` keeps those of them it accepts);
-    ``plan`` itself without a ``filter_fn`` or without rules."""
-    if filter_fn is None or not plan.rules:
-        return plan
-    paths = [p for p, m in model.named_modules() if filter_fn(m, p)]
-    return dataclasses.replace(plan, rules=tuple(r.within(paths) for r in plan.rules))
-
-
-class PlanAssign:
-    """``assign(site, tensor) -> Codec | None`` from a plan's site table, then its lazy rules
-    (each for the sites of its ``modules`` only, where it has some)."""
-
-    def __init__(self, plan: Plan, runtime: PlanRuntime | None = None) -> None:
-        self.runtime = runtime
-        self.table: dict[str, tuple[str, str]] = {}  # abs site -> (codec, storage key)
-        for lp in plan.layers:
-            for codec, names in lp.codecs:
-                key = f"{lp.block}|{names[0]}"
-                for n in names:
-                    self.table[abs_site(n, lp.block)] = (codec, key)
-        self.codecs: dict[str, Codec] = {}
-        self.rules = plan.rules
-        self.allowed = [None if r.modules is None else frozenset(r.modules) for r in plan.rules]
-        self.rule_codecs: dict[tuple[int, str, int], Codec] = {}  # (rule, role, channels)
-        self.prac: PracState | None = None  # a PRAC rule's state (the runtime sets it)
-
-    def __call__(self, site: str, t: torch.Tensor) -> Codec | None:
-        observer = self.runtime.observer if self.runtime is not None else None
-        if observer is not None:
-            observer(site, t)
-        hit = self.table.get(site)
-        if hit is None:
-            return self._by_rule(site, t) if self.rules else None
-        name, key = hit
-        # the key names a block's first site of this codec, which may span several storages:
-        # a channel codec is sized per channel count (int8-channel on 768- and 2048-wide ones)
-        ck = f"{key}|{hidden_channels(t) if t.dim() else 0}"
-        codec = self.codecs.get(ck)
-        if codec is None:
-            codec = self.codecs[ck] = build_codec(name, t)
-        return codec
-
-    def _by_rule(self, site: str, t: torch.Tensor) -> Codec | None:
-        for i, rule in enumerate(self.rules):
-            if rule.roles == "prac":  # its state filters (and reports what it filters out)
-                if self.prac is None:
-                    raise ValueError("a PRAC rule needs the plan runtime's PRAC state")
-                codec = self.prac.assign(site, t)
-                if codec is not None:
-                    return codec
-                continue
-            allowed = self.allowed[i]
-            if allowed is not None and site_module(site) not in allowed:
-                continue
-            role = site_role(site, t, rule.min_numel, rule.sdpa_out)
-            label = rule.codec(role) if role is not None else None
-            if role is None or label is None:
-                continue
-            channels = hidden_channels(t) if role in rule.sized else 0
-            key = (i, role, channels)
-            codec = self.rule_codecs.get(key)
-            if codec is None:
-                codec = self.rule_codecs[key] = build_codec(label, t, channels)
-            return codec
-        return None
 
 
 class PolicySites:
@@ -399,12 +327,13 @@ class PlanRuntime:
         return parked
 
     def merge_plan(self, plan: Plan) -> tuple[list[AppliedChange], Callable[[], None]]:
-        """Install the current plan merged with ``plan`` (``Plan.merge``); on failure the current
-        plan stays. Returns the changes and an undo that puts the current plan (and the count of
-        preset rows) back."""
+        """Install the current plan merged with ``plan`` (``Plan.merge``: a conflict is refused
+        before anything changes; another failure puts the current plan back). Returns the changes
+        and an undo that puts the current plan (and the count of preset rows) back."""
         old, rows = self.plan, self.preset_rows
+        merged = old + plan
         try:
-            changes = self.set_plan(old + plan)
+            changes = self.set_plan(merged)
         except BaseException:
             self.set_plan(old)
             raise
@@ -452,15 +381,11 @@ def _patched(
     targets: set[str] = set()
     kinds: dict[str, str] = {}
     rng = plan.setting("recompute").preserve_rng_state
+    check_modules(plan, modules, set(_BLOCK_REFORMS))
     try:
         for lp in plan.layers:
             for path in lp.recompute:
-                full = abs_path(path, lp.block)
-                if full not in modules:
-                    raise ValueError(
-                        f"plan recomputes {full!r}, which is not a module of the model"
-                    )
-                undos.append(checkpoint_module(modules[full], rng))
+                undos.append(checkpoint_module(modules[full := abs_path(path, lp.block)], rng))
                 changes.append(AppliedChange(full, "recompute"))
             targets.update(abs_path(p, lp.block) for p in lp.reform)
             kinds.update((abs_path(p, lp.block), k) for p, k in lp.reform_kinds)
@@ -537,8 +462,43 @@ def _reform_blocks(
 
 
 def runtime_of(model: nn.Module) -> PlanRuntime | None:
-    st = peek(model)
-    return st.runtime if st is not None else None
+    return st.runtime if (st := peek(model)) is not None else None
+
+
+def refuse_second(rt: PlanRuntime, plan: Plan | None, planner: object = None) -> None:
+    """A plan installed whole (``plan``, or a ``planner``'s) beside ``rt``'s: refused, naming
+    what each acts on."""
+    raise ValueError(
+        f"model already carries a slimact plan ({scope(rt.plan, not rt.bare)}), and another "
+        f"({scope(plan, planner)}) is installed whole, not beside it: slimact.revert(model) "
+        "first, or merge the two plans into one (plan_a + plan_b)"
+    )
+
+
+def put_plan(
+    model: nn.Module, plan: Plan, preset_rows: int | None = None
+) -> tuple[PlanRuntime, list[AppliedChange], Callable[[], object]]:
+    """``plan`` on the model's one runtime: merged into the one it carries, or on a new one
+    (``preset_rows``: 0 for a runtime presets alone make). Returns the runtime, its rows for the
+    plan and the undo (the runtime removed, or its old plan put back)."""
+    if (rt := runtime_of(model)) is not None:
+        return rt, *rt.merge_plan(plan)
+    rt = PlanRuntime(model)
+    rt.preset_rows = preset_rows
+    try:
+        return rt, rt.set_plan(plan), rt.remove
+    except BaseException:
+        rt.remove()
+        raise
+
+
+def watched_runtime(
+    model: nn.Module, watcher: RootWatcher
+) -> tuple[PlanRuntime, Callable[[], None]]:
+    """A new runtime with no plan, watched by ``watcher`` (compiled-auto's pending plan, which
+    installs the plan it solves on it: ``install(runtime=...)``); and the unwatch."""
+    rt = PlanRuntime(model)
+    return rt, rt.watch(watcher)
 
 
 def install_policy(model: nn.Module, policy: CodecPolicy) -> AppliedChange:
@@ -576,7 +536,7 @@ def install(
     if own and (existing is not runtime or runtime.plan is not None or planner):
         raise ValueError("install(runtime=...) takes the model's runtime, still without a plan")
     if not own and existing is not None:
-        raise ValueError("model already carries a slimact plan; slimact.revert(model) first")
+        refuse_second(existing, plan, planner)
     rt = runtime if own else PlanRuntime(model, planner)
     rt.profile, rt.solve_options = profile, dict(solve_options or {})
     changes: list[AppliedChange] = []

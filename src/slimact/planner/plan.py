@@ -397,7 +397,7 @@ class Plan(StrategyConfig):
         problems += rule_conflicts((*self.rules, *other.rules))
         settings = _merge_settings(self, other, problems)
         if problems:
-            raise ValueError("the plans conflict:\n  " + "\n  ".join(problems))
+            raise ValueError("the plans conflict:\n  " + "\n  ".join(problems) + _MERGE_HINT)
         return Plan(
             model=self.model or other.model,
             batch=self.batch or other.batch,
@@ -493,6 +493,13 @@ def _layer_fields(lp: dict) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # merging (Plan.merge)
+
+
+_MERGE_HINT = (
+    "\nto keep both, give each its own modules (a filter_fn per part: slimact.apply(model, "
+    "spec, filter_fn), plan_of(model, spec, filter_fn)); to replace what a model runs, "
+    "slimact.revert(model) first"
+)
 
 
 def _plan_name(plan: Plan) -> str:

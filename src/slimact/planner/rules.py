@@ -4,7 +4,7 @@ A rule maps a saved tensor's role (``slimact.classify.site_role``: act / qk / qk
 read from the site name and the tensor; or PRAC's roles, ``roles="prac"``) to a codec label; the
 plan runtime (``slimact.planner.apply``) builds the codec on the first save of each role and
 channel count. ``modules`` restricts a rule to the sites of some modules (absolute module paths,
-a ``filter_fn``'s choice written into the plan: ``slimact.planner.apply.restrict_rules``); the
+a ``filter_fn``'s choice written into the plan: ``slimact.planner.scope.restrict_rules``); the
 others are kept, and a PRAC rule reports them as filtered out. ``slimact.planner.plan`` carries
 the rules in a ``Plan`` (and re-exports ``SiteRule``).
 """
@@ -137,9 +137,10 @@ class SiteRule:
 
 
 def rule_conflicts(rules: tuple[SiteRule, ...]) -> list[str]:
-    """What keeps ``rules`` from holding in one plan (``Plan.merge`` names it). Two rules whose
-    modules overlap (``None``: every module) must agree on every role both name and decide by
-    the same kind of roles; rules for disjoint modules do not meet."""
+    """What keeps ``rules`` from holding in one plan (``Plan.merge`` names it). Rules for
+    disjoint modules do not meet; two whose modules overlap (``None``: every module) conflict,
+    named by what differs (a role's two codecs, two kinds of roles) or, where they agree, as one
+    rule twice: which one codes a shared site would depend on their order."""
     problems: list[str] = []
     if sum(r.roles == "prac" for r in rules) > 1:
         problems.append("two PRAC rules: a plan carries at most one (one PRAC state per model)")
@@ -160,12 +161,18 @@ def rule_conflicts(rules: tuple[SiteRule, ...]) -> list[str]:
                 )
                 continue
             theirs = dict(b.codecs)
+            before = len(problems)
             for role, codec in a.codecs:
                 if role in theirs and theirs[role] != codec:
                     problems.append(
                         f"the rules give role {role!r} two codecs in {where}: {codec} and "
                         f"{theirs[role]}"
                     )
+            if len(problems) == before:
+                problems.append(
+                    f"two rules code the sites of {where} ({a.describe()} and {b.describe()}): "
+                    "a site is coded by one rule"
+                )
     return problems
 
 

@@ -1,4 +1,5 @@
-"""Strategies: named, typed transforms that give sites an action (keep, recompute, codec, reformulate).
+"""Strategies: named, typed presets (a strategy as a plan) that give sites an action (keep,
+recompute, codec, reformulate, offload).
 
 ``none`` and ``recompute`` are registered here; every other module in this package registers its
 own strategies when imported, and all of them are imported below, so adding a strategy is adding
@@ -21,8 +22,8 @@ from slimact.registry import (
     strategy_names,
     unregister_strategies,
 )
-from slimact.strategies.none import NoneConfig, apply_none
-from slimact.strategies.recompute import RecomputeConfig, apply_recompute
+from slimact.strategies.none import NoneConfig, none_part
+from slimact.strategies.recompute import RecomputeConfig, recompute_part
 
 
 def _register_all() -> None:
@@ -33,16 +34,15 @@ def _register_all() -> None:
         register_strategy(
             "none",
             NoneConfig(),
-            apply_none,
-            "baseline: keep every saved tensor",
+            description="baseline: keep every saved tensor",
+            preset=none_part,
             compiled_form="compiled-none",
         )
         register_strategy(
             "recompute",
             RecomputeConfig(),
-            apply_recompute,
-            "non-reentrant checkpointing of every block",
-            checkpointing=True,
+            description="non-reentrant checkpointing of every block",
+            preset=recompute_part,
             compiled_form="compiled-recompute",  # compile's partitioner at region budget 0
         )
         for mod in pkgutil.iter_modules(__path__):

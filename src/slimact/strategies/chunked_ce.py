@@ -14,8 +14,8 @@ import torch.nn as nn
 
 from slimact.planner.settings import ChunkedCESettings
 from slimact.reformulate.head import ChunkedCEConfig, find_chunked_ce
-from slimact.registry import AppliedChange, FilterFn, register_strategy
-from slimact.strategies.parts import Part, install_part, reform_part
+from slimact.registry import FilterFn, register_strategy
+from slimact.strategies.parts import Part, reform_part
 
 
 def chunked_ce_part(model: nn.Module, config: ChunkedCEConfig, filter_fn: FilterFn | None) -> Part:
@@ -25,17 +25,10 @@ def chunked_ce_part(model: nn.Module, config: ChunkedCEConfig, filter_fn: Filter
     return reform_part(model, "chunked-ce", rows, ChunkedCESettings.of(config))
 
 
-def apply_chunked_ce(
-    model: nn.Module, config: ChunkedCEConfig, filter_fn: FilterFn | None = None
-) -> list[AppliedChange]:
-    """The strategy's transform: its plan installed (``parts.install_part``)."""
-    return install_part(model, *chunked_ce_part(model, config, filter_fn))
-
-
 register_strategy(
     "chunked-ce",
     ChunkedCEConfig(),
-    apply_chunked_ce,
-    "loss head: linear + cross-entropy in token chunks, no stored logits (recomputed in backward)",
+    preset=chunked_ce_part,
+    description="loss head: linear + cross-entropy in token chunks, no stored logits (recomputed in backward)",
     compile_safe=True,
 )

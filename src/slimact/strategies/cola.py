@@ -28,9 +28,10 @@ from slimact import sites
 from slimact.cola.colam import colam_block, unsupported_reason
 from slimact.cola.layers import CoLALinear
 from slimact.planner.apply import register_block_reform
+from slimact.planner.plan import Plan
 from slimact.planner.settings import RecomputeSettings
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
-from slimact.strategies.parts import Part, install_part, reform_part
+from slimact.strategies.parts import Part, reform_part
 
 
 @dataclass(frozen=True)
@@ -56,16 +57,17 @@ _NOT_COLA = (
 )
 
 
-def apply_cola(
-    model: nn.Module, config: CoLAConfigMarker, filter_fn: FilterFn | None = None
-) -> list[AppliedChange]:
+def cola_part(model: nn.Module, config: CoLAConfigMarker, filter_fn: FilterFn | None) -> Part:
+    """``cola`` changes nothing: the empty plan, on a model the strategy accepts (CoLA), and its
+    rows (one per ``CoLALinear``)."""
     layers = [(p, m) for p, m in model.named_modules() if isinstance(m, CoLALinear)]
     if not layers:
         raise ValueError(_NOT_COLA.format(what="strategy 'cola'"))
-    return [
+    rows = [
         AppliedChange(p, "cola", f"{m.in_features}->{m.rank}->{m.out_features} ({m.activation})")
         for p, m in layers
     ]
+    return Plan(meta=(("strategy", "cola"),)), rows
 
 
 def find_colam(model: nn.Module, filter_fn: FilterFn | None = None) -> list[AppliedChange]:
@@ -102,27 +104,19 @@ def colam_part(model: nn.Module, config: CoLAMConfig, filter_fn: FilterFn | None
     return reform_part(model, COLAM, rows, RecomputeSettings(config.preserve_rng_state))
 
 
-def apply_colam(
-    model: nn.Module, config: CoLAMConfig, filter_fn: FilterFn | None = None
-) -> list[AppliedChange]:
-    """The strategy's transform: its plan installed (``parts.install_part``)."""
-    return install_part(model, *colam_part(model, config, filter_fn))
-
-
 COLAM = "cola-m"  # the plan runtime's block reformulation of the same name (``plan_of``)
 register_block_reform(COLAM, colam_block)
 
 register_strategy(
     "cola",
     CoLAConfigMarker(),
-    apply_cola,
-    "CoLA architecture marker: only valid on cola-* models (cola.txt §3)",
+    preset=cola_part,
+    description="CoLA architecture marker: only valid on cola-* models (cola.txt §3)",
     compile_safe=True,
 )
 register_strategy(
     "cola-m",
     CoLAMConfig(),
-    apply_colam,
-    "CoLA-M: keep x, h and rank-r A·x per block, recompute up-projections + attention",
-    checkpointing=True,
+    preset=colam_part,
+    description="CoLA-M: keep x, h and rank-r A·x per block, recompute up-projections + attention",
 )

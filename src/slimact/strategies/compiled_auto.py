@@ -35,7 +35,7 @@ from slimact.codecs.offload import check_device, check_model
 from slimact.compiled.blocks import compile_blocks_with
 from slimact.compiled.codec import CODECS as TRACED_CODECS
 from slimact.hf_inputs import random_token_batch, refuse_unless_token_ids
-from slimact.planner.apply import PlanRuntime, install, runtime_of
+from slimact.planner.apply import PlanRuntime, install, runtime_of, watched_runtime
 from slimact.planner.compiled import (
     BUDGETS,
     CODECS,
@@ -50,6 +50,7 @@ from slimact.planner.compiled import (
 )
 from slimact.planner.compiled_root import install_root
 from slimact.planner.offload import OffloadOption, link_bandwidth, parse_host_budget
+from slimact.planner.scope import scope
 from slimact.registry import (
     AppliedChange,
     FilterFn,
@@ -187,8 +188,9 @@ def _refuse_another_runtime(model: nn.Module, own: PlanRuntime | None = None) ->
     rt = runtime_of(model)
     if rt is not None and (rt is not own or rt.plan is not None):
         raise ValueError(
-            "compiled-auto plans a model that carries no other slimact plan (one plan runtime "
-            "per model: it plans the root's codec too); slimact.revert(model) first"
+            f"compiled-auto plans a model that carries no other slimact plan (this one: "
+            f"{scope(rt.plan, rt.planner)}; it plans the root's codec too): "
+            "slimact.revert(model) first"
         )
 
 
@@ -321,8 +323,7 @@ class _LazyPlanner:
         self.model, self.config, self.installed = model, config, []
         self.head: AppliedChange | None = None  # the strategy's row in slimact.applied
         self.error: Exception | None = None
-        self.runtime = PlanRuntime(model)  # no plan until this plans one; it enters nothing
-        self.unwatch = self.runtime.watch(self)
+        self.runtime, self.unwatch = watched_runtime(model, self)  # no plan until it plans
 
     def before(self, args: tuple, kwargs: dict) -> None:
         module = self.model

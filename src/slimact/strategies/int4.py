@@ -89,13 +89,13 @@ from slimact.codecs.base import (
     codec_names,
 )
 from slimact.codecs.token import TokenQuantConfig
-from slimact.planner.apply import PlanAssign, install, restrict_rules, runtime_of
+from slimact.planner.assign import PlanAssign
 from slimact.planner.plan import Plan, SiteRule
+from slimact.planner.scope import restrict_rules
 from slimact.registry import (
     AppliedChange,
     FilterFn,
     StrategyConfig,
-    applied_strategies,
     register_strategy,
 )
 from slimact.spec import AT, SR
@@ -242,39 +242,29 @@ class Int4Assign(PlanAssign):
         super().__init__(plan)
 
 
-def apply_int4(
-    model: nn.Module, config: Int4Config | NaiveInt4Config, filter_fn: FilterFn | None = None
-) -> list[AppliedChange]:
-    """Install ``config.plan()`` (``slimact.planner.apply.install``), its rule restricted to the
-    modules ``filter_fn`` accepts (``restrict_rules``): one plan runtime, undone by
-    ``slimact.revert``; its head change reads the strategy's name and roles. (A spec of presets
-    alone installs its merged plan instead: ``strategies/presets.apply_presets``.)"""
-    rt = runtime_of(model)
-    if rt is not None and rt.preset_rows is not None:
-        before = "+".join(applied_strategies(model))
-        raise ValueError(
-            f"cannot apply {config.name!r}: the model carries the plan of {before!r}, which "
-            f"{config.name!r} joins only as a preset (every part of the spec a preset); call "
-            f"slimact.revert(model) and apply '{before}+{config.name}' in one call"
-        )
-    changes = install(model, restrict_rules(config.plan(), model, filter_fn))
-    changes[0].action, changes[0].detail = config.name, config.describe()
-    return changes
+def int4_part(
+    model: nn.Module, config: Int4Config | NaiveInt4Config, filter_fn: FilterFn | None
+) -> tuple[Plan, list[AppliedChange]]:
+    """The strategy as a plan: ``config.plan()``, its rule restricted to the modules
+    ``filter_fn`` accepts (``restrict_rules``); its head row reads the strategy's name and
+    roles (the runtime's codec-policy row follows it)."""
+    plan = restrict_rules(config.plan(), model, filter_fn)
+    return plan, [AppliedChange("", config.name, config.describe())]
 
 
 register_strategy(
     "int4",
     Int4Config(),
-    apply_int4,
-    "Adacc layer-specific INT4: outlier-separated act inputs, exact q/k, channel-wise INT8 v, bit masks",
+    preset=int4_part,
+    description="Adacc layer-specific INT4: outlier-separated act inputs, exact q/k, channel-wise INT8 v, bit masks",
     codec_policy=True,
     compiled_form="compiled-int4",  # traced INT4 (groups of 32, SDPA tensors INT8), no outliers
 )
 register_strategy(
     "int4-plain",
     Int4Config(act="int4"),
-    apply_int4,
-    "Adacc w/o outlier separation: per-group INT4 for linear/norm/activation inputs",
+    preset=int4_part,
+    description="Adacc w/o outlier separation: per-group INT4 for linear/norm/activation inputs",
     codec_policy=True,
 )
 register_strategy(
@@ -287,22 +277,22 @@ register_strategy(
         paper_scale=True,
         sdpa_out=True,
     ),
-    apply_int4,
-    "adacc.txt §3.2 as written: divisors 8/16, INT4 Q/K/V, SDPA output compressed, groups of 128",
+    preset=int4_part,
+    description="adacc.txt §3.2 as written: divisors 8/16, INT4 Q/K/V, SDPA output compressed, groups of 128",
     codec_policy=True,
 )
 register_strategy(
     "int4-naive",
     NaiveInt4Config(),
-    apply_int4,
-    "adacc.txt's naive baseline: per-token INT4 (S = max|row|/8) for every float activation",
+    preset=int4_part,
+    description="adacc.txt's naive baseline: per-token INT4 (S = max|row|/8) for every float activation",
     codec_policy=True,
 )
 register_strategy(
     "int8",
     Int4Config(act="int8", qkv="int8-channel", scores="int8-asym", group_size=128),
-    apply_int4,
-    "layer-specific INT8 (same roles as int4: q/k exact)",
+    preset=int4_part,
+    description="layer-specific INT8 (same roles as int4: q/k exact)",
     codec_policy=True,
     compiled_form="compiled-int8",  # traced INT8, one scale per row
 )

@@ -14,8 +14,8 @@ import torch.nn as nn
 
 from slimact.planner.settings import InvActSettings
 from slimact.reformulate import InvActConfig, find_invact
-from slimact.registry import AppliedChange, FilterFn, register_strategy
-from slimact.strategies.parts import Part, install_part, reform_part
+from slimact.registry import FilterFn, register_strategy
+from slimact.strategies.parts import Part, reform_part
 
 
 def invact_part(model: nn.Module, config: InvActConfig, filter_fn: FilterFn | None) -> Part:
@@ -26,18 +26,11 @@ def invact_part(model: nn.Module, config: InvActConfig, filter_fn: FilterFn | No
     return reform_part(model, name, rows, InvActSettings.of(config))
 
 
-def apply_invact(
-    model: nn.Module, config: InvActConfig, filter_fn: FilterFn | None = None
-) -> list[AppliedChange]:
-    """The strategy's transform: its plan installed (``parts.install_part``)."""
-    return install_part(model, *invact_part(model, config, filter_fn))
-
-
 register_strategy(
     "invact",
     InvActConfig(),
-    apply_invact,
-    "inverted GELU/SiLU (y + 1 bit) and RMSNorm/LayerNorm (y + rstd) saving outputs (invact.txt)",
+    preset=invact_part,
+    description="inverted GELU/SiLU (y + 1 bit) and RMSNorm/LayerNorm (y + rstd) saving outputs (invact.txt)",
     compile_safe=True,
     # norms only under compile: inductor already keeps an activation's input and recomputes its
     # output, so an inverted GELU/SiLU adds its bit mask and an opaque op (BENCHMARKS.md)
@@ -46,7 +39,7 @@ register_strategy(
 register_strategy(
     "invact-act",
     InvActConfig(norms=False),
-    apply_invact,
-    "invact.txt as published: inverted GELU/SiLU only (y + 1 bit instead of x)",
+    preset=invact_part,
+    description="invact.txt as published: inverted GELU/SiLU only (y + 1 bit instead of x)",
     compile_safe=True,
 )

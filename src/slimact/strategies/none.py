@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from slimact.registry import AppliedChange, StrategyConfig
+from slimact.planner.plan import Plan
+from slimact.registry import AppliedChange, FilterFn, StrategyConfig
 
 
 @dataclass(frozen=True)
@@ -14,5 +15,8 @@ class NoneConfig(StrategyConfig):
     """The baseline: every site keeps its tensor."""
 
 
-def apply_none(model: nn.Module, config: NoneConfig, filter_fn=None) -> list[AppliedChange]:
-    return []
+def none_part(
+    model: nn.Module, config: NoneConfig, filter_fn: FilterFn | None
+) -> tuple[Plan, list[AppliedChange]]:
+    """The strategy as a plan: the empty plan, no rows."""
+    return Plan(meta=(("strategy", "none"),)), []

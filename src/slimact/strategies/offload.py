@@ -13,8 +13,7 @@ compute when ``bytes / bandwidth`` is below it (large blocks, short links), else
 for them. The planner (``auto`` with a ``host_budget``) weighs that per storage instead.
 
 CUDA only: on a CPU model the saved tensors are in host memory already, so ``apply`` refuses
-with a ``ValueError`` saying so. The policy is a codec policy (one per model: ``offload`` does not
-compose with ``int4``, ``prac`` or a plan). The strategy is a plan (``offload_part``, also
+with a ``ValueError`` saying so (the plan runtime, installing a plan that offloads). The strategy is a plan (``offload_part``, also
 ``slimact.plan_of(model, "offload")``): ``recompute``'s blocks, each one's
 ``:checkpoint_input#0`` through the codec ``offload``, on the plan runtime (``strategies/parts.py``).
 """
@@ -27,9 +26,8 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from slimact.actions import OFFLOAD_CODEC
-from slimact.codecs.offload import check_model
-from slimact.registry import AppliedChange, FilterFn, StrategyConfig, register_strategy
-from slimact.strategies.parts import Part, install_part
+from slimact.registry import FilterFn, StrategyConfig, register_strategy
+from slimact.strategies.parts import Part
 from slimact.strategies.recompute import RecomputeConfig, recompute_part
 
 
@@ -56,24 +54,11 @@ def offload_part(
     return dataclasses.replace(plan, layers=layers, meta=(("strategy", "offload"),)), rows
 
 
-def apply_offload(
-    model: nn.Module, config: OffloadStrategyConfig, filter_fn: FilterFn | None = None
-) -> list[AppliedChange]:
-    """The strategy's transform: refused on a CPU model, else its plan on the plan runtime
-    (``parts.install_part``), the rows ``recompute``'s and the codec policy's."""
-    check_model(model)
-    plan, rows = offload_part(model, config, filter_fn)
-    n = len(plan.layers)
-    detail = f"inputs of {n} checkpointed block(s) -> offload (pinned host)"
-    return install_part(model, plan, rows, (AppliedChange("", "codec-policy", detail),))
-
-
 register_strategy(
     "offload",
     OffloadStrategyConfig(),
-    apply_offload,
-    "recompute every block, its input offloaded to pinned host memory (CUDA only)",
+    preset=offload_part,
+    description="recompute every block, its input offloaded to pinned host memory (CUDA only)",
     codec_policy=True,
-    checkpointing=True,  # it recomputes every block: no compiled blocks beside it
     compiled_form="compiled-offload",  # block inputs in host memory, an eager wrapper per block
 )

@@ -27,10 +27,11 @@ from collections.abc import Callable
 import torch.nn as nn
 
 from slimact import sites
+from slimact.actions import FUSED_RMS
 from slimact.checkpointing import guard_cache
-from slimact.planner.apply import PlanRuntime, patch_plan, runtime_of
+from slimact.planner.apply import PlanRuntime, patch_plan, put_plan, refuse_second, runtime_of
 from slimact.planner.plan import LayerPlan, Plan
-from slimact.registry import AppliedChange, part_by_part
+from slimact.registry import AppliedChange, part_by_part, register_part_install
 from slimact.state import peek
 
 Part = tuple[Plan, list[AppliedChange]]  # a part's plan and the rows the strategy reports
@@ -92,26 +93,6 @@ def _codecs(plan: Plan) -> bool:
     return bool(plan.rules) or any(lp.codecs for lp in plan.layers)
 
 
-def on_runtime(
-    model: nn.Module, plan: Plan, preset_rows: int | None
-) -> tuple[PlanRuntime, list[AppliedChange], Callable[[], object]]:
-    """``plan`` on the model's one runtime: a new one (``preset_rows``: 0 for a presets'
-    runtime, None for another), or merged into the one it carries. Returns the runtime, its
-    rows for the plan and the undo (the runtime removed, or its old plan put back)."""
-    rt = runtime_of(model)
-    if rt is not None:
-        changes, undo = rt.merge_plan(plan)
-        return rt, changes, undo
-    rt = PlanRuntime(model)
-    rt.preset_rows = preset_rows
-    try:
-        changes = rt.set_plan(plan)
-    except BaseException:
-        rt.remove()
-        raise
-    return rt, changes, rt.remove
-
-
 def finish_rows(
     model: nn.Module,
     plan: Plan,
@@ -137,25 +118,34 @@ def finish_rows(
 def install_part(
     model: nn.Module, plan: Plan, rows: list[AppliedChange], tail: tuple[AppliedChange, ...] = ()
 ) -> list[AppliedChange]:
-    """A strategy's transform: its part (``plan``, ``rows``) installed (module docstring). The
-    rows come back with the undo on the first one that changes something, then the cache guard
-    where the plan recomputes, then ``tail`` (rows the strategy adds when it changes
-    something); a plan that changes nothing gives the rows alone."""
+    """A preset's part (``plan``, ``rows``) installed (module docstring): the one installer of
+    a strategy applied part by part. The rows come back with the undo on the first one that
+    changes something, the runtime's rows for a codec rule after the head row (PRAC's fused
+    norms, the codec policy), then the cache guard where the plan recomputes, then ``tail``
+    (rows added where it changes something); a plan that changes nothing gives the rows alone."""
     if is_empty(plan):
         return rows
     st, rt = peek(model), runtime_of(model)
     clean = rt is None and (st is None or not st.applied)
     ours = presets_runtime(model)
+    ran: list[AppliedChange] = []
     if not _codecs(plan) and (part_by_part() or not (clean or ours is not None)):
         _, undo = patch_plan(model, plan)
         rt = None  # beside the runtime: not one of its parts
     elif rt is None or ours is not None:
-        rt, _, undo = on_runtime(model, plan, None if part_by_part() else 0)
+        rt, changes, undo = put_plan(model, plan, None if part_by_part() else 0)
         if part_by_part():  # no longer a presets' runtime: the spec's other parts are not
             rt.preset_rows = None
+        if plan.rules:  # the runtime's rows for the rule, as on the preset path
+            ran = [*(c for c in changes if c.action == FUSED_RMS), changes[-1]]
+        elif _codecs(plan):  # a site table (offload's block inputs): the policy's row last
+            tail = (*tail, AppliedChange("", "codec-policy", changes[-1].detail))
     else:
-        raise ValueError(
-            "model already carries a slimact runtime: add to its plan, or slimact.revert first"
-        )
+        refuse_second(rt, plan)
     out = [dataclasses.replace(c, undo=None) for c in rows]
+    if ran:
+        out[1:1] = [AppliedChange(c.path, c.action, c.detail) for c in ran]
     return finish_rows(model, plan, out, undo, rt, tail)
+
+
+register_part_install(install_part)

@@ -53,34 +53,11 @@ from typing import Any
 
 import torch.nn as nn
 
-from slimact.planner.apply import install
 from slimact.planner.prac_sites import PracPolicy, PracState
-from slimact.registry import AppliedChange, FilterFn, register_strategy
+from slimact.registry import register_strategy
 from slimact.state import peek
-from slimact.strategies.parts import presets_runtime
 from slimact.strategies.prac_config import PacConfig, PracConfig, RacConfig
 from slimact.strategies.presets import prac_part
-
-
-def apply_prac(
-    model: nn.Module, config: PracConfig, filter_fn: FilterFn | None = None
-) -> list[AppliedChange]:
-    """The strategy's own transform, for a spec that is not all presets (``slimact.apply``
-    installs one of presets alone through ``presets.apply_presets``): its preset's plan and rows
-    (``presets.prac_part``) on a plan runtime of its own, or joined to one that only presets made
-    (``Plan.merge``; reverting this change puts the old plan back); the runtime's rows (fused
-    norms, codec policy) after the head row, as on the preset path."""
-    plan, rows = prac_part(model, config, filter_fn)
-    rt = presets_runtime(model)
-    if rt is not None:
-        merged, undo = rt.merge_plan(plan)
-        rt.preset_rows = None  # no longer a preset's runtime: later presets apply part by part
-        changes = [AppliedChange(c.path, c.action, c.detail, c.skipped) for c in merged]
-    else:
-        head, *changes = install(model, plan)
-        undo = head.undo
-    rows[0].undo = undo
-    return [rows[0], *changes, *rows[1:]]
 
 
 def prac_state(model: nn.Module) -> PracState:
@@ -108,23 +85,23 @@ _DESC = "prac.txt: {} subspace compression of linear/norm/activation inputs ({})
 register_strategy(
     "prac",
     PracConfig(),
-    apply_prac,
-    _DESC.format("principal+random", "r1=r2=0.3n linear, 0.2n nonlinear"),
+    preset=prac_part,
+    description=_DESC.format("principal+random", "r1=r2=0.3n linear, 0.2n nonlinear"),
     codec_policy=True,
     compiled_form="compiled-prac",  # traced PRAC: the basis from every step's X (no hook state)
 )
 register_strategy(
     "pac",
     PacConfig(),
-    apply_prac,
-    _DESC.format("principal-only (ablation)", "r1=0.6n linear, 0.4n nonlinear"),
+    preset=prac_part,
+    description=_DESC.format("principal-only (ablation)", "r1=0.6n linear, 0.4n nonlinear"),
     codec_policy=True,
 )
 register_strategy(
     "rac",
     RacConfig(),
-    apply_prac,
-    _DESC.format("random-only (ablation)", "r2=0.6n linear, 0.4n nonlinear"),
+    preset=prac_part,
+    description=_DESC.format("random-only (ablation)", "r2=0.6n linear, 0.4n nonlinear"),
     codec_policy=True,
 )
 
@@ -134,7 +111,6 @@ __all__ = [
     "PracPolicy",
     "PracState",
     "RacConfig",
-    "apply_prac",
     "load_prac_state_dict",
     "prac_report",
     "prac_state",

@@ -48,11 +48,10 @@ spec whose every part is a preset installs ``plan_of``'s one merged plan on the 
 and a later spec of presets on such a model is merged into its plan. The changes it records are
 the strategies' own (``int4``'s and ``prac``'s head rows, the per-module rows with their skips:
 PRAC's ranks per linear and norm module). Any other spec (one part not a preset, or a model
-carrying a change that is not a preset's: a solved plan) is applied part by part, each strategy
-by its registered transform, which installs its own part the same way (``parts.install_part``;
-beside a planner's runtime, a plan that only recomputes and reformulates is patched by the
-runtime's patchers, ``planner.apply.patch_plan``); the PRAC family's (``strategies/prac.py``)
-installs the plan and rows of its preset (``prac_part``). ``auto`` always takes the part-by-part
+carrying a change that is not a preset's: a solved plan) is applied part by part, each preset's
+part installed by the one part installer (``parts.install_part``, with the same rows; beside a
+planner's runtime, a plan that only recomputes and reformulates is patched by the runtime's
+patchers, ``planner.apply.patch_plan``). ``auto`` always takes the part-by-part
 path (its lazy planning on the first batch and its re-planning budget check), shown to store
 and train as its plan does.
 """
@@ -70,9 +69,10 @@ from slimact.actions import FUSED_RMS
 from slimact.classify import is_norm
 from slimact.codecs.prac import resolve_rank
 from slimact.hf_inputs import random_token_batch
-from slimact.planner.apply import restrict_rules, runtime_of
+from slimact.planner.apply import put_plan, runtime_of
 from slimact.planner.auto import AutoConfig, plan_model
 from slimact.planner.plan import Plan
+from slimact.planner.scope import restrict_rules
 from slimact.reformulate import ChunkedCEConfig, InvActConfig, fusable_rms_norms
 from slimact.registry import (
     AppliedChange,
@@ -84,37 +84,20 @@ from slimact.registry import (
 from slimact.state import peek
 from slimact.strategies.auto import auto_refusal, refuse_unless_lm
 from slimact.strategies.chunked_ce import chunked_ce_part
-from slimact.strategies.cola import CoLAConfigMarker, CoLAMConfig, apply_cola, colam_part
-from slimact.strategies.int4 import Int4Config, NaiveInt4Config
+from slimact.strategies.cola import CoLAConfigMarker, CoLAMConfig, cola_part, colam_part
+from slimact.strategies.int4 import Int4Config, NaiveInt4Config, int4_part
 from slimact.strategies.invact import invact_part
-from slimact.strategies.none import NoneConfig
+from slimact.strategies.none import NoneConfig, none_part
 from slimact.strategies.offload import OffloadStrategyConfig, offload_part
 from slimact.strategies.parts import (
     Part,
     finish_rows,
     is_empty,
     layers_of,
-    on_runtime,
     presets_runtime,
 )
 from slimact.strategies.prac_config import PacConfig, PracConfig, RacConfig
 from slimact.strategies.recompute import RecomputeConfig, recompute_part
-
-
-def _none(model: nn.Module, config: NoneConfig, filter_fn: FilterFn | None) -> Part:
-    return Plan(meta=(("strategy", "none"),)), []
-
-
-def _cola(model: nn.Module, config: CoLAConfigMarker, filter_fn: FilterFn | None) -> Part:
-    """``cola`` changes nothing: the empty plan, on a model the strategy accepts (CoLA), and its
-    rows (one per ``CoLALinear``)."""
-    return Plan(meta=(("strategy", "cola"),)), apply_cola(model, config, filter_fn)
-
-
-def _rule(model: nn.Module, config: Int4Config | NaiveInt4Config, filter_fn) -> Part:
-    # its rows: the strategy's name and roles, then the runtime's codec-policy row (filled in)
-    plan = restrict_rules(config.plan(), model, filter_fn)
-    return plan, [AppliedChange("", config.name, config.describe())]
 
 
 def _auto(
@@ -199,9 +182,12 @@ def prac_part(model: nn.Module, config: PracConfig, filter_fn: FilterFn | None) 
     The runtime's rows (fused norms, codec policy) go after the head row (``apply_presets``)."""
     st = peek(model)
     if st is not None and "prac" in st.stateful:
+        rule = st.stateful["prac"].rule
+        where = "every module" if rule.modules is None else ", ".join(rule.modules[:3])
         raise ValueError(
             f"a PRAC-family strategy ({st.stateful['prac'].name}) is already applied to this "
-            f"model; revert it before applying {config.name}"
+            f"model (its rule codes the sites of {where}; one PRAC state per model): "
+            f"slimact.revert(model) before applying {config.name}"
         )
     return prac_plan(model, config, filter_fn), _prac_rows(model, config, filter_fn)
 
@@ -212,11 +198,11 @@ _CODEC_PARTS = (Int4Config, NaiveInt4Config, PracConfig)  # the runtime's rows a
 
 # config type -> handler (model, config, filter_fn) -> (Plan, changes)
 PRESETS: dict[type, Callable[..., Part]] = {
-    NoneConfig: _none,
-    CoLAConfigMarker: _cola,
+    NoneConfig: none_part,
+    CoLAConfigMarker: cola_part,
     RecomputeConfig: recompute_part,
-    Int4Config: _rule,
-    NaiveInt4Config: _rule,
+    Int4Config: int4_part,
+    NaiveInt4Config: int4_part,
     InvActConfig: invact_part,
     ChunkedCEConfig: chunked_ce_part,
     PracConfig: prac_part,
@@ -325,7 +311,7 @@ def apply_presets(
         if rt is not None:
             rt.preset_rows += len(rows)
         return rows
-    rt, changes, undo = on_runtime(model, new, 0)
+    rt, changes, undo = put_plan(model, new, 0)
     policy = changes[-1]  # the runtime's codec-policy row, after a codec rule's head row
     fused = [c for c in changes if c.action == FUSED_RMS]  # PRAC's norms, as the runtime did them
     out: list[AppliedChange] = []

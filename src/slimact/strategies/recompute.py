@@ -33,7 +33,7 @@ from slimact.patching import overrides
 from slimact.planner.plan import Plan
 from slimact.planner.settings import RecomputeSettings
 from slimact.registry import AppliedChange, FilterFn, StrategyConfig
-from slimact.strategies.parts import Part, install_part, layers_of
+from slimact.strategies.parts import Part, layers_of
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def find_recompute(model: nn.Module, filter_fn: FilterFn | None = None) -> list[
             changes.append(AppliedChange(path, "recompute", "filtered out", skipped=True))
         elif any(o.wrapper is checkpointed for o in overrides(block)):
             changes.append(AppliedChange(path, "recompute", "already checkpointed", skipped=True))
-        elif "forward" in block.__dict__:
+        elif "forward" in block.__dict__ and not sites.sealed(block):  # compiled: the plan's
             why = "forward already patched (e.g. by cola-m)"
             changes.append(AppliedChange(path, "recompute", why, skipped=True))
         else:
@@ -78,10 +78,3 @@ def recompute_part(model: nn.Module, config: RecomputeConfig, filter_fn: FilterF
         settings={"recompute": RecomputeSettings(config.preserve_rng_state)},
     )
     return plan, rows
-
-
-def apply_recompute(
-    model: nn.Module, config: RecomputeConfig, filter_fn: FilterFn | None = None
-) -> list[AppliedChange]:
-    """The strategy's transform: its plan installed (``parts.install_part``)."""
-    return install_part(model, *recompute_part(model, config, filter_fn))
