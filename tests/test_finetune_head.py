@@ -68,13 +68,15 @@ def _head_rows(model) -> list:
     return [c for c in slimact.applied(model) if c.action == "chunked-ce"]
 
 
-@pytest.mark.parametrize("strategy", ["chunked-ce", "auto@25%"])
+@pytest.mark.parametrize("strategy", ["chunked-ce", "auto@14%"])
 def test_peft_lora_head_trains_the_shifted_loss(strategy, tmp_path):
     """Through a ``PeftModel`` the labels are shifted as the wrapped causal LM shifts them: the
     chunked head's loss and every LoRA gradient are the model's own (a padded batch)."""
     want = _step(_lora(_llama()))
     model = _lora(_llama())
-    spec = AutoConfig(budget="25%", cache=str(tmp_path), codecs=(), repeats=1)  # exact: no codec
+    # exact (no codec), at a budget only plans with the chunked head meet (the smallest
+    # feasible is 12%), so the choice does not hang on the profile's timings
+    spec = AutoConfig(budget="14%", cache=str(tmp_path), codecs=(), repeats=1)
     spec = strategy if strategy == "chunked-ce" else spec
     slimact.apply(model, spec)
     got = _step(model)  # auto plans on this batch
