@@ -82,7 +82,7 @@ from slimact.codecs.rows import (
     split_rows,
     stats_of,
 )
-from slimact.ops import compiled_ref
+from slimact.ops import compiled_ref, device_path
 from slimact.ops.quant import dequantize, quantize
 
 
@@ -105,7 +105,7 @@ def outlier_scores(x2d: torch.Tensor) -> torch.Tensor:
     On CUDA the sums and the scores are one ref (compiled inside
     ``compiled_ref.compiled_refs_on_cuda()``, else the same ops eagerly); on CPU the sums are
     compiled and the scores of the ``[C]`` sums run eagerly."""
-    if x2d.is_cuda:
+    if device_path.takes_cuda_path(x2d):
         return compiled_ref.run(outlier_scores_ref, x2d.detach())
     return _z_scores(channel_abs_sums(x2d))
 

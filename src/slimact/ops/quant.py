@@ -63,7 +63,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from slimact.ops import compiled_ref
+from slimact.ops import compiled_ref, device_path
 from slimact.ops.quant_triton import kernels
 from slimact.ops.stochastic import draws as _draws
 from slimact.ops.stochastic import key_tensor, seed_key
@@ -199,7 +199,7 @@ def _use_triton(x: torch.Tensor, backend: str) -> bool:
     if backend == "ref":
         return False
     if backend == "auto":
-        return x.is_cuda and triton_available()
+        return device_path.takes_cuda_path(x) and triton_available()
     if not triton_available():
         raise RuntimeError("backend='triton' needs the triton package, which is not importable")
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
