@@ -207,6 +207,9 @@ def _use_triton(x: torch.Tensor, backend: str) -> bool:
     return True
 
 
+use_triton = _use_triton  # whether quantize/dequantize of ``x`` run the Triton kernels
+
+
 def _runner(backend: str):
     """Off Triton, how the refs run: ``"auto"`` compiled where it pays (``compiled_ref.run``:
     CPU tensors of at least ``MIN_NUMEL`` values), ``"ref"`` eagerly."""
@@ -463,7 +466,7 @@ def quantize_triton(
         quant_kernel[(-(-groups // per),)](
             x, keep, scale, codes, scale, offset if offset is not None else scale, nonfinite,
             n, c, divisor(bits, symmetric, paper_scale, stochastic),
-            marked_divisor(bits, symmetric), key, BLOCK=gs, GROUPS=per, BITS=bits, SYM=symmetric,
+            marked_divisor(bits, symmetric), key, scale, scale, 0, 0, BLOCK=gs, GROUPS=per, BITS=bits, SYM=symmetric,
             HAS_KEEP=keep_cols is not None, PER_CHANNEL=False, STOCH=stochastic, LO=lo, HI=hi,
             BIAS=bias, enable_fp_fusion=False,
         )  # fmt: skip
@@ -489,7 +492,7 @@ def quantize_channelwise_triton(
     if n:
         per = _groups_per_program(_CHANNEL_BLOCK)
         quant_kernel[(-(-n // (_CHANNEL_BLOCK * per)),)](
-            x, inv, inv, codes, scale, inv, counts, n, c, 1.0, 1.0, key,
+            x, inv, inv, codes, scale, inv, counts, n, c, 1.0, 1.0, key, inv, inv, 0, 0,
             BLOCK=_CHANNEL_BLOCK, GROUPS=per, BITS=bits, SYM=True, HAS_KEEP=False, PER_CHANNEL=True,
             STOCH=rounding == "stochastic", LO=lo, HI=hi, BIAS=bias, enable_fp_fusion=False,
         )  # fmt: skip

@@ -29,12 +29,13 @@ def kernels():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["key"])
-    def quant_kernel(X, KEEP, INV, Q, S, OFF, NF, N, C, div, divm, key,
+    @triton.jit(do_not_specialize=["key", "NPART"])
+    def quant_kernel(X, KEEP, INV, Q, S, OFF, NF, N, C, div, divm, key, ST, PART, NPART, SLOT,
                      BLOCK: tl.constexpr, GROUPS: tl.constexpr, BITS: tl.constexpr,
                      SYM: tl.constexpr, HAS_KEEP: tl.constexpr, PER_CHANNEL: tl.constexpr,
                      STOCH: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
-                     BIAS: tl.constexpr):  # fmt: skip
+                     BIAS: tl.constexpr, STATS: tl.constexpr = False,
+                     ROWS: tl.constexpr = False):  # fmt: skip
         # one program = GROUPS groups of BLOCK values (or GROUPS * BLOCK values in channel mode),
         # seen as [GROUPS, BLOCK/2, 2] pairs so INT4 packing is a reduction over the last axis
         gid = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)  # [G]
@@ -74,6 +75,21 @@ def kernels():
                 )
                 tl.store(OFF + gid, off, mask=gmask)
             tl.store(S + gid, tl.where(gmarked, -scale, scale), mask=gmask)
+            if STATS:  # codecs.quant.scale_stats_ref: min/max of the magnitudes, 0 read as 1
+                mag = tl.where(scale == 0, 1.0, scale)
+                tl.atomic_min(ST + SLOT, tl.min(tl.where(gmask, mag, float("inf")), axis=0))
+                tl.atomic_max(ST + SLOT + 1, tl.max(tl.where(gmask, mag, -float("inf")), axis=0))
+                if not SYM:
+                    omax = tl.max(tl.where(gmask, tl.abs(off), -float("inf")), axis=0)
+                    tl.atomic_max(ST + SLOT + 2, omax)
+                if ROWS:  # the max row norm: row_norm_kernel's partial maxima, by program 0
+                    if tl.program_id(0) == 0:
+                        best = tl.zeros([1024], dtype=tl.float32)
+                        for p0 in range(0, NPART, 1024):
+                            pi = p0 + tl.arange(0, 1024)
+                            part = tl.load(PART + pi, mask=pi < NPART, other=0.0)
+                            best = tl.maximum(best, part)
+                        tl.store(ST, tl.max(best, axis=0))
             inv = tl.where(scale > 0, tl.div_rn(1.0, tl.maximum(scale, 1e-30)), 0.0)
             v = (x - off[:, None, None]) * inv[:, None, None]
             marked = gmarked[:, None, None]
@@ -135,4 +151,41 @@ def kernels():
     return quant_kernel, dequant_kernel
 
 
-__all__ = ["kernels"]
+@functools.cache
+def row_norm_kernel():
+    """The row norms of a contiguous ``[R, C]`` tensor, as ``codecs.rows.row_stats_ref`` takes
+    them (NaN/inf read as 0, fp32 sums of squares, a correctly rounded square root; summed in
+    another order than torch's, so within a few ulps of it): every ``step``-th row's norm at
+    ``ST[1 + row // step]``, each program's maximum at ``PART[program]`` (``quant_kernel``
+    with ``ROWS`` reduces them into ``ST[0]``), and, from program 0, the initial values of the
+    scale statistics ``quant_kernel`` gathers at ``ST[SLOT:]`` by atomic min/max."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def row_norms(X, ST, PART, R, C, step, SLOT, RB: tl.constexpr, CB: tl.constexpr,
+                  SYM: tl.constexpr):  # fmt: skip
+        pid = tl.program_id(0)
+        rows = pid * RB + tl.arange(0, RB)
+        rmask = rows < R
+        acc = tl.zeros([RB], dtype=tl.float32)
+        for c0 in range(0, C, CB):
+            cols = c0 + tl.arange(0, CB)
+            m = rmask[:, None] & (cols[None, :] < C)
+            offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+            v = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+            v = tl.where((v == v) & (tl.abs(v) != float("inf")), v, 0.0)
+            acc += tl.sum(v * v, axis=1)
+        norm = tl.sqrt_rn(acc)
+        tl.store(ST + 1 + rows // step, norm, mask=rmask & (rows % step == 0))
+        tl.store(PART + pid, tl.max(tl.where(rmask, norm, 0.0), axis=0))
+        if pid == 0:
+            tl.store(ST + SLOT, float("inf"))
+            tl.store(ST + SLOT + 1, -float("inf"))
+            if not SYM:
+                tl.store(ST + SLOT + 2, -float("inf"))
+
+    return row_norms
+
+
+__all__ = ["kernels", "row_norm_kernel"]

@@ -1,0 +1,82 @@
+"""Per-group quantize+pack with the INT codecs' verdict statistics, in two Triton launches.
+
+A deferred encode (``codecs.quant``: ``QuantCodec.encode_deferred``) needs, besides the codes,
+the statistics its verdict reads on the host after the step: the row norms of the ``[R, C]``
+view (their maximum and every ``step``-th one, ``step = max(1, R // 256)``:
+``codecs.rows.row_stats``) and the scales' magnitude bounds (``codecs.quant.scale_stats``).
+Eagerly on CUDA those are two dozen small kernels per saved tensor; here they are two:
+
+1. ``row_norm_kernel`` (``ops.quant_triton``): the row norms, the sampled ones written in place,
+   a partial maximum per program, and the scale statistics' initial values;
+2. ``quant_kernel`` with ``STATS``: the codes and scales as :func:`ops.quant.quantize_triton`
+   writes them (bit for bit), each program's scale bounds gathered by atomic min/max (exact:
+   min and max do not depend on the order), and the partial maxima reduced by program 0.
+
+The statistics come back as one fp32 tensor laid out as the eager verdict's parts, concatenated:
+``[max row norm, sampled norms..., min scale, max scale(, max |offset|)]``. The scale bounds
+equal ``scale_stats_ref``'s bit for bit; the row norms are sums of squares in another order than
+torch's ``vector_norm``, so within a few ulps of ``row_stats_ref``'s (the verdict compares them
+against limits of 8x and more: such a difference moves no verdict but one on its very edge).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slimact.ops.quant import Quantized, _groups_per_program, _limits, divisor, marked_divisor
+from slimact.ops.quant_triton import kernels, row_norm_kernel
+from slimact.ops.stochastic import seed_key
+
+_ROW_TILE = 4096  # values per program of the row-norm kernel
+_MAX_COL_BLOCK = 1024
+
+
+def stats_layout(rows: int, symmetric: bool) -> tuple[int, int, int]:
+    """(row step, number of sampled rows, index of the first scale statistic) of ``rows``."""
+    step = max(1, rows // 256)
+    sampled = -(-rows // step)
+    return step, sampled, 1 + sampled
+
+
+def quantize_with_stats_triton(
+    x: torch.Tensor,
+    channels: int,
+    *,
+    bits: int,
+    group_size: int,
+    symmetric: bool,
+    paper_scale: bool,
+    rounding: str,
+    seed: int,
+) -> tuple[Quantized, torch.Tensor]:
+    """``ops.quant.quantize(x, backend="triton")`` of a non-empty ``x`` and its verdict
+    statistics (module docstring) for the ``[-1, channels]`` view."""
+    quant_kernel, _ = kernels()
+    x = x.contiguous().view(-1)
+    n, gs, c = x.numel(), group_size, channels
+    r = n // c
+    step, _, slot = stats_layout(r, symmetric)
+    size = slot + (2 if symmetric else 3)
+    cb = min(1 << (c - 1).bit_length(), _MAX_COL_BLOCK)
+    rb = max(1, _ROW_TILE // cb)
+    parts = -(-r // rb)
+    dev = x.device
+    buf = torch.empty(size + parts, dtype=torch.float32, device=dev)
+    stats, part = buf[:size], buf[size:]
+    row_norm_kernel()[(parts,)](x, stats, part, r, c, step, slot, RB=rb, CB=cb, SYM=symmetric)
+    stochastic = rounding == "stochastic"
+    groups = -(-n // gs)
+    lo, hi, bias = _limits(bits)
+    codes = torch.empty((n + 1) // 2 if bits == 4 else n, dtype=torch.uint8, device=dev)
+    scale = torch.empty(groups, dtype=torch.float32, device=dev)
+    offset = None if symmetric else torch.empty(groups, dtype=torch.float32, device=dev)
+    nonfinite = torch.empty(groups, dtype=torch.int32, device=dev)
+    per = _groups_per_program(gs)
+    quant_kernel[(-(-groups // per),)](
+        x, scale, scale, codes, scale, offset if offset is not None else scale, nonfinite,
+        n, 1, divisor(bits, symmetric, paper_scale, stochastic), marked_divisor(bits, symmetric),
+        seed_key(seed), stats, part, parts, slot, BLOCK=gs, GROUPS=per, BITS=bits, SYM=symmetric,
+        HAS_KEEP=False, PER_CHANNEL=False, STOCH=stochastic, LO=lo, HI=hi, BIAS=bias, STATS=True,
+        ROWS=True, enable_fp_fusion=False,
+    )  # fmt: skip
+    return Quantized(codes, scale, offset, nonfinite, n, bits, gs), stats

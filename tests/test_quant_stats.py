@@ -1,0 +1,91 @@
+"""The INT codecs' fused deferred encode (``ops.quant_stats``: two Triton launches, codes and
+verdict statistics) against the eager path it replaces, under ``TRITON_INTERPRET=1``.
+
+The payload (codes, scales, offsets) must be the eager path's bit for bit, the scale bounds
+too; the row norms may differ by a few ulps (another summation order), and every verdict must
+read the same. Tiny tensors: the interpreter runs a kernel in NumPy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slimact.codecs.base import get_codec
+from slimact.ops import device_path
+from slimact.ops.quant import triton_available
+
+pytestmark = pytest.mark.skipif(
+    not (triton_available() and device_path.interpreter_on()),
+    reason="needs triton and TRITON_INTERPRET=1 (tests/conftest.py sets it)",
+)
+
+
+def _flat(verdict) -> torch.Tensor:
+    return torch.cat([v.reshape(-1).float() for v in verdict])
+
+
+def _both(codec, x, state=None):
+    eager = codec.encode_deferred(x, dict(state or {}))
+    with device_path.cuda_path():
+        assert codec.fuses(x, dict(state or {}))
+        fused = codec.encode_deferred(x, dict(state or {}))
+        decoded = codec.decode(fused.packed), codec.decode(eager.packed)
+    return eager, fused, decoded
+
+
+def _inputs(dtype):
+    g = torch.Generator().manual_seed(0)
+    odd = torch.randn(13, 7, generator=g)  # groups span rows
+    wide = torch.randn(600, 40, generator=g)  # 600 rows: every 2nd row sampled
+    nonc = torch.randn(48, 24, generator=g).t()  # non-contiguous
+    bad = torch.randn(5, 48, generator=g)
+    bad[1, 3], bad[2, 0], bad[4, 47] = float("nan"), float("inf"), -float("inf")
+    big = torch.randn(4, 3, 32, generator=g) * 1e20  # squares overflow: the verdict says so
+    zeros = torch.zeros(2, 16)
+    return [t.to(dtype) for t in (odd, wide, nonc, bad, big, zeros)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["int4", "int8", "int4-asym", "int4/g16"])
+def test_fused_deferred_encode_matches_the_eager_one(name, dtype):
+    codec = get_codec(name)
+    for x in _inputs(dtype):
+        eager, fused, (y_fused, y_eager) = _both(codec, x)
+        assert set(eager.packed.tensors) == set(fused.packed.tensors)
+        for k, t in eager.packed.tensors.items():
+            assert torch.equal(t, fused.packed.tensors[k]), (name, tuple(x.shape), k)
+        assert eager.packed.meta == fused.packed.meta
+        torch.testing.assert_close(y_fused, y_eager, equal_nan=True, rtol=0, atol=0)
+        a, b = _flat(eager.verdict), _flat(fused.verdict)
+        assert a.shape == b.shape
+        scales = 2 if codec.config.symmetric else 3
+        assert torch.equal(a[-scales:], b[-scales:])  # the scale bounds: bit for bit
+        torch.testing.assert_close(b[:-scales], a[:-scales], rtol=4e-7, atol=0)  # the norms
+        assert eager.explain(a.tolist()) == fused.explain(b.tolist()), (name, tuple(x.shape))
+
+
+def test_fused_verdict_reports_what_the_eager_one_reports():
+    codec = get_codec("int4")
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    x[5] *= 1e3  # a massive row: beyond the range limit
+    eager, fused, _ = _both(codec, x)
+    why = fused.explain(_flat(fused.verdict).tolist())
+    assert why is not None and why == eager.explain(_flat(eager.verdict).tolist())
+
+
+def test_a_row_split_site_keeps_the_eager_path():
+    codec = get_codec("int4")
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))
+    with device_path.cuda_path():
+        assert not codec.fuses(x, {"rows": 1})  # massive rows stored exactly: rows.py's path
+        assert codec.fuses(x, {"rows": 0})
+    assert not codec.fuses(x, {})  # the CPU path
+
+
+def test_cuda_path_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        with device_path.cuda_path():
+            pass
+    assert not device_path.forced()
