@@ -89,3 +89,58 @@ def test_cuda_path_needs_the_interpreter(monkeypatch):
         with device_path.cuda_path():
             pass
     assert not device_path.forced()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype and a.shape == b.shape and bool(((a == b) | (a != a) & (b != b)).all())
+    )
+
+
+def _outlier_inputs(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 48, generator=g)
+    x[:, [5, 30]] *= 40.0  # two outlier channels
+    x[3, 7], x[4, 9], x[6, 11] = float("nan"), float("inf"), -float("inf")  # three more
+    nonc = (torch.randn(32, 20, generator=g) * torch.linspace(1, 30, 20)).t()  # [20, 32] view
+    odd = torch.randn(9, 5, generator=g)  # groups span rows
+    return [t.to(dtype) for t in (x, nonc, odd)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["int4-outlier", "int4-outlier-g16", "int8-outlier"])
+def test_fused_outlier_encode_matches_the_eager_one(name, dtype):
+    codec = get_codec(name)
+    for x in _outlier_inputs(dtype):
+        for capacity in (0, 3, 6):  # not 2: three channels tie at +inf (ties: below)
+            sa, sb = {"capacity": capacity}, {"capacity": capacity}
+            eager = codec.encode_deferred(x, sa)
+            with device_path.cuda_path():
+                assert codec.fuses(x, sb)
+                fused = codec.encode_deferred(x, sb)
+                y_fused, y_eager = codec.decode(fused.packed), codec.decode(eager.packed)
+            assert set(eager.packed.tensors) == set(fused.packed.tensors)
+            for k, t in eager.packed.tensors.items():
+                assert _same(t, fused.packed.tensors[k]), (name, tuple(x.shape), capacity, k)
+            assert eager.packed.meta == fused.packed.meta
+            assert _same(y_fused, y_eager)
+            a, b = _flat(eager.verdict), _flat(fused.verdict)
+            assert a.shape == b.shape and a[0] == b[0]  # the outlier count
+            torch.testing.assert_close(b, a, rtol=4e-7, atol=0)
+            assert eager.explain(a.tolist()) == fused.explain(b.tolist())
+            assert sa == sb  # the capacity follows the same count
+
+
+def test_fused_outlier_encode_of_tied_scores_decodes_as_the_eager_one():
+    """Channels whose sums do not vary score -inf alike: no outlier, and which of them fill
+    the capacity is the kernel's choice (the lowest) where torch.topk makes its own."""
+    codec = get_codec("int4-outlier")
+    x = torch.ones(16, 32)
+    eager = codec.encode_deferred(x, {"capacity": 3})
+    with device_path.cuda_path():
+        fused = codec.encode_deferred(x, {"capacity": 3})
+        y = codec.decode(fused.packed)
+    assert fused.packed.tensors["outlier_idx"].tolist() == [0, 1, 2]
+    assert not fused.packed.tensors["outlier_flag"].any()
+    assert torch.equal(y, codec.decode(eager.packed))
+    assert _flat(fused.verdict)[0] == 0 == _flat(eager.verdict)[0]

@@ -38,6 +38,11 @@ def stats_layout(rows: int, symmetric: bool) -> tuple[int, int, int]:
     return step, sampled, 1 + sampled
 
 
+def stats_size(rows: int, symmetric: bool) -> int:
+    """Values of the statistics of ``rows`` rows (module docstring)."""
+    return stats_layout(rows, symmetric)[2] + (2 if symmetric else 3)
+
+
 def quantize_with_stats_triton(
     x: torch.Tensor,
     channels: int,
@@ -51,19 +56,49 @@ def quantize_with_stats_triton(
 ) -> tuple[Quantized, torch.Tensor]:
     """``ops.quant.quantize(x, backend="triton")`` of a non-empty ``x`` and its verdict
     statistics (module docstring) for the ``[-1, channels]`` view."""
-    quant_kernel, _ = kernels()
     x = x.contiguous().view(-1)
+    stats = torch.empty(stats_size(x.numel() // channels, symmetric), device=x.device)
+    q = quantize_into(
+        x, channels, stats, bits=bits, group_size=group_size, symmetric=symmetric,
+        paper_scale=paper_scale, rounding=rounding, seed=seed,
+    )  # fmt: skip
+    return q, stats
+
+
+def quantize_into(
+    x: torch.Tensor,
+    channels: int,
+    stats: torch.Tensor,
+    *,
+    bits: int,
+    group_size: int,
+    symmetric: bool,
+    paper_scale: bool,
+    rounding: str,
+    seed: int,
+    keep: torch.Tensor | None = None,
+    idx: torch.Tensor | None = None,
+    val: torch.Tensor | None = None,
+) -> Quantized:
+    """The two launches (module docstring) of a flat contiguous non-empty ``x``, its statistics
+    written to ``stats`` (fp32, :func:`stats_size`). ``keep`` (uint8 ``[channels]``): columns
+    zeroed where 0 before the norms and the codes (``ops.quant``'s ``keep_cols``); ``idx``
+    (int32 ``[k]``): those columns copied to ``val`` (``[rows, k]``, ``x``'s dtype)."""
+    quant_kernel, _ = kernels()
     n, gs, c = x.numel(), group_size, channels
     r = n // c
     step, _, slot = stats_layout(r, symmetric)
-    size = slot + (2 if symmetric else 3)
     cb = min(1 << (c - 1).bit_length(), _MAX_COL_BLOCK)
     rb = max(1, _ROW_TILE // cb)
     parts = -(-r // rb)
     dev = x.device
-    buf = torch.empty(size + parts, dtype=torch.float32, device=dev)
-    stats, part = buf[:size], buf[size:]
-    row_norm_kernel()[(parts,)](x, stats, part, r, c, step, slot, RB=rb, CB=cb, SYM=symmetric)
+    part = torch.empty(parts, dtype=torch.float32, device=dev)
+    k = 0 if idx is None else idx.numel()
+    row_norm_kernel()[(parts,)](
+        x, stats, part, r, c, step, slot, stats if keep is None else keep,
+        stats if idx is None else idx, stats if val is None else val, k, RB=rb, CB=cb,
+        SYM=symmetric, HAS_KEEP=keep is not None, GATHER=k > 0,
+    )  # fmt: skip
     stochastic = rounding == "stochastic"
     groups = -(-n // gs)
     lo, hi, bias = _limits(bits)
@@ -73,10 +108,11 @@ def quantize_with_stats_triton(
     nonfinite = torch.empty(groups, dtype=torch.int32, device=dev)
     per = _groups_per_program(gs)
     quant_kernel[(-(-groups // per),)](
-        x, scale, scale, codes, scale, offset if offset is not None else scale, nonfinite,
-        n, 1, divisor(bits, symmetric, paper_scale, stochastic), marked_divisor(bits, symmetric),
+        x, scale if keep is None else keep, scale, codes, scale,
+        offset if offset is not None else scale, nonfinite, n, c,
+        divisor(bits, symmetric, paper_scale, stochastic), marked_divisor(bits, symmetric),
         seed_key(seed), stats, part, parts, slot, BLOCK=gs, GROUPS=per, BITS=bits, SYM=symmetric,
-        HAS_KEEP=False, PER_CHANNEL=False, STOCH=stochastic, LO=lo, HI=hi, BIAS=bias, STATS=True,
-        ROWS=True, enable_fp_fusion=False,
+        HAS_KEEP=keep is not None, PER_CHANNEL=False, STOCH=stochastic, LO=lo, HI=hi, BIAS=bias,
+        STATS=True, ROWS=True, enable_fp_fusion=False,
     )  # fmt: skip
-    return Quantized(codes, scale, offset, nonfinite, n, bits, gs), stats
+    return Quantized(codes, scale, offset, nonfinite, n, bits, gs)

@@ -158,24 +158,39 @@ def row_norm_kernel():
     another order than torch's, so within a few ulps of it): every ``step``-th row's norm at
     ``ST[1 + row // step]``, each program's maximum at ``PART[program]`` (``quant_kernel``
     with ``ROWS`` reduces them into ``ST[0]``), and, from program 0, the initial values of the
-    scale statistics ``quant_kernel`` gathers at ``ST[SLOT:]`` by atomic min/max."""
+    scale statistics ``quant_kernel`` gathers at ``ST[SLOT:]`` by atomic min/max. ``KEEP``
+    (uint8 ``[C]``, with ``HAS_KEEP``): columns read as 0 where it is 0 (the outlier codec's
+    exact channels); ``IDX`` (``K`` column indices, with ``K > 0``): those columns of every row
+    copied to ``VAL`` (``[R, K]``, ``X``'s dtype: the outlier codec's exact values)."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def row_norms(X, ST, PART, R, C, step, SLOT, RB: tl.constexpr, CB: tl.constexpr,
-                  SYM: tl.constexpr):  # fmt: skip
+    def row_norms(X, ST, PART, R, C, step, SLOT, KEEP, IDX, VAL, K, RB: tl.constexpr,
+                  CB: tl.constexpr, SYM: tl.constexpr, HAS_KEEP: tl.constexpr,
+                  GATHER: tl.constexpr):  # fmt: skip
         pid = tl.program_id(0)
         rows = pid * RB + tl.arange(0, RB)
         rmask = rows < R
+        base = rows[:, None].to(tl.int64) * C
         acc = tl.zeros([RB], dtype=tl.float32)
         for c0 in range(0, C, CB):
             cols = c0 + tl.arange(0, CB)
             m = rmask[:, None] & (cols[None, :] < C)
-            offs = rows[:, None].to(tl.int64) * C + cols[None, :]
-            v = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+            v = tl.load(X + base + cols[None, :], mask=m, other=0.0).to(tl.float32)
             v = tl.where((v == v) & (tl.abs(v) != float("inf")), v, 0.0)
+            if HAS_KEEP:
+                keep = tl.load(KEEP + cols, mask=cols < C, other=0)
+                v = tl.where(keep[None, :] != 0, v, 0.0)
             acc += tl.sum(v * v, axis=1)
+        if GATHER:
+            for j0 in range(0, K, CB):
+                js = j0 + tl.arange(0, CB)
+                jm = js < K
+                idx = tl.load(IDX + js, mask=jm, other=0)
+                m = rmask[:, None] & jm[None, :]
+                val = tl.load(X + base + idx[None, :], mask=m, other=0.0)
+                tl.store(VAL + rows[:, None].to(tl.int64) * K + js[None, :], val, mask=m)
         norm = tl.sqrt_rn(acc)
         tl.store(ST + 1 + rows // step, norm, mask=rmask & (rows % step == 0))
         tl.store(PART + pid, tl.max(tl.where(rmask, norm, 0.0), axis=0))
