@@ -86,7 +86,7 @@ from slimact.codecs.rows import (
 )
 from slimact.ops import compiled_ref, device_path
 from slimact.ops.outlier_triton import outlier_quantize_triton
-from slimact.ops.quant import dequantize, quantize
+from slimact.ops.quant import dequantize, dequantize_triton, quantize
 from slimact.ops.quant_stats import stats_layout
 
 
@@ -324,8 +324,12 @@ class OutlierCodec(Codec):
             return y
         q = quantized_from(packed)
         q.channels = 0  # the codes are per group; ``channels`` only shapes the outlier view
-        y = dequantize(q, dtype=packed.dtype, backend=self.config.backend)
         t = packed.tensors
+        if "outlier_idx" in t and "row_idx" not in t and use_triton(q.codes, self.config.backend):
+            cols = (packed.meta["channels"], t["outlier_idx"], t.get("outlier_flag"),
+                    t["outlier_val"])  # fmt: skip
+            return dequantize_triton(q, packed.dtype, cols).view(packed.shape)  # one launch
+        y = dequantize(q, dtype=packed.dtype, backend=self.config.backend)
         y2d = y.view(-1, packed.meta["channels"])
         if "outlier_idx" in t:
             idx, val = t["outlier_idx"].long(), t["outlier_val"].to(y.dtype)

@@ -134,7 +134,11 @@ from slimact.ops.quant import (
     quantize_channelwise,
     use_triton,
 )
-from slimact.ops.quant_stats import quantize_with_stats_triton, stats_layout
+from slimact.ops.quant_stats import (
+    quantize_channelwise_with_stats_triton,
+    quantize_with_stats_triton,
+    stats_layout,
+)
 
 __all__ = ["range_problem", "row_stats"]  # re-exported: the range checks live in codecs.rows
 
@@ -538,6 +542,17 @@ class ChannelQuantCodec(Codec):
     def encode_deferred(self, x: torch.Tensor, state: dict) -> Deferred:
         if self.config.nonfinite == "raise" or x.dtype == torch.float64:
             return Deferred(self.encode(x))
+        c = self.config
+        if c.max_range is not None and x.numel() and use_triton(x, c.backend):
+            check_input(self, x)  # the Triton path: three launches (ops.quant_stats)
+            x2d = channel_view(self, x, c.channels)
+            q, stats = quantize_channelwise_with_stats_triton(
+                x2d, bits=c.bits, paper_scale=c.paper_scale, **rounding_args(self)
+            )
+            meta = {"numel": q.numel, "bits": c.bits, "group_size": 0, "channels": q.channels}
+            packed = Packed(quantized_payload(q), tuple(x.shape), x.dtype, x.device, meta)
+            n = stats_layout(x2d.shape[0], True)[2]
+            return Deferred(packed, [stats], explainer(n, True, c.max_range))
         x2d, rows, q, packed = self._quantize(x)
         if x2d is None:
             return Deferred(packed)

@@ -499,8 +499,11 @@ def quantize_channelwise_triton(
     return Quantized(codes, scale, None, counts, n, bits, 0, channels=c)
 
 
-def dequantize_triton(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Triton twin of :func:`dequantize_ref`."""
+def dequantize_triton(
+    q: Quantized, dtype: torch.dtype = torch.float32, exact_cols: tuple | None = None
+) -> torch.Tensor:
+    """Triton twin of :func:`dequantize_ref`; ``exact_cols``: (channels, indices int32 [k],
+    flags bool [k] or None, values [n / channels, k]) written over those columns."""
     _, dequant_kernel = kernels()
     n = q.numel
     y = torch.empty(n, dtype=dtype, device=q.codes.device)
@@ -510,10 +513,14 @@ def dequantize_triton(q: Quantized, dtype: torch.dtype = torch.float32) -> torch
     offset = q.offset if q.offset is not None else q.scale
     ymax = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
     per = _groups_per_program(block)
+    cols, idx, flag, val, k = max(q.channels, 1), q.scale, q.scale, q.scale, 0
+    if exact_cols is not None:
+        cols, idx, flag, val = exact_cols
+        k, flag = idx.numel(), q.scale if flag is None else flag.view(torch.uint8)
     dequant_kernel[(-(-n // (block * per)),)](
-        q.codes, q.scale, offset, y, n, max(q.channels, 1), ymax, BLOCK=block, GROUPS=per,
-        BITS=q.bits,
-        SYM=q.offset is None, PER_CHANNEL=q.channels > 0, BIAS=_limits(q.bits)[2],
+        q.codes, q.scale, offset, y, n, cols, ymax, idx, flag, val, k, BLOCK=block, GROUPS=per,
+        BITS=q.bits, SYM=q.offset is None, PER_CHANNEL=q.channels > 0, BIAS=_limits(q.bits)[2],
+        EXACT_COLS=k > 0, HAS_FLAG=flag is not q.scale,
     )  # fmt: skip
     return y
 

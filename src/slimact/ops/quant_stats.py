@@ -23,8 +23,15 @@ from __future__ import annotations
 
 import torch
 
-from slimact.ops.quant import Quantized, _groups_per_program, _limits, divisor, marked_divisor
-from slimact.ops.quant_triton import kernels, row_norm_kernel
+from slimact.ops.quant import (
+    _CHANNEL_BLOCK,
+    Quantized,
+    _groups_per_program,
+    _limits,
+    divisor,
+    marked_divisor,
+)
+from slimact.ops.quant_triton import channel_scale_kernel, kernels, row_norm_kernel
 from slimact.ops.stochastic import seed_key
 
 _ROW_TILE = 4096  # values per program of the row-norm kernel
@@ -65,6 +72,52 @@ def quantize_with_stats_triton(
     return q, stats
 
 
+def _row_norms(x, c, stats, symmetric, keep=None, idx=None, val=None) -> tuple[torch.Tensor, int]:
+    """``row_norm_kernel`` over the ``[-1, c]`` view of ``x``: (partial maxima, their count)."""
+    r = x.numel() // c
+    step, _, slot = stats_layout(r, symmetric)
+    cb = min(1 << (c - 1).bit_length(), _MAX_COL_BLOCK)
+    rb = max(1, _ROW_TILE // cb)
+    parts = -(-r // rb)
+    part = torch.empty(parts, dtype=torch.float32, device=x.device)
+    k = 0 if idx is None else idx.numel()
+    row_norm_kernel()[(parts,)](
+        x, stats, part, r, c, step, slot, stats if keep is None else keep,
+        stats if idx is None else idx, stats if val is None else val, k, RB=rb, CB=cb,
+        SYM=symmetric, HAS_KEEP=keep is not None, GATHER=k > 0,
+    )  # fmt: skip
+    return part, parts
+
+
+def quantize_channelwise_with_stats_triton(
+    x2d: torch.Tensor, *, bits: int, paper_scale: bool, rounding: str, seed: int
+) -> tuple[Quantized, torch.Tensor]:
+    """``ops.quant.quantize_channelwise`` of a non-empty ``[R, C]`` ``x2d`` on the Triton path
+    and its verdict statistics (the row norms', then the channel scales' bounds), in three
+    launches: the row norms, the scales (``channel_scale_kernel``), the codes."""
+    quant_kernel, _ = kernels()
+    x = x2d.contiguous().view(-1)
+    (r, c), n, dev = x2d.shape, x.numel(), x.device
+    stats = torch.empty(stats_size(r, True), dtype=torch.float32, device=dev)
+    part, parts = _row_norms(x, c, stats, True)
+    scale = torch.empty(c, dtype=torch.float32, device=dev)
+    inv = torch.empty(c, dtype=torch.float32, device=dev)
+    counts = torch.empty(c, dtype=torch.int32, device=dev)
+    channel_scale_kernel()[(-(-c // 32),)](
+        x, scale, inv, counts, stats, part, parts, stats_layout(r, True)[2], r, c,
+        divisor(bits, True, paper_scale), marked_divisor(bits, True), RB=64, CB=32,
+    )  # fmt: skip
+    lo, hi, bias = _limits(bits)
+    codes = torch.empty((n + 1) // 2 if bits == 4 else n, dtype=torch.uint8, device=dev)
+    per = _groups_per_program(_CHANNEL_BLOCK)
+    quant_kernel[(-(-n // (_CHANNEL_BLOCK * per)),)](
+        x, inv, inv, codes, scale, inv, counts, n, c, 1.0, 1.0, seed_key(seed), inv, inv, 0, 0,
+        BLOCK=_CHANNEL_BLOCK, GROUPS=per, BITS=bits, SYM=True, HAS_KEEP=False, PER_CHANNEL=True,
+        STOCH=rounding == "stochastic", LO=lo, HI=hi, BIAS=bias, enable_fp_fusion=False,
+    )  # fmt: skip
+    return Quantized(codes, scale, None, counts, n, bits, 0, channels=c), stats
+
+
 def quantize_into(
     x: torch.Tensor,
     channels: int,
@@ -86,19 +139,9 @@ def quantize_into(
     (int32 ``[k]``): those columns copied to ``val`` (``[rows, k]``, ``x``'s dtype)."""
     quant_kernel, _ = kernels()
     n, gs, c = x.numel(), group_size, channels
-    r = n // c
-    step, _, slot = stats_layout(r, symmetric)
-    cb = min(1 << (c - 1).bit_length(), _MAX_COL_BLOCK)
-    rb = max(1, _ROW_TILE // cb)
-    parts = -(-r // rb)
+    slot = stats_layout(n // c, symmetric)[2]
     dev = x.device
-    part = torch.empty(parts, dtype=torch.float32, device=dev)
-    k = 0 if idx is None else idx.numel()
-    row_norm_kernel()[(parts,)](
-        x, stats, part, r, c, step, slot, stats if keep is None else keep,
-        stats if idx is None else idx, stats if val is None else val, k, RB=rb, CB=cb,
-        SYM=symmetric, HAS_KEEP=keep is not None, GATHER=k > 0,
-    )  # fmt: skip
+    part, parts = _row_norms(x, c, stats, symmetric, keep, idx, val)
     stochastic = rounding == "stochastic"
     groups = -(-n // gs)
     lo, hi, bias = _limits(bits)
