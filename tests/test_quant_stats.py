@@ -8,16 +8,19 @@ read the same. Tiny tensors: the interpreter runs a kernel in NumPy.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from slimact.codecs.base import get_codec
 from slimact.ops import device_path
+from slimact.ops.deferred import DeferredChecks
 from slimact.ops.quant import triton_available
 
-pytestmark = pytest.mark.skipif(
+interpreted = pytest.mark.skipif(
     not (triton_available() and device_path.interpreter_on()),
-    reason="needs triton and TRITON_INTERPRET=1 (tests/conftest.py sets it)",
+    reason="needs triton and TRITON_INTERPRET=1 (tests/conftest.py sets it on a CPU)",
 )
 
 
@@ -46,6 +49,7 @@ def _inputs(dtype):
     return [t.to(dtype) for t in (odd, wide, nonc, bad, big, zeros)]
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["int4", "int8", "int4-asym", "int4/g16"])
 def test_fused_deferred_encode_matches_the_eager_one(name, dtype):
@@ -65,6 +69,7 @@ def test_fused_deferred_encode_matches_the_eager_one(name, dtype):
         assert eager.explain(a.tolist()) == fused.explain(b.tolist()), (name, tuple(x.shape))
 
 
+@interpreted
 def test_fused_verdict_reports_what_the_eager_one_reports():
     codec = get_codec("int4")
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
@@ -74,6 +79,7 @@ def test_fused_verdict_reports_what_the_eager_one_reports():
     assert why is not None and why == eager.explain(_flat(eager.verdict).tolist())
 
 
+@interpreted
 def test_a_row_split_site_keeps_the_eager_path():
     codec = get_codec("int4")
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))
@@ -83,6 +89,7 @@ def test_a_row_split_site_keeps_the_eager_path():
     assert not codec.fuses(x, {})  # the CPU path
 
 
+@interpreted
 def test_cuda_path_needs_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
@@ -107,6 +114,7 @@ def _outlier_inputs(dtype):
     return [t.to(dtype) for t in (x, nonc, odd)]
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["int4-outlier", "int4-outlier-g16", "int8-outlier"])
 def test_fused_outlier_encode_matches_the_eager_one(name, dtype):
@@ -131,6 +139,7 @@ def test_fused_outlier_encode_matches_the_eager_one(name, dtype):
             assert sa == sb  # the capacity follows the same count
 
 
+@interpreted
 def test_fused_outlier_encode_of_tied_scores_decodes_as_the_eager_one():
     """Channels whose sums do not vary score -inf alike: no outlier, and which of them fill
     the capacity is the kernel's choice (the lowest) where torch.topk makes its own."""
@@ -146,6 +155,7 @@ def test_fused_outlier_encode_of_tied_scores_decodes_as_the_eager_one():
     assert _flat(fused.verdict)[0] == 0 == _flat(eager.verdict)[0]
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["int8-channel", "int4-channel"])
 def test_fused_channelwise_encode_matches_the_eager_one(name, dtype):
@@ -164,6 +174,7 @@ def test_fused_channelwise_encode_matches_the_eager_one(name, dtype):
         assert eager.explain(a.tolist()) == fused.explain(b.tolist())
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_outlier_decode_in_one_launch_matches_the_eager_one(dtype):
     """A checked encode's payload (every stored channel an outlier, no flags) and a deferred
@@ -180,3 +191,52 @@ def test_outlier_decode_in_one_launch_matches_the_eager_one(dtype):
         idx = packed.tensors["outlier_idx"].long()
         flags = packed.tensors.get("outlier_flag", torch.ones(idx.numel(), dtype=torch.bool))
         assert _same(fused[:, idx[flags]], x[:, idx[flags]])  # the exact columns: exact
+
+
+def _ref_twin(codec):
+    return type(codec)(dataclasses.replace(codec.config, backend="ref"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "name", ["int4", "int8", "int4-asym", "int4-outlier-g16", "int8-outlier", "int8-channel"]
+)
+def test_fused_codecs_on_cuda_match_the_refs(name, dtype):
+    """On CUDA: the fused kernels (atomics, the column kernel's ticket) against the refs run
+    eagerly on the same tensors, twice in a row (the ticket is reset between calls)."""
+    codec = get_codec(name)
+    ref = _ref_twin(codec)
+    g = torch.Generator().manual_seed(4)
+    big = torch.randn(2048, 1024, generator=g)
+    big[:, [7, 300]] *= 50.0
+    big[5, 9] = float("nan")
+    shapes = [big, torch.randn(96, 48, 24, generator=g).transpose(0, 1), torch.randn(37, 48)]
+    for x in (t.to(dtype).cuda() for t in shapes):
+        state = {"capacity": 3}
+        eager = ref.encode_deferred(x, dict(state))
+        for _ in range(2):
+            fused = codec.encode_deferred(x, dict(state))
+            for k, t in eager.packed.tensors.items():
+                assert _same(t, fused.packed.tensors[k]), (name, tuple(x.shape), k)
+            a, b = _flat(eager.verdict), _flat(fused.verdict)
+            torch.testing.assert_close(b, a, rtol=2e-6, atol=0)
+            assert eager.explain(a.tolist()) == fused.explain(b.tolist())
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(
+            codec.decode(fused.packed).float(), ref.decode(eager.packed).float(), rtol=eps,
+            atol=0, equal_nan=True,
+        )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_verdict_batch_casts_into_float64_on_cuda():
+    checks = DeferredChecks()
+    got: list = []
+    f32 = torch.tensor([1.5, 2.25], device="cuda")
+    i64 = torch.tensor([3, 2**40 + 1], device="cuda")
+    checks.add([f32, i64], got.extend)
+    checks.wait()
+    assert got == [1.5, 2.25, 3.0, float(2**40 + 1)]

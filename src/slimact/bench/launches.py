@@ -19,8 +19,8 @@ eager, as they run on CUDA; compiled on CPU they would hide their ops in one cal
 :func:`count_step` counts one forward + backward of a model after warm-up steps (the codecs in
 their steady state, the deferred encode), and how many saved storages the step coded and how
 many modules the plan reformulated, the units of ``tests/test_launches.py``'s bounds.
-``slimact bench gpu --profile`` reports ``aten_ops`` minus :data:`VIEW_OPS` from the profiler's
-events (``aten_ops_counted``), the same count on the device.
+``slimact bench gpu --profile`` reports the same count from the profiler's events on the device
+(``launch_count``: ``slimact.bench.profile``).
 """
 
 from __future__ import annotations
