@@ -37,7 +37,10 @@ written back on decode, so while the count is within the capacity the decoded te
 checked encode's, bit for bit (a resumed run, which starts with checked encodes, trains the
 same). Its verdict carries the range and scale checks of ``slimact.codecs.quant`` and the
 outlier count: more outliers than the capacity (the ones left out were quantized with the rest,
-within the codec's bound) raise the site's capacity from its next save on.
+within the codec's bound) raise the site's capacity from its next save on. On the Triton path a
+deferred encode without a row split is three launches (``ops.outlier_triton``: the channels'
+sums and their selection, the row norms, the codes) and a decode one (the dequantize kernel
+writes the exact channels).
 """
 
 from __future__ import annotations

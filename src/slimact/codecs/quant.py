@@ -87,7 +87,10 @@ tensor whatever the verdict: within the codec's bound, NaN/inf exact in band, ma
 float32's max safe (``ops.quant``); only a group whose values are all below 7e-30 loses its
 precision (absolute error below 1.4e-29). A verdict that finds a problem is reported for the
 site, which is checked on the host (and stored exactly while the problem lasts) from its next
-save on.
+save on. On the Triton path (CUDA, or a CPU inside ``ops.device_path.cuda_path``) a deferred
+encode without a row split is two launches (``ops.quant_stats``: the row norms, then the codes
+and the scale bounds; the channel-wise codec three, its scales between), the statistics one
+tensor laid out as the eager parts; a decode is one launch.
 """
 
 from __future__ import annotations
