@@ -240,3 +240,13 @@ def test_verdict_batch_casts_into_float64_on_cuda():
     checks.add([f32, i64], got.extend)
     checks.wait()
     assert got == [1.5, 2.25, 3.0, float(2**40 + 1)]
+
+
+@interpreted
+def test_the_fused_kernels_can_be_turned_off(monkeypatch):
+    """``SLIMACT_FUSED_CODECS=0``: the quantize kernel alone, the statistics eager."""
+    monkeypatch.setattr(device_path, "_FUSED_CODECS", False)
+    x = torch.randn(16, 32)
+    for name in ("int4", "int4-outlier"):
+        with device_path.cuda_path():
+            assert not get_codec(name).fuses(x, {})

@@ -297,6 +297,7 @@ class OutlierCodec(Codec):
             and x.numel() > 0
             and not (self.config.symmetric and state.get("rows", 0))
             and use_triton(x, self.config.backend)
+            and device_path.fused_codecs()
         )
 
     def _encode_fused(self, x: torch.Tensor, state: dict) -> Deferred:
@@ -328,7 +329,8 @@ class OutlierCodec(Codec):
         q = quantized_from(packed)
         q.channels = 0  # the codes are per group; ``channels`` only shapes the outlier view
         t = packed.tensors
-        if "outlier_idx" in t and "row_idx" not in t and use_triton(q.codes, self.config.backend):
+        fused = use_triton(q.codes, self.config.backend) and device_path.fused_codecs()
+        if fused and "outlier_idx" in t and "row_idx" not in t:
             cols = (packed.meta["channels"], t["outlier_idx"], t.get("outlier_flag"),
                     t["outlier_val"])  # fmt: skip
             return dequantize_triton(q, packed.dtype, cols).view(packed.shape)  # one launch

@@ -128,7 +128,7 @@ from slimact.codecs.rows import (
     stats_ok,
     stats_ok_values,
 )
-from slimact.ops import compiled_ref
+from slimact.ops import compiled_ref, device_path
 from slimact.ops.quant import (
     BACKENDS,
     Quantized,
@@ -445,6 +445,7 @@ class QuantCodec(Codec):
             and x.numel() > 0
             and not (self.splits_rows and state.get("rows", 0))
             and use_triton(x, self.config.backend)
+            and device_path.fused_codecs()
         )
 
     def _encode_fused(self, x: torch.Tensor) -> Deferred:
@@ -546,7 +547,8 @@ class ChannelQuantCodec(Codec):
         if self.config.nonfinite == "raise" or x.dtype == torch.float64:
             return Deferred(self.encode(x))
         c = self.config
-        if c.max_range is not None and x.numel() and use_triton(x, c.backend):
+        fused = use_triton(x, c.backend) and device_path.fused_codecs()
+        if c.max_range is not None and x.numel() and fused:
             check_input(self, x)  # the Triton path: three launches (ops.quant_stats)
             x2d = channel_view(self, x, c.channels)
             q, stats = quantize_channelwise_with_stats_triton(

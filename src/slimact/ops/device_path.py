@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import torch
 
 ENV = "SLIMACT_CUDA_PATH"
+FUSED_ENV = "SLIMACT_FUSED_CODECS"
 
 
 def _env_forced() -> bool:
@@ -31,6 +32,18 @@ def _env_forced() -> bool:
 
 # the last entry says whether CPU tensors take the CUDA path (module docstring)
 _FORCED: list[bool] = [_env_forced()]
+
+
+# whether the INT codecs take their fused kernels on the Triton path (:func:`fused_codecs`)
+_FUSED_CODECS = os.environ.get(FUSED_ENV, "1") != "0"
+
+
+def fused_codecs() -> bool:
+    """Whether the INT codecs' deferred encodes and the outlier codec's decode take their fused
+    Triton kernels on the Triton path (``ops.quant_stats``, ``ops.outlier_triton``): yes unless
+    ``SLIMACT_FUSED_CODECS=0`` in the environment (read at import), which keeps the quantize
+    kernel alone and the statistics as eager ops, the way back should a device disagree."""
+    return _FUSED_CODECS
 
 
 def interpreter_on() -> bool:
