@@ -17,10 +17,12 @@ The bounds (the eager-GPU issue's done-when), with ``none``'s count as the unit:
 A bound that does not hold yet is asserted as a *ratchet* instead: the count may not exceed
 :data:`RATCHET`, the value measured when it was last lowered, so it can only go down; lower the
 entry when a change cuts the count, and replace it by the bound once the bound holds. Today
-every strategy but ``none`` is under the ratchet: ``int8``'s per-group codec encodes in two
-kernels and decodes in one, but SDPA v's channel-wise codec and the outlier codec of ``int4``'s
-activations still run their statistics as chains of eager ops, and the reformulations have ops
-of their own. ``auto`` plans with launch counts in place of measured times
+every strategy but ``none`` is under the ratchet. The codecs decode in one launch and encode
+in two (per group, ``int8``'s) or three (the outlier codec of ``int4``'s activations, SDPA v's
+channel-wise codec), with no other op per saved tensor, but a step's verdict batch is one op
+more and three launches per outlier or channel-wise encode are one more than the bound allows;
+the reformulations (``invact``, ``chunked-ce``, ``auto``'s plan) have eager ops of their own.
+``auto`` plans with launch counts in place of measured times
 (:func:`times_by_count`), so that its plan, and its count, is the same in every run.
 ``pytest -s`` prints each count.
 """
