@@ -10,13 +10,15 @@ dispatch asks it instead of ``t.is_cuda``.
 tensors take the CUDA path: what a GPU step runs, op for op and kernel for kernel, measured on
 a CPU (``slimact.bench.launches``: the launch count of a training step). The Triton kernels
 then run under Triton's interpreter, which reads ``TRITON_INTERPRET=1`` when triton is first
-imported; entering without it is an error. The results are the CUDA path's (each kernel matches
-its ``*_ref`` bit for bit), only slow: the interpreter runs a kernel in NumPy.
+imported; entering without it is an error (the variable without it is ignored, with a
+warning). The results are the CUDA path's (each kernel matches its ``*_ref`` bit for bit, or
+within its documented error), only slow: the interpreter runs a kernel in NumPy.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -30,8 +32,20 @@ def _env_forced() -> bool:
     return os.environ.get(ENV, "") not in ("", "0")
 
 
+def interpreter_on() -> bool:
+    """Whether Triton runs its kernels in the interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if _env_forced() and not interpreter_on():
+    warnings.warn(
+        f"{ENV}=1 is ignored: the CUDA path on a CPU runs Triton's interpreter, which needs "
+        "TRITON_INTERPRET=1 as well",
+        RuntimeWarning,
+        stacklevel=1,
+    )
 # the last entry says whether CPU tensors take the CUDA path (module docstring)
-_FORCED: list[bool] = [_env_forced()]
+_FORCED: list[bool] = [_env_forced() and interpreter_on()]
 
 
 # whether the INT codecs take their fused kernels on the Triton path (:func:`fused_codecs`)
@@ -44,11 +58,6 @@ def fused_codecs() -> bool:
     ``SLIMACT_FUSED_CODECS=0`` in the environment (read at import), which keeps the quantize
     kernel alone and the statistics as eager ops, the way back should a device disagree."""
     return _FUSED_CODECS
-
-
-def interpreter_on() -> bool:
-    """Whether Triton runs its kernels in the interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @contextmanager
