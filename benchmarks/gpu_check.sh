@@ -15,7 +15,9 @@
 #     sequence at batch 1 beside compile-block@0 and torch's checkpoint, the allocator's memory
 #     after each stage; table and JSON in the log;
 #  k. the Triton INT kernels on CUDA against their refs (tests/test_quant.py and
-#     tests/test_stochastic_rounding.py, -k triton), tiles of many groups across programs; then
+#     tests/test_stochastic_rounding.py, -k triton), tiles of many groups across programs, and
+#     the codecs' fused deferred encodes (atomics, the column kernel's ticket) and one-launch
+#     decodes against their refs on CUDA (tests/test_quant_stats.py -m gpu); then
 #     the offload gpu tests (strategy offload now installs through the plan runtime); then a
 #     spec with eager parts under compile=True as one CompiledPlan (tests/test_compiled_presets.py);
 #  c. slimact bench gpu with what is left less step a's share (its own time budget set to fit,
@@ -72,6 +74,9 @@ fi
 log "k. the Triton INT kernels against their refs; the offload gpu tests"
 timeout "${KERNEL_S:-50}" $py -m pytest -q -p no:cacheprovider tests/test_quant.py \
   tests/test_stochastic_rounding.py -k triton 2>&1 | tail -8 | tee -a "$OUT/log"
+echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/log"
+SLIMACT_FUSED_CODECS=1 timeout "${FUSED_S:-60}" $py -m pytest -q -p no:cacheprovider -m gpu tests/test_quant_stats.py \
+  2>&1 | tail -8 | tee -a "$OUT/log"
 echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/log"
 timeout "${OFFLOAD_S:-60}" $py -m pytest -q -p no:cacheprovider -m gpu tests/test_offload.py \
   tests/test_compiled_offload.py tests/test_codecs.py -k offload 2>&1 | tail -8 | tee -a "$OUT/log"

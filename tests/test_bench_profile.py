@@ -90,6 +90,7 @@ def test_cuda_figures_count_inside_the_steps_only():
     f = bp.step_figures(events)
     assert f["steps"] == 2 and f["profiled_ms"] == pytest.approx(0.1)
     assert f["kernels"] == 1.5 and f["launches"] == 1.5 and f["aten_ops"] == 2  # mm, item, its read
+    assert f["launch_count"] == 2.5  # mm twice, item, its read, one Triton launch, in 2 steps
     assert f["syncs"] == 0.5  # cudaStreamSynchronize once in two steps
     assert f["sync_events"]["aten::item"] == 0.5
     assert f["sync_events"]["Memcpy DtoH (Device -> Pageable)"] == 0.5

@@ -14,7 +14,11 @@ CUDA activity on a GPU). Per step it reports:
   for the host: launch overhead or syncs), on CUDA;
 * ``aten_ops``: ``aten::`` ops dispatched (nested ones too); ``outside_ops``: the top-level
   ones outside compiled graphs, and ``graphs``: compiled forward + backward graph calls
-  (``compiled.outside``: all of a step's ops are outside for an eager point);
+  (``compiled.outside``: all of a step's ops are outside for an eager point); ``launch_count``:
+  the launch count of ``slimact.bench.launches`` (``tests/test_launches.py``'s measure) as the
+  profiler sees it: the outermost ``aten::`` ops, views and uninitialized allocations excluded,
+  plus the driver's ``cuLaunchKernel`` calls (Triton's launches; PyTorch's go through the
+  runtime API);
 * ``syncs``: the host waits for the device: on CUDA the runtime's ``cudaStreamSynchronize`` /
   ``cudaDeviceSynchronize`` / ``cudaEventSynchronize`` / blocking ``cudaMemcpy`` calls; on a CPU,
   which has no queue, the ops that would sync there (``aten::_local_scalar_dense``: ``.item()``,
@@ -51,6 +55,7 @@ from slimact.bench import anchors
 from slimact.bench.case_data import Data, build, loss_fn
 from slimact.bench.cases import BenchPoint, Suite
 from slimact.bench.deadline import Deadline, PointTimeout, time_limit
+from slimact.bench.launches import ALLOC_OPS, VIEW_OPS
 from slimact.compare import train_step_fn
 from slimact.compiled.outside import outside_figures
 from slimact.data import load_data
@@ -78,6 +83,7 @@ _HOST_READS = {
     "aten::masked_select",
     "aten::_unique2",
 }
+UNCOUNTED = VIEW_OPS | ALLOC_OPS
 _LAUNCH_PREFIXES = ("cudaLaunch", "cuLaunch", "cudaGraphLaunch")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -99,6 +105,19 @@ def profile_points(points: list[str]) -> list[str]:
             raise ValueError(f"{p!r}: {COMPILED_REFS!r} takes a strategy, not an anchor")
         BenchPoint(spec)
     return out
+
+
+def _counted_op(e) -> bool:
+    """Does ``e`` count in ``launch_count``: an ``aten::`` op, not a view or an uninitialized
+    allocation, and not inside another ``aten::`` op (the dispatcher's own decomposition)?"""
+    if not e.name.startswith("aten::") or e.name in UNCOUNTED:
+        return False
+    parent = getattr(e, "cpu_parent", None)
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return False
+        parent = getattr(parent, "cpu_parent", None)
+    return True
 
 
 def _self_device_us(e) -> float:
@@ -160,6 +179,10 @@ def step_figures(events, top: int = 12) -> dict[str, Any]:
         "aten_ops": sum(v for k, v in names.items() if k.startswith("aten::")) / n,
         "outside_ops": outside.eager_ops,
         "graphs": outside.graphs,
+        "launch_count": (
+            sum(_counted_op(e) for e in host) + names["cuLaunchKernel"] + names["cuLaunchKernelEx"]
+        )
+        / n,
         "kernels": len(kernels) / n if cuda else None,
         "launches": (
             sum(v for k, v in names.items() if k.startswith(_LAUNCH_PREFIXES)) / n if cuda else None
@@ -345,12 +368,14 @@ def markdown(result: dict, top: int = 12) -> str:
         "the rest from profiled steps.",
         "",
         "| point | step ms | / none | profiled ms | device ms | kernels | launches | aten ops "
-        "| outside graphs | graphs | syncs | sync events |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| outside graphs | graphs | launch count | syncs | sync events |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in result["points"]:
         if "skipped" in r:
-            lines.append(f"| `{r['point']}` | | | | | | | | | | | not run: {r['skipped'][:100]} |")
+            lines.append(
+                f"| `{r['point']}` | | | | | | | | | | | | not run: {r['skipped'][:100]} |"
+            )
             continue
         events = ", ".join(f"{k} {v:g}" for k, v in r["sync_events"].items()) or "-"
         lines.append(
@@ -359,7 +384,7 @@ def markdown(result: dict, top: int = 12) -> str:
             f"{_num(r['device_ms'], '.1f')} | {_num(r['kernels'], '.0f')} | "
             f"{_num(r['launches'], '.0f')} | {r['aten_ops']:.0f} | "
             f"{_num(r.get('outside_ops'), '.0f')} | {_num(r.get('graphs'), 'g')} | "
-            f"{r['syncs']:g} | {events} |"
+            f"{_num(r.get('launch_count'), '.0f')} | {r['syncs']:g} | {events} |"
         )
     for r in result["points"]:
         if "skipped" in r:

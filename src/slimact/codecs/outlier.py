@@ -37,7 +37,10 @@ written back on decode, so while the count is within the capacity the decoded te
 checked encode's, bit for bit (a resumed run, which starts with checked encodes, trains the
 same). Its verdict carries the range and scale checks of ``slimact.codecs.quant`` and the
 outlier count: more outliers than the capacity (the ones left out were quantized with the rest,
-within the codec's bound) raise the site's capacity from its next save on.
+within the codec's bound) raise the site's capacity from its next save on. On the Triton path a
+deferred encode without a row split is three launches (``ops.outlier_triton``: the channels'
+sums and their selection, the row norms, the codes) and a decode one (the dequantize kernel
+writes the exact channels).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from slimact.codecs.quant import (
     check_group_size,
     check_input,
     check_max_range,
+    explainer,
     quantized_from,
     quantized_payload,
     quantized_problem,
@@ -68,6 +72,7 @@ from slimact.codecs.quant import (
     row_group,
     rows_view,
     scale_problem,
+    use_triton,
     verdict,
 )
 from slimact.codecs.rows import (
@@ -82,8 +87,10 @@ from slimact.codecs.rows import (
     split_rows,
     stats_of,
 )
-from slimact.ops import compiled_ref
-from slimact.ops.quant import dequantize, quantize
+from slimact.ops import compiled_ref, device_path
+from slimact.ops.outlier_triton import outlier_quantize_triton
+from slimact.ops.quant import dequantize, dequantize_triton, quantize
+from slimact.ops.quant_stats import stats_layout
 
 
 def channel_abs_sums(x2d: torch.Tensor) -> torch.Tensor:
@@ -105,7 +112,7 @@ def outlier_scores(x2d: torch.Tensor) -> torch.Tensor:
     On CUDA the sums and the scores are one ref (compiled inside
     ``compiled_ref.compiled_refs_on_cuda()``, else the same ops eagerly); on CPU the sums are
     compiled and the scores of the ``[C]`` sums run eagerly."""
-    if x2d.is_cuda:
+    if device_path.takes_cuda_path(x2d):
         return compiled_ref.run(outlier_scores_ref, x2d.detach())
     return _z_scores(channel_abs_sums(x2d))
 
@@ -217,12 +224,13 @@ class OutlierCodec(Codec):
                     return self._packed(x, x2d, q, idx, rows)
         return self.fallback(x, reason)
 
-    def _packed(self, x, x2d, q, idx, rows: dict | None = None) -> Packed:
+    def _packed(self, x, x2d, q, idx, rows: dict | None = None, val=None) -> Packed:
         c = self.config
         tensors = quantized_payload(q)
         if idx.numel():
             tensors["outlier_idx"] = idx.to(torch.int32)
-            tensors["outlier_val"] = x2d.index_select(1, idx)  # [rows, k], original dtype
+            # [rows, k], original dtype
+            tensors["outlier_val"] = x2d.index_select(1, idx) if val is None else val
         meta = {
             "numel": q.numel,
             "bits": c.bits,
@@ -244,6 +252,8 @@ class OutlierCodec(Codec):
         c, limit = self.config, self.limit
         if c.nonfinite == "raise" or x.numel() == 0 or x.dtype == torch.float64:
             return Deferred(self.encode(x))
+        if self.fuses(x, state):
+            return self._encode_fused(x, state)
         check_input(self, x)
         x2d = rows_view(self, x, c.channels)
         scores = outlier_scores(x2d)
@@ -278,13 +288,53 @@ class OutlierCodec(Codec):
 
         return Deferred(packed, [count.view(1), *parts], explain)
 
+    def fuses(self, x: torch.Tensor, state: dict) -> bool:
+        """Does a deferred encode of ``x`` take the fused Triton path
+        (``ops.outlier_triton``)? On the Triton path, with a range check and no row split
+        (the site's capacity of massive rows is 0)."""
+        return (
+            self.limit is not None
+            and x.numel() > 0
+            and not (self.config.symmetric and state.get("rows", 0))
+            and use_triton(x, self.config.backend)
+            and device_path.fused_codecs()
+        )
+
+    def _encode_fused(self, x: torch.Tensor, state: dict) -> Deferred:
+        """:meth:`encode_deferred` without a row split in three kernels
+        (``ops.outlier_triton``): the same payload, the verdict's values in one tensor."""
+        check_input(self, x)
+        c, limit = self.config, self.limit
+        x2d = rows_view(self, x, c.channels)
+        k = min(state.get("capacity", 0), x2d.shape[1])
+        q, stats, idx, flags, val = outlier_quantize_triton(
+            x2d, k, c.threshold, bits=c.bits, group_size=row_group(c.group_size, x2d.shape[1]),
+            symmetric=c.symmetric, paper_scale=c.paper_scale, **rounding_args(self),
+        )  # fmt: skip
+        packed = self._packed(x, x2d, q, idx, None, val)
+        if k:
+            packed.tensors["outlier_flag"] = flags
+        problem = explainer(stats_layout(x2d.shape[0], c.symmetric)[2], True, limit)
+
+        def explain(values: list[float]) -> str | None:
+            if values[0] > state.get("capacity", 0):
+                state["capacity"] = int(values[0])  # outliers beyond it were quantized
+            return problem(values[1:])
+
+        return Deferred(packed, [stats], explain)
+
     def decode(self, packed: Packed) -> torch.Tensor:
         if (y := exact_value(packed)) is not None:
             return y
         q = quantized_from(packed)
         q.channels = 0  # the codes are per group; ``channels`` only shapes the outlier view
-        y = dequantize(q, dtype=packed.dtype, backend=self.config.backend)
         t = packed.tensors
+        fused = use_triton(q.codes, self.config.backend) and device_path.fused_codecs()
+        if fused and "outlier_idx" in t and "row_idx" not in t:
+            cols = (packed.meta["channels"], t["outlier_idx"], t.get("outlier_flag"),
+                    t["outlier_val"])  # fmt: skip
+            return dequantize_triton(q, packed.dtype, cols).view(packed.shape)  # one launch
+        y = dequantize(q, dtype=packed.dtype, backend=self.config.backend)
         y2d = y.view(-1, packed.meta["channels"])
         if "outlier_idx" in t:
             idx, val = t["outlier_idx"].long(), t["outlier_val"].to(y.dtype)

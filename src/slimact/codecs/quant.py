@@ -87,7 +87,10 @@ tensor whatever the verdict: within the codec's bound, NaN/inf exact in band, ma
 float32's max safe (``ops.quant``); only a group whose values are all below 7e-30 loses its
 precision (absolute error below 1.4e-29). A verdict that finds a problem is reported for the
 site, which is checked on the host (and stored exactly while the problem lasts) from its next
-save on.
+save on. On the Triton path (CUDA, or a CPU inside ``ops.device_path.cuda_path``) a deferred
+encode without a row split is two launches (``ops.quant_stats``: the row norms, then the codes
+and the scale bounds; the channel-wise codec three, its scales between), the statistics one
+tensor laid out as the eager parts; a decode is one launch.
 """
 
 from __future__ import annotations
@@ -125,8 +128,20 @@ from slimact.codecs.rows import (
     stats_ok,
     stats_ok_values,
 )
-from slimact.ops import compiled_ref
-from slimact.ops.quant import BACKENDS, Quantized, dequantize, quantize, quantize_channelwise
+from slimact.ops import compiled_ref, device_path
+from slimact.ops.quant import (
+    BACKENDS,
+    Quantized,
+    dequantize,
+    quantize,
+    quantize_channelwise,
+    use_triton,
+)
+from slimact.ops.quant_stats import (
+    quantize_channelwise_with_stats_triton,
+    quantize_with_stats_triton,
+    stats_layout,
+)
 
 __all__ = ["range_problem", "row_stats"]  # re-exported: the range checks live in codecs.rows
 
@@ -220,7 +235,14 @@ def verdict(
     values once ``slimact.ops.deferred`` has copied them (plain Python, no tensor op)."""
     scales = scale_stats(q)
     parts = [t for t in (rows, scales) if t is not None]
-    n, has_scales = 0 if rows is None else rows.numel(), scales is not None
+    return parts, explainer(0 if rows is None else rows.numel(), scales is not None, max_range)
+
+
+def explainer(
+    n: int, has_scales: bool, max_range: float | None
+) -> Callable[[list[float]], str | None]:
+    """:func:`verdict`'s host function of ``n`` row statistics followed by the scale
+    statistics (if ``has_scales``)."""
 
     def explain(values: list[float]) -> str | None:
         if n and not stats_ok_values(values[:n], max_range):
@@ -232,7 +254,7 @@ def verdict(
             return f"group scale(s) outside float32's usable range (nonzero below {SCALE_FLOOR:g})"
         return None
 
-    return parts, explain
+    return explain
 
 
 def scales_ok_values(values: list[float]) -> bool:
@@ -308,7 +330,7 @@ def rounding_args(codec: Codec) -> dict:
 def quantized_from(packed: Packed) -> Quantized:
     t, m = packed.tensors, packed.meta
     return Quantized(
-        t["codes"], t["scale"], t.get("offset"), t["scale"].new_zeros(0, dtype=torch.int32),
+        t["codes"], t["scale"], t.get("offset"), t["scale"].new_empty(0, dtype=torch.int32),
         m["numel"], m["bits"], m["group_size"], m.get("channels", 0),
     )  # fmt: skip
 
@@ -401,6 +423,8 @@ class QuantCodec(Codec):
     def encode_deferred(self, x: torch.Tensor, state: dict) -> Deferred:
         if self.config.nonfinite == "raise" or x.dtype == torch.float64:
             return Deferred(self.encode(x))
+        if self.fuses(x, state):
+            return self._encode_fused(x)
         group, x2d, rn, stats = self._prepare(x)
         k = min(state.get("rows", 0), x2d.shape[0]) if rn is not None and self.splits_rows else 0
         if not k:
@@ -411,6 +435,34 @@ class QuantCodec(Codec):
         parts, explain = verdict(rest, q, self.max_range)
         explain = rows_explain(state, explain, self.max_range, x2d.shape[0], rest.numel())
         return Deferred(self._packed(x, q, group, rows), [count.view(1), *parts], explain)
+
+    def fuses(self, x: torch.Tensor, state: dict) -> bool:
+        """Does a deferred encode of ``x`` take the fused Triton path (``ops.quant_stats``: the
+        codes and the verdict's statistics in two launches)? On the Triton path, with a range
+        check and no row split (the site's capacity of massive rows is 0)."""
+        return (
+            self.max_range is not None
+            and x.numel() > 0
+            and not (self.splits_rows and state.get("rows", 0))
+            and use_triton(x, self.config.backend)
+            and device_path.fused_codecs()
+        )
+
+    def _encode_fused(self, x: torch.Tensor) -> Deferred:
+        """:meth:`encode_deferred` without a row split, in two kernels (``ops.quant_stats``):
+        the same payload, and the same statistics in one tensor."""
+        check_input(self, x)
+        c = self.config
+        width = x.shape[-1] if x.dim() else 1
+        group = row_group(c.group_size, x.shape[-1] if x.dim() else 0)
+        q, stats = quantize_with_stats_triton(
+            x, width, bits=c.bits, group_size=group, symmetric=c.symmetric,
+            paper_scale=c.paper_scale, **rounding_args(self),
+        )  # fmt: skip
+        n = stats_layout(x.numel() // width, c.symmetric)[2]
+        return Deferred(
+            self._packed(x, q, group, None), [stats], explainer(n, True, self.max_range)
+        )
 
     def decode(self, packed: Packed) -> torch.Tensor:
         if (y := exact_value(packed)) is not None:
@@ -494,6 +546,18 @@ class ChannelQuantCodec(Codec):
     def encode_deferred(self, x: torch.Tensor, state: dict) -> Deferred:
         if self.config.nonfinite == "raise" or x.dtype == torch.float64:
             return Deferred(self.encode(x))
+        c = self.config
+        fused = use_triton(x, c.backend) and device_path.fused_codecs()
+        if c.max_range is not None and x.numel() and fused:
+            check_input(self, x)  # the Triton path: three launches (ops.quant_stats)
+            x2d = channel_view(self, x, c.channels)
+            q, stats = quantize_channelwise_with_stats_triton(
+                x2d, bits=c.bits, paper_scale=c.paper_scale, **rounding_args(self)
+            )
+            meta = {"numel": q.numel, "bits": c.bits, "group_size": 0, "channels": q.channels}
+            packed = Packed(quantized_payload(q), tuple(x.shape), x.dtype, x.device, meta)
+            n = stats_layout(x2d.shape[0], True)[2]
+            return Deferred(packed, [stats], explainer(n, True, c.max_range))
         x2d, rows, q, packed = self._quantize(x)
         if x2d is None:
             return Deferred(packed)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from slimact.ops import device_path
 from slimact.ops.chunked_ce_triton import ce_chunk_triton, triton_available
 
 
@@ -52,7 +53,7 @@ def _use_triton(z: torch.Tensor, backend: str) -> bool:
         if not triton_available():
             raise RuntimeError("backend='triton' but triton is not installed (pip install triton)")
         return True
-    return z.is_cuda and triton_available()
+    return device_path.takes_cuda_path(z) and triton_available()
 
 
 def _stats(z, t, ignore_index, smoothing, backend):

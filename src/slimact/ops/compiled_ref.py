@@ -54,6 +54,8 @@ import torch
 import torch._dynamo.config as dynamo_config
 from torch.overrides import _get_current_function_mode_stack
 
+from slimact.ops import device_path
+
 MIN_NUMEL = 1 << 14  # below this the eager ref is as fast as a compiled call's dispatch
 
 _COMPILED: dict[tuple, Callable] = {}
@@ -191,7 +193,7 @@ def run(fn: Callable, *tensors: torch.Tensor, **static):
     :func:`compiled_refs_on_cuda`), ``fn`` eagerly otherwise (CUDA has the Triton kernels or its
     own eager ops; small tensors do not repay a compiled call)."""
     t = tensors[0]
-    if t.numel() < MIN_NUMEL or (t.is_cuda and not _ON_CUDA[-1]):
+    if t.numel() < MIN_NUMEL or (device_path.takes_cuda_path(t) and not _ON_CUDA[-1]):
         return fn(*tensors, **static)
     return call(fn, *tensors, **static)
 
@@ -199,7 +201,7 @@ def run(fn: Callable, *tensors: torch.Tensor, **static):
 def run_cuda(fn: Callable, *tensors: torch.Tensor, **static):
     """:func:`run` for CUDA tensors, ``fn`` eagerly on other devices: for refs whose eager ops
     are cheap there (statistics of small tensors) but one kernel launch each on CUDA."""
-    if not tensors[0].is_cuda:
+    if not device_path.takes_cuda_path(tensors[0]):
         return fn(*tensors, **static)
     return run(fn, *tensors, **static)
 

@@ -70,7 +70,9 @@ class DeferredChecks:
         for v, cb in added:
             by_device.setdefault(v.device, []).append((v, cb))
         for device, items in by_device.items():
-            flat = torch.cat([v for v, _ in items]).to(torch.float64)  # one kernel: cat promotes
+            values = [v for v, _ in items]
+            flat = torch.empty(sum(v.numel() for v in values), dtype=torch.float64, device=device)
+            torch.cat(values, out=flat)  # one kernel: cat casts into its float64 output
             parts, at, start = [], 0, 0
             for v, cb in items:  # a callback's values end at its last tensor
                 at += v.numel()

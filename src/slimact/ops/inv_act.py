@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from slimact import sites
-from slimact.ops import compiled_ref, inv_act_traced
+from slimact.ops import compiled_ref, device_path, inv_act_traced
 from slimact.ops.inv_act_approx import KINDS, MODES, act_ref
 from slimact.ops.inv_act_poly import poly_floats
 from slimact.ops.inv_act_ref import (
@@ -129,11 +129,12 @@ def _path(x: torch.Tensor, backend: str, variant: str) -> str:
         if not triton_available():
             raise RuntimeError("backend='triton' but triton is not installed (pip install triton)")
         return "triton"
-    if backend == "auto" and x.is_cuda and variant != "near-branch" and triton_available():
+    cuda = device_path.takes_cuda_path(x)
+    if backend == "auto" and cuda and variant != "near-branch" and triton_available():
         return "triton" if x.dtype != torch.float64 else "torch"
     if x.dtype != torch.float64 and (
         backend == "inductor"
-        or (backend == "auto" and not x.is_cuda and x.numel() >= compiled_ref.MIN_NUMEL)
+        or (backend == "auto" and not cuda and x.numel() >= compiled_ref.MIN_NUMEL)
     ):
         return "inductor"
     return "torch"

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from slimact.ops import compiled_ref
+from slimact.ops import compiled_ref, device_path
 from slimact.ops.quant_triton import kernels
 from slimact.ops.stochastic import draws as _draws
 from slimact.ops.stochastic import key_tensor, seed_key
@@ -199,12 +199,15 @@ def _use_triton(x: torch.Tensor, backend: str) -> bool:
     if backend == "ref":
         return False
     if backend == "auto":
-        return x.is_cuda and triton_available()
+        return device_path.takes_cuda_path(x) and triton_available()
     if not triton_available():
         raise RuntimeError("backend='triton' needs the triton package, which is not importable")
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("backend='triton' on a CPU tensor needs TRITON_INTERPRET=1")
     return True
+
+
+use_triton = _use_triton  # whether quantize/dequantize of ``x`` run the Triton kernels
 
 
 def _runner(backend: str):
@@ -463,7 +466,7 @@ def quantize_triton(
         quant_kernel[(-(-groups // per),)](
             x, keep, scale, codes, scale, offset if offset is not None else scale, nonfinite,
             n, c, divisor(bits, symmetric, paper_scale, stochastic),
-            marked_divisor(bits, symmetric), key, BLOCK=gs, GROUPS=per, BITS=bits, SYM=symmetric,
+            marked_divisor(bits, symmetric), key, scale, scale, 0, 0, BLOCK=gs, GROUPS=per, BITS=bits, SYM=symmetric,
             HAS_KEEP=keep_cols is not None, PER_CHANNEL=False, STOCH=stochastic, LO=lo, HI=hi,
             BIAS=bias, enable_fp_fusion=False,
         )  # fmt: skip
@@ -489,15 +492,18 @@ def quantize_channelwise_triton(
     if n:
         per = _groups_per_program(_CHANNEL_BLOCK)
         quant_kernel[(-(-n // (_CHANNEL_BLOCK * per)),)](
-            x, inv, inv, codes, scale, inv, counts, n, c, 1.0, 1.0, key,
+            x, inv, inv, codes, scale, inv, counts, n, c, 1.0, 1.0, key, inv, inv, 0, 0,
             BLOCK=_CHANNEL_BLOCK, GROUPS=per, BITS=bits, SYM=True, HAS_KEEP=False, PER_CHANNEL=True,
             STOCH=rounding == "stochastic", LO=lo, HI=hi, BIAS=bias, enable_fp_fusion=False,
         )  # fmt: skip
     return Quantized(codes, scale, None, counts, n, bits, 0, channels=c)
 
 
-def dequantize_triton(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Triton twin of :func:`dequantize_ref`."""
+def dequantize_triton(
+    q: Quantized, dtype: torch.dtype = torch.float32, exact_cols: tuple | None = None
+) -> torch.Tensor:
+    """Triton twin of :func:`dequantize_ref`; ``exact_cols``: (channels, indices int32 [k],
+    flags bool [k] or None, values [n / channels, k]) written over those columns."""
     _, dequant_kernel = kernels()
     n = q.numel
     y = torch.empty(n, dtype=dtype, device=q.codes.device)
@@ -507,10 +513,14 @@ def dequantize_triton(q: Quantized, dtype: torch.dtype = torch.float32) -> torch
     offset = q.offset if q.offset is not None else q.scale
     ymax = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
     per = _groups_per_program(block)
+    cols, idx, flag, val, k = max(q.channels, 1), q.scale, q.scale, q.scale, 0
+    if exact_cols is not None:
+        cols, idx, flag, val = exact_cols
+        k, flag = idx.numel(), q.scale if flag is None else flag.view(torch.uint8)
     dequant_kernel[(-(-n // (block * per)),)](
-        q.codes, q.scale, offset, y, n, max(q.channels, 1), ymax, BLOCK=block, GROUPS=per,
-        BITS=q.bits,
-        SYM=q.offset is None, PER_CHANNEL=q.channels > 0, BIAS=_limits(q.bits)[2],
+        q.codes, q.scale, offset, y, n, cols, ymax, idx, flag, val, k, BLOCK=block, GROUPS=per,
+        BITS=q.bits, SYM=q.offset is None, PER_CHANNEL=q.channels > 0, BIAS=_limits(q.bits)[2],
+        EXACT_COLS=k > 0, HAS_FLAG=flag is not q.scale,
     )  # fmt: skip
     return y
 
