@@ -22,7 +22,7 @@ from slimact.cli import main as slimact_main
 from slimact.models import build_model
 from slimact.planner.apply import runtime_of
 from slimact.planner.plan import Plan
-from slimact.registry import applied_strategies
+from slimact.registry import applied_strategies, compiled_spec
 from slimact.strategies.compiled_presets import compiled_plan_of
 from slimact.train.checkpoint import CheckpointError
 from slimact.train.resume import COMPILED_PLAN_FILE, PLAN_FILE, restore_planner
@@ -252,13 +252,12 @@ def test_same_codec_policy_again_under_compile():
     """The same spec again under ``compile=True`` is skipped block by block where it only
     compiles (``test_compile_trust``); a codec policy's is refused as any second policy, saying
     it is the one applied already."""
-    model = slimact.apply(build_model("llama-tiny"), "int4", compile=True)
+    model = slimact.apply(build_model("llama-tiny"), compiled_spec("int4"))  # per block
     msg = _raises(
         "already has codec-policy strategy 'compiled-int4' applied",
         slimact.apply,
         model,
-        "int4",
-        compile=True,
+        compiled_spec("int4"),
     )
     assert "is another one" not in msg and "slimact.revert(model) first" in msg
     assert applied_strategies(model) == ["compiled-int4"]
