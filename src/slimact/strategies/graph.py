@@ -21,8 +21,8 @@ from slimact import spec
 from slimact.hf_inputs import random_token_batch
 from slimact.planner.auto import AutoConfig, plan_model
 from slimact.planner.graph import (
-    CODECS,
     EXACT,
+    LOWERS,
     NAME,
     graph_form,
     is_graph,
@@ -73,7 +73,7 @@ def apply_graph_spec(
         return None
     eager = configs[:-1]
     auto = len(eager) == 1 and isinstance(eager[0], AutoConfig)
-    codecs = [c for c in eager if c.name in CODECS]
+    codecs = [c for c in eager if c.name in LOWERS]
     if len(codecs) > 1 or any(c != resolve(c.name)[0] for c in codecs):
         return None  # two codecs, or one with settings: not lowered (``graph_form``)
     eager = [c for c in eager if c not in codecs]
@@ -96,7 +96,7 @@ def apply_graph_spec(
         plan, rows = plan_and_rows(model, eager)
     else:
         plan, rows = Plan(), []
-    changes = lower(model, plan, CODECS[codecs[0].name] if codecs else None)
+    changes = lower(model, plan, LOWERS[codecs[0].name] if codecs else None)
     skipped = [c for c in rows if c.skipped]
     return [*changes, *skipped]
 
