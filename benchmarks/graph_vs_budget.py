@@ -1,8 +1,13 @@
-"""One-graph ``compile=True recompute`` against whole-model ``torch.compile`` at
-``activation_memory_budget`` 0.1 and 0.25: saved bytes and step time, CPU, interleaved rounds
-(A B C A B C ...) in one process; medians and spreads.
+"""One-graph ``compile=True`` points (``recompute``, ``int8``, ...) against whole-model
+``torch.compile`` at ``activation_memory_budget`` 0.1 and 0.25: saved bytes and step time, CPU,
+interleaved rounds (A B C A B C ...) in one process; medians and spreads (max - min).
 
-    PYTHONPATH=src python benchmarks/graph_vs_budget.py --model llama-tiny --batch 8 --seq 64
+    PYTHONPATH=src python benchmarks/graph_vs_budget.py --model llama-tiny --batch 8 --seq 64 \
+        --specs none,recompute,int8,auto@25%+graph --markdown
+
+Every ratio is against whole-model compile @0.1 of the same run. Saved bytes: the distinct
+storages the compiled graphs hold for backward (parameters excluded), read off the loss's graph
+(``compiled.blocks.compiled_saved_tensors``).
 """
 
 import argparse
@@ -16,6 +21,9 @@ from torch._functorch import config as functorch_config
 
 import slimact
 from slimact.compiled.blocks import compiled_saved_tensors
+from slimact.registry import applied_strategies
+
+ANCHOR = "whole-model compile @0.1"
 
 
 def _saved(loss, model):
@@ -34,14 +42,23 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument(
+        "--specs",
+        default="none,recompute,int8,auto@25%+graph",
+        help="compile=True specs (or one-graph specs ending in +graph), comma-separated",
+    )
+    ap.add_argument("--markdown", action="store_true", help="also print the table as markdown")
     a = ap.parse_args()
     torch.manual_seed(0)
     base = slimact.build_model(a.model)
     v = base.config.vocab_size
     ids = torch.randint(0, v, (a.batch, a.seq))
     points = {}
-    m = slimact.apply(copy.deepcopy(base), "recompute", compile=True)
-    points["compile=True recompute (one graph)"] = (m, None)
+    for spec in a.specs.split(","):  # auto plans on its first batch: the warm-up below
+        graph = spec.endswith("+graph")  # written as the one-graph form: applied as it is
+        m = slimact.apply(copy.deepcopy(base), spec, compile=not graph)
+        form = "+".join(applied_strategies(m))
+        points[f"compile=True {spec} ({form})"] = (m, None)
     for budget in (0.1, 0.25):
         w = copy.deepcopy(base)
         fn = torch.compile(w)  # whole model, a code object per budget
@@ -72,16 +89,25 @@ def main() -> None:
             t0 = time.perf_counter()
             step(fn, budget)
             times[name].append(time.perf_counter() - t0)
-    ref = statistics.median(times["compile=True recompute (one graph)"])
+    ref = statistics.median(times[ANCHOR])
     rows = []
     for name in points:
         med = statistics.median(times[name])
         rows.append({
             "point": name, "saved_bytes": saved[name], "step_ms": med * 1e3,
-            "spread_ms": (max(times[name]) - min(times[name])) * 1e3, "vs_graph": med / ref,
+            "spread_ms": (max(times[name]) - min(times[name])) * 1e3,
+            "step_vs_anchor": med / ref, "saved_vs_anchor": saved[name] / saved[ANCHOR],
         })  # fmt: skip
     print(json.dumps({"model": a.model, "batch": a.batch, "seq": a.seq, "torch": torch.__version__,
                       "rounds": a.rounds, "rows": rows}, indent=1))  # fmt: skip
+    if a.markdown:
+        print("| point | saved MiB | saved / @0.1 | step ms (median) | spread ms | step / @0.1 |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        for r in rows:
+            print(
+                f"| {r['point']} | {r['saved_bytes'] / 2**20:.2f} | {r['saved_vs_anchor']:.3f} "
+                f"| {r['step_ms']:.1f} | {r['spread_ms']:.1f} | {r['step_vs_anchor']:.2f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from slimact.models import build_model
 from slimact.planner.apply import runtime_of
 from slimact.planner.compiled import CompiledPlan, CompiledProfile, OptionStat, solve_compiled
 from slimact.planner.compiled_root import RootOption
+from slimact.registry import compiled_spec
 from slimact.state import state_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -136,7 +137,7 @@ def test_a_root_compiled_around_compiled_blocks_trains_without_warnings():
     setup, warning about a ``functools.lru_cache`` and crashing on a ``torch.dtype``), with
     the gradients of the model without the outer compile."""
     base = build_model("llama-tiny")
-    model = slimact.apply(copy.deepcopy(base), "int8", compile=True)
+    model = slimact.apply(copy.deepcopy(base), compiled_spec("int8"))  # per block
     ids = _ids(base.config.vocab_size, (2, 32))
 
     def grads(call):
@@ -251,7 +252,7 @@ def test_twelve_sequence_lengths_compile_twice_and_warn_at_most_once():
     length compiled every block again, silently. Now the second length compiles a graph with
     symbolic sizes that the later ones reuse: no step after it is slower than twice the
     steady step, and no recompile warning."""
-    model = slimact.apply(build_model("llama-tiny"), "int8", compile=True)
+    model = slimact.apply(build_model("llama-tiny"), compiled_spec("int8"))  # per block
     compiled = model.layers[0].__dict__["forward"].fn.args[0]  # the block function's
     code = compiled._torchdynamo_orig_callable.__code__  # (shared in this process)
     before = len(_debug_get_cache_entry_list(code))

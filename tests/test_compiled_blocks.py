@@ -234,7 +234,9 @@ def test_budget_and_codec_compose(base, eager):
 def test_cli_spec_and_flag():
     assert cli_spec("auto", "25%", compile=True) == "compiled-auto@25%"
     assert cli_spec("auto", "25%") == "auto@25%"
-    assert cli_spec("invact+int8", None, True) == "invact@ops=none+compiled-int8"
+    assert cli_spec("invact+int8", None, True) == "invact@ops=none+compiled-int8"  # per block
+    assert cli_spec("invact+chunked-ce", None, True) == "invact+chunked-ce+graph"  # one graph
+    assert compiled_spec("invact+int8") == "invact@ops=none+compiled-int8"  # per block
     p = argparse.ArgumentParser()
     add_compile_argument(p)
     assert p.parse_args(["--compile"]).compile and not p.parse_args([]).compile

@@ -211,11 +211,11 @@ def test_compiled_auto_plan_is_the_plan_it_installs(tmp_path):
 
 
 def test_an_eager_part_beside_the_plan_composes_as_in_the_spec():
-    """``chunked-ce+int8`` under compile=True is the eager part, then the compiled blocks: the
+    """``chunked-ce+int8`` per block (``compiled_spec``) is the eager part, then the compiled blocks: the
     eager part applied, then ``compiled_plan_of(model, "int8")``, trains the same."""
     torch.manual_seed(0)
     base = build_model("llama-tiny")
-    by_name = slimact.apply(copy.deepcopy(base), "chunked-ce+int8", compile=True)
+    by_name = slimact.apply(copy.deepcopy(base), compiled_spec("chunked-ce+int8"))  # per block
     by_plan = slimact.apply(copy.deepcopy(base), "chunked-ce")
     slimact.apply(by_plan, compiled_plan_of(base, "int8"))
     assert applied_strategies(by_plan) == ["chunked-ce", "compiled-plan"]
@@ -277,7 +277,7 @@ def test_the_eager_part_and_the_roots_option_run_as_one_plan():
     plan.root = RootOption("none", 0, reform=(("lm_head", "chunked-ce"),))
     assert plan.runtime_plan().layer("").reform == ("norm", "lm_head")
     by_plan = slimact.apply(copy.deepcopy(base), plan)
-    by_name = slimact.apply(copy.deepcopy(base), "invact+chunked-ce+int8", compile=True)
+    by_name = slimact.apply(copy.deepcopy(base), compiled_spec("invact+chunked-ce+int8"))
     assert runtime_of(by_plan).plan == plan.runtime_plan()
     assert _reformed(by_name) == _reformed(by_plan)
     _same_steps(by_name, by_plan)

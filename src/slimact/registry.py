@@ -362,9 +362,10 @@ def add_compile_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="compile every block with the strategy's actions inside (root stays eager): auto "
+        help="none, invact and chunked-ce: the root forward and loss as one compiled graph; "
+        "otherwise every block compiled with the strategy's actions inside (root eager): auto "
         "becomes compiled-auto, int8/int4 traced codecs, recompute compile's partitioner at "
-        "region budget 0; invact and chunked-ce compose",
+        "region budget 0",
     )
 
 

@@ -70,6 +70,7 @@ SECTIONS: list[tuple[str, list[str]]] = [
             "compiled_pooled.md",
             "compiled_prac.md",
             "compiled_invact.md",
+            "graph.md",
             "cpu_path.md",
         ],
     ),

@@ -79,8 +79,10 @@ the bytes on llama-20m. Non-finite values are not kept exactly (unlike the eager
 NaN/inf makes its group NaN/inf (``outliers``: its channel scores NaN/inf, ranks first and is
 stored exactly, up to k such channels). Unpacks run at the start of the region's backward, so each
 block is its own region (per-block compile) and only one block's decoded tensors are live at a
-time. The root (embedding, final norm, head, loss) stays eager and raw. What each codec keeps
-and costs, beside torch.compile's own budgets: BENCHMARKS.md §7.
+time. Per block, the root (embedding, final norm, head, loss) stays eager and raw; the one graph
+(``planner/graph.py``) enters the pair around the whole root, so its saves are coded too, and
+all its unpacks open the one backward graph (inductor places them by its own scheduling). What
+each codec keeps and costs, beside torch.compile's own budgets: BENCHMARKS.md §7.
 """
 
 from __future__ import annotations

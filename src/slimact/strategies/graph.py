@@ -1,21 +1,35 @@
 """Strategy ``graph``: the model's root forward and loss compiled as one graph, from the plan of
-the exact parts before it (``planner/graph.py``).
+the exact parts before it, with one fixed codec (``int8``, ``int4``) or as ``auto@<b>`` solves
+it (``planner/graph.py``).
 
 ``slimact.apply(model, "invact+recompute", compile=True)`` applies ``"invact+recompute+graph"``
 (``registry.compile_form``, by ``planner.graph.graph_form``): the eager parts' merged ``plan_of``
 lowered into one compiled graph (``planner.graph.lower``) on a model that carries no slimact
 change. Written by hand, ``graph`` is the last part of such a spec; any other use (a ``filter_fn``,
-a model with earlier changes, a part that is not exact) is refused, naming the per-block form.
+a model with earlier changes, a part that is neither exact nor one lowered codec) is refused,
+naming the per-block form.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch.nn as nn
 
 from slimact import spec
-from slimact.planner.graph import EXACT, NAME, graph_form, is_graph, lower, one_graph_ok
+from slimact.hf_inputs import random_token_batch
+from slimact.planner.auto import AutoConfig, plan_model
+from slimact.planner.graph import (
+    EXACT,
+    LOWERS,
+    NAME,
+    graph_form,
+    is_graph,
+    lower,
+    lower_on_first_batch,
+    one_graph_ok,
+)
 from slimact.planner.plan import Plan
 from slimact.registry import (
     AppliedChange,
@@ -25,8 +39,10 @@ from slimact.registry import (
     register_graph_form,
     register_preset_path,
     register_strategy,
+    resolve,
 )
 from slimact.state import peek
+from slimact.strategies.auto import refuse_unless_lm
 from slimact.strategies.presets import plan_and_rows
 
 
@@ -56,7 +72,12 @@ def apply_graph_spec(
     if not configs or not isinstance(configs[-1], GraphConfig) or filter_fn is not None:
         return None
     eager = configs[:-1]
-    if any(c.name not in EXACT for c in eager) or any(isinstance(c, GraphConfig) for c in eager):
+    auto = len(eager) == 1 and isinstance(eager[0], AutoConfig)
+    codecs = [c for c in eager if c.name in LOWERS]
+    if len(codecs) > 1 or any(c != resolve(c.name)[0] for c in codecs):
+        return None  # two codecs, or one with settings: not lowered (``graph_form``)
+    eager = [c for c in eager if c not in codecs]
+    if not auto and any(c.name not in EXACT or isinstance(c, GraphConfig) for c in eager):
         return None
     if not one_graph_ok(model):
         raise _refused("a Hugging Face model does not run as one graph yet")
@@ -69,13 +90,36 @@ def apply_graph_spec(
     if st is not None and (st.applied or st.runtime is not None or st.stateful):
         return None
     eager = [c for c in eager if c.name != "none"]
+    if auto:
+        return _auto(model, eager[0])
     if eager:
         plan, rows = plan_and_rows(model, eager)
     else:
         plan, rows = Plan(), []
-    changes = lower(model, plan)
+    changes = lower(model, plan, LOWERS[codecs[0].name] if codecs else None)
     skipped = [c for c in rows if c.skipped]
     return [*changes, *skipped]
+
+
+def _plan_auto(model: nn.Module, config: AutoConfig, ids, targets) -> Plan:
+    was = model.training
+    model.train()
+    try:
+        return plan_model(model, config, ids, targets)
+    finally:
+        model.train(was)
+
+
+def _auto(model: nn.Module, config: AutoConfig) -> list[AppliedChange]:
+    """``auto@<b>+graph``: the plan ``auto`` solves (``plan_model``: on the first training
+    batch, or at once on random tokens of the spec's ``batch`` x ``seq``), lowered as one graph
+    with its per-site codecs per module (``compiled.site_codecs``)."""
+    refuse_unless_lm(model)
+    planner = functools.partial(_plan_auto, model, config)
+    if config.batch is None:
+        return lower_on_first_batch(model, planner)
+    batch = random_token_batch(model, config.batch, config.seq, config.seed, "AutoConfig")
+    return lower(model, planner(*batch))
 
 
 register_strategy(
